@@ -1,0 +1,41 @@
+# One command per job: `make test`, `make serve`. Works from a fresh clone with no venv.
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Where the GPU tests run (the H200 image's own python3; no venv is built there).
+GPU_PYTHON ?= python3
+
+# The pyenv shim `python3.12` exists here but fails without PYENV_VERSION, so every
+# candidate is tried by running it, not by looking it up.
+PYTHON_CANDIDATES := python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) \
+	python3.13 $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) python3
+
+.PHONY: venv test lint serve test-gpu
+
+venv: $(STAMP)
+
+$(PYTHON):
+	@for py in $(PYTHON_CANDIDATES); do \
+	  if "$$py" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then \
+	    echo "creating $(VENV) with $$py"; \
+	    exec "$$py" -m venv "$(VENV)"; \
+	  fi; \
+	done; \
+	echo "error: no Python >= 3.12 found (tried: $(PYTHON_CANDIDATES))" >&2; exit 1
+
+$(STAMP): pyproject.toml constraints.txt | $(PYTHON)
+	$(PYTHON) -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $@
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PYTHON) -m pytest -q -m "not gpu"
+
+serve: venv
+	@echo "The HTTP server (python -m serving.server) is not built yet; running the kernel demo."
+	$(PYTHON) -m pallas_kernels.demo
+
+test-gpu:
+	$(GPU_PYTHON) -m pytest -q -m gpu

@@ -1,0 +1,236 @@
+"""KDA prefill kernel benchmark: our Pallas scan vs the jax.numpy oracle vs fla `chunk_kda`.
+
+    python -m bench.kda_kernel                      # the three standard cases
+    python -m bench.kda_kernel --sweep              # also time every tiling at 32K tokens
+
+Cases (H = 32, K = V = 128, bf16 q/k/v/beta, fp32 decay): one sequence of 8192 and of
+32768 tokens, a packed batch of 4 x 8192. Rows: our kernel with no snapshot (capacity 1,
+inactive) and with 4 snapshots at unaligned offsets, the jitted jax.numpy chunked oracle,
+and fla-core `chunk_kda` (output_final_state=True) on identical inputs when fla imports.
+
+Timing: warm-up, then `--samples` samples of `--iters` back-to-back launches closed by one
+device synchronisation (the launches queue on the device, so a sample measures device
+time per call); the table reports the median. Results go to bench/results/kda_kernel.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import kda_prefill
+from pallas_kernels.tuning import KernelConfig, device_spec, select_config
+
+HEADS, HEAD_K, HEAD_V = 32, 128, 128
+CASES = {"8K": [8192], "32K": [32768], "4x8K": [8192] * 4}
+RESULTS = Path(__file__).parent / "results"
+
+
+def make_inputs(lens, seed=0):
+    """Random inputs shaped like a KDA layer's: unit q/k, logsigmoid/16 decays."""
+    rng = np.random.default_rng(seed)
+    tokens = sum(lens)
+
+    def unit(shape):
+        x = rng.standard_normal(shape, np.float32)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    decay = np.log(1.0 / (1.0 + np.exp(-rng.standard_normal((tokens, HEADS, HEAD_K))))) / 16
+    return dict(
+        q=jnp.asarray(unit((tokens, HEADS, HEAD_K)), jnp.bfloat16),
+        k=jnp.asarray(unit((tokens, HEADS, HEAD_K)), jnp.bfloat16),
+        v=jnp.asarray(rng.standard_normal((tokens, HEADS, HEAD_V)), jnp.bfloat16),
+        g=jnp.asarray(decay, jnp.float32),
+        beta=jnp.asarray(1.0 / (1.0 + np.exp(-rng.standard_normal((tokens, HEADS)))),
+                         jnp.bfloat16),
+        cu_seqlens=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
+        initial_states=jnp.zeros((len(lens), HEADS, HEAD_K, HEAD_V), jnp.float32),
+    )
+
+
+def snapshot_offsets(lens, capacity):
+    """Four unaligned offsets per sequence (capacity 4), or one inactive slot (capacity 1)."""
+    if capacity == 1:
+        return jnp.full((len(lens), 1), -1, jnp.int32)
+    rows = [[n // 4 + 7, n // 2 - 3, 3 * n // 4 + 1, n] for n in lens]
+    return jnp.asarray(rows, jnp.int32)
+
+
+def time_calls(call, sync, *, iters, samples):
+    """Median milliseconds per call over `samples` batches of `iters` queued calls."""
+    sync(call())
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = call()
+        sync(out)
+        times.append((time.perf_counter() - start) * 1e3 / iters)
+    return statistics.median(times), times
+
+
+def floor_bytes(lens, capacity):
+    """Fewest bytes a prefill must move: inputs read once, outputs and states written once."""
+    tokens, seqs = sum(lens), len(lens)
+    per_token = HEADS * (2 * HEAD_K * 2 + HEAD_V * 2 + HEAD_K * 4 + 2 + HEAD_V * 2)
+    state = HEADS * HEAD_K * HEAD_V * 4
+    return tokens * per_token + seqs * state * (2 + capacity)
+
+
+def chunked_flops(lens, chunk=64):
+    """Matmul FLOPs of the chunked form (Aqk, L, W, U, W S, Qg S, Aqk Vnew, Kg^T Vnew)."""
+    tokens = sum(lens)
+    per_token = 2 * (2 * chunk * HEAD_K + chunk * HEAD_K + chunk * HEAD_V
+                     + 3 * HEAD_K * HEAD_V + chunk * HEAD_V)
+    return tokens * HEADS * per_token
+
+
+def measure_copy_bandwidth():
+    """Device-to-device copy rate in bytes/s (read + write), the memory ceiling."""
+    x = jnp.ones((512, 1024, 1024), jnp.float32)  # 2 GiB
+    copy = jax.jit(lambda a: a + 1.0)
+    ms, _ = time_calls(lambda: copy(x), jax.block_until_ready, iters=10, samples=5)
+    return 2 * x.nbytes / (ms * 1e-3)
+
+
+def fla_runner(inputs, lens):
+    """fla chunk_kda on the same values, or None when fla / torch cannot run here."""
+    try:
+        import torch
+        from fla.ops.kda import chunk_kda
+    except ImportError as error:
+        print(f"fla not available: {error}")
+        return None, None
+
+    def to_torch(x):
+        return torch.from_dlpack(jax.device_get(x).astype(np.float32)).cuda()
+
+    q, k, v, beta = (to_torch(inputs[n]).to(torch.bfloat16)[None] for n in ("q", "k", "v",
+                                                                          "beta"))
+    g = to_torch(inputs["g"])[None]
+    cu = torch.tensor(np.asarray(inputs["cu_seqlens"]), dtype=torch.long, device="cuda")
+    h0 = torch.zeros((len(lens), HEADS, HEAD_K, HEAD_V), dtype=torch.float32, device="cuda")
+
+    def call():
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                         cu_seqlens=cu if len(lens) > 1 else None)
+
+    return call, lambda out: torch.cuda.synchronize()
+
+
+def run_case(name, lens, config, args, bandwidth):
+    inputs = make_inputs(lens)
+    rows = {}
+
+    def ours(capacity):
+        offsets = snapshot_offsets(lens, capacity)
+        fn = jax.jit(lambda i, off: kda_prefill(**i, checkpoint_offsets=off, config=config))
+        return lambda: fn(inputs, offsets)
+
+    timing = dict(iters=args.iters, samples=args.samples)
+    rows["pallas, 0 snapshots"] = time_calls(ours(1), jax.block_until_ready, **timing)[0]
+    rows["pallas, 4 snapshots"] = time_calls(ours(4), jax.block_until_ready, **timing)[0]
+    ref = jax.jit(lambda i, off: kda_prefill(**i, checkpoint_offsets=off, backend="reference"))
+    offsets4 = snapshot_offsets(lens, 4)
+    rows["jax.numpy reference"] = time_calls(lambda: ref(inputs, offsets4),
+                                             jax.block_until_ready, iters=2,
+                                             samples=max(3, args.samples // 2))[0]
+    fla_call, fla_sync = (None, None) if args.no_fla else fla_runner(inputs, lens)
+    if fla_call is not None:
+        rows["fla chunk_kda"] = time_calls(fla_call, fla_sync, **timing)[0]
+
+    floor_ms = floor_bytes(lens, 4) / bandwidth * 1e3
+    ours4 = rows["pallas, 4 snapshots"]
+    return dict(
+        case=name, lens=lens, ms=rows,
+        snapshot_overhead=ours4 / rows["pallas, 0 snapshots"] - 1.0,
+        speedup_vs_reference=rows["jax.numpy reference"] / ours4,
+        speedup_vs_fla=(rows["fla chunk_kda"] / ours4) if "fla chunk_kda" in rows else None,
+        floor_ms=floor_ms,
+        achieved_bandwidth_gbs=floor_bytes(lens, 4) / (ours4 * 1e-3) / 1e9,
+        achieved_tflops=chunked_flops(lens) / (ours4 * 1e-3) / 1e12,
+    )
+
+
+def sweep_configs(base: KernelConfig):
+    for block_v in (32, 64, 128):
+        for stages in (1, 2):
+            for warps in (4, 8):
+                yield dataclasses.replace(base, block_v=block_v, scan_num_stages=stages,
+                                          scan_num_warps=warps)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--samples", type=int, default=7)
+    parser.add_argument("--sweep", action="store_true", help="time every tiling at 32K")
+    parser.add_argument("--no-fla", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS / "kda_kernel.json")
+    args = parser.parse_args()
+
+    device = jax.devices()[0]
+    spec = device_spec(device)
+    bandwidth = measure_copy_bandwidth()
+    print(f"device {device.device_kind}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    sweep = []
+    if args.sweep:
+        lens = CASES["32K"]
+        inputs = make_inputs(lens)
+        offsets = snapshot_offsets(lens, 4)
+        base = select_config(spec, num_seqs=1, num_heads=HEADS, head_k=HEAD_K, head_v=HEAD_V)
+        for config in sweep_configs(base):
+            fn = jax.jit(lambda i, off, c=config: kda_prefill(**i, checkpoint_offsets=off,
+                                                               config=c))
+            try:
+                ms = time_calls(lambda fn=fn: fn(inputs, offsets), jax.block_until_ready,
+                                iters=5, samples=3)[0]
+            except Exception as error:  # a tiling that fails to compile is reported
+                print(f"{config}: failed: {type(error).__name__}: {str(error)[:200]}")
+                ms = None
+            sweep.append(dict(config=dataclasses.asdict(config), ms_32k=ms))
+            print(f"sweep block_v={config.block_v} stages={config.scan_num_stages} "
+                  f"warps={config.scan_num_warps}: {ms}")
+
+    results = []
+    for name in args.cases.split(","):
+        lens = CASES[name]
+        config = select_config(spec, num_seqs=len(lens), num_heads=HEADS, head_k=HEAD_K,
+                               head_v=HEAD_V)
+        result = run_case(name, lens, config, args, bandwidth)
+        result["config"] = dataclasses.asdict(config)
+        results.append(result)
+
+    header = f"{'case':6} {'rows':22} {'ms':>9} {'vs ours(4)':>11}"
+    print(header)
+    for result in results:
+        ours4 = result["ms"]["pallas, 4 snapshots"]
+        for row, ms in result["ms"].items():
+            print(f"{result['case']:6} {row:22} {ms:9.3f} {ms / ours4:10.2f}x")
+        print(f"{'':6} snapshot overhead {100 * result['snapshot_overhead']:+.1f}%, "
+              f"floor {result['floor_ms']:.3f} ms, "
+              f"{result['achieved_bandwidth_gbs']:.0f} GB/s, "
+              f"{result['achieved_tflops']:.1f} TFLOP/s")
+    payload = dict(
+        device=device.device_kind, jax=jax.__version__, python=platform.python_version(),
+        copy_bandwidth_tbs=bandwidth / 1e12, heads=HEADS, head_k=HEAD_K, head_v=HEAD_V,
+        timing="median of samples; each sample = iters queued calls / one sync",
+        results=results, sweep=sweep,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

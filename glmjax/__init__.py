@@ -1,0 +1,5 @@
+"""glmjax: the hybrid KDA / MLA model in Flax NNX."""
+
+from glmjax.config import ModelConfig
+
+__all__ = ["ModelConfig"]

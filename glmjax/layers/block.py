@@ -1,0 +1,80 @@
+"""The decoder block: a pre-norm mixer (KDA or MLA) and a pre-norm MLP / MoE, each inside a
+residual (plain, or mHC streams when the config has them)."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from glmjax.config import LayerType, ModelConfig
+from glmjax.layers.kda import KDA, KDAState
+from glmjax.layers.mhc import HyperConnection
+from glmjax.layers.mla import MLA
+from glmjax.layers.moe import MLP, MoE
+from glmjax.layers.norms import RMSNorm
+from glmjax.layers.packing import PackedBatch
+from glmjax.layers.paged_cache import MLACache
+
+LayerCache = KDAState | MLACache | None
+
+
+class PlainResidual(nnx.Module):
+    """``x + y``: the residual without mHC, with the `HyperConnection` interface."""
+
+    def read(self, x: jax.Array) -> tuple[jax.Array, None]:
+        return x, None
+
+    def write(self, x: jax.Array, y: jax.Array, mixing: None) -> jax.Array:
+        return x + y
+
+
+def _residual(config: ModelConfig, rngs: nnx.Rngs) -> PlainResidual | HyperConnection:
+    if config.mhc_streams is None:
+        return PlainResidual()
+    return HyperConnection(config.hidden_size, config.mhc_streams,
+                           sinkhorn_iters=config.mhc_sinkhorn_iters, eps=config.rms_norm_eps,
+                           rngs=rngs)
+
+
+class DecoderBlock(nnx.Module):
+    """One layer. The residual is [T, D], or [T, n, D] streams under mHC."""
+
+    def __init__(self, config: ModelConfig, mixer: LayerType, *, dense_mlp: bool,
+                 rngs: nnx.Rngs):
+        def norm():
+            return RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
+                           param_dtype=config.param_dtype)
+
+        self.input_layernorm = norm()
+        self.mixer = KDA(config, rngs=rngs) if mixer == "kda" else MLA(config, rngs=rngs)
+        self.mixer_residual = _residual(config, rngs)
+        self.post_attention_layernorm = norm()
+        self.mlp = (MLP(config, config.intermediate_size, rngs=rngs) if dense_mlp
+                    else MoE(config, rngs=rngs))
+        self.mlp_residual = _residual(config, rngs)
+
+    def __call__(self, residual: jax.Array, batch: PackedBatch, cache: LayerCache, *,
+                 decode: bool = False) -> tuple[jax.Array, LayerCache, KDAState | None]:
+        """Returns the new residual, the mixer's new cache and (KDA) its snapshots.
+
+        `cache` is a `KDAState` for KDA, an `MLACache` (or None: no cache) for MLA. With
+        `decode`, every sequence has exactly one token and MLA attends in absorbed form.
+        """
+        with jax.named_scope("decoder_block"):
+            x, mixing = self.mixer_residual.read(residual)
+            y, cache, snapshots = self._mix(self.input_layernorm(x), batch, cache, decode)
+            residual = self.mixer_residual.write(residual, y, mixing)
+            x, mixing = self.mlp_residual.read(residual)
+            y = self.mlp(self.post_attention_layernorm(x))
+            return self.mlp_residual.write(residual, y, mixing), cache, snapshots
+
+    def _mix(self, x, batch: PackedBatch, cache, decode):
+        if isinstance(self.mixer, KDA):
+            out = self.mixer(x, batch.cu_seqlens, cache, batch.checkpoint_offsets)
+            return out.y, out.state, out.snapshots
+        if decode:
+            y, cache = self.mixer.decode(x, cache, batch.block_table, batch.prefix_lens)
+        else:
+            y, cache = self.mixer(x, batch.cu_seqlens, cache, batch.block_table,
+                                  batch.prefix_lens)
+        return y, cache, None

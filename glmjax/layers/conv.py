@@ -1,0 +1,84 @@
+"""Depthwise causal conv1d (the KDA short convolution) over a packed variable-length batch.
+
+Layout: the conv history of a sequence, ``[C, W - 1]`` for a kernel of width W, holds the
+last W - 1 *pre-convolution* inputs before the sequence's first token, oldest first (zeros
+for a cold start). All gathers read one buffer, the N histories followed by the T packed
+rows, so the function has static shapes, runtime lengths and offsets, and no vmap.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glmjax.layers.packing import sequence_ids
+
+
+class ConvResult(NamedTuple):
+    y: jax.Array  # [T, C], x's dtype; zero on padding rows
+    history: jax.Array  # [N, C, W-1], the history after each whole sequence
+    snapshots: jax.Array  # [N, capacity, C, W-1], the history at each checkpoint offset
+
+
+def causal_conv1d(x: jax.Array, weight: jax.Array, cu_seqlens: jax.Array,
+                  history: jax.Array, checkpoint_offsets: jax.Array) -> ConvResult:
+    """``silu(sum_j weight[:, j] * x[t - (W - 1) + j])`` per sequence, reading the history
+    before each sequence's start.
+
+    Args:
+      x: [T, C] packed pre-convolution inputs.
+      weight: [C, W] depthwise taps (torch's Conv1d weight without its middle axis).
+      cu_seqlens: int32 [N + 1].
+      history: [N, C, W - 1], the inputs before each sequence (oldest first).
+      checkpoint_offsets: int32 [N, capacity]; p >= 0 asks for the history before token p
+        of the sequence (so p = len is the final history); -1 gives zeros.
+    """
+    num_tokens, channels = x.shape
+    num_seqs, width = history.shape[0], weight.shape[1]
+    hist = width - 1
+    buf = jnp.concatenate(
+        [history.transpose(0, 2, 1).reshape(num_seqs * hist, channels).astype(x.dtype), x])
+
+    def rows(seq, rel):
+        """Buffer row of relative position `rel` (negative: inside the history) of `seq`."""
+        return jnp.where(rel >= 0, num_seqs * hist + cu_seqlens[seq] + rel,
+                         seq * hist + rel + hist)
+
+    seq_ids, valid = sequence_ids(cu_seqlens, num_tokens)
+    rel = jnp.arange(num_tokens, dtype=jnp.int32) - cu_seqlens[seq_ids]
+    acc = jnp.zeros((num_tokens, channels), jnp.float32)
+    for j in range(width):  # static taps: each is one fused gather-multiply-add
+        tap = jnp.take(buf, rows(seq_ids, rel - hist + j), axis=0, mode="clip")
+        acc = acc + tap.astype(jnp.float32) * weight[:, j].astype(jnp.float32)
+    y = jnp.where(valid[:, None], jax.nn.silu(acc), 0).astype(x.dtype)
+
+    def history_before(seq, pos):
+        """[..., C, W-1]: the W-1 inputs before relative position `pos` of `seq`."""
+        taps = jnp.arange(hist, dtype=jnp.int32) - hist
+        idx = rows(seq[..., None], pos[..., None] + taps)
+        return jnp.swapaxes(jnp.take(buf, idx, axis=0, mode="clip"), -1, -2)
+
+    seqs = jnp.arange(num_seqs, dtype=jnp.int32)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    snapshots = history_before(jnp.broadcast_to(seqs[:, None], checkpoint_offsets.shape),
+                               checkpoint_offsets)
+    snapshots = jnp.where((checkpoint_offsets >= 0)[..., None, None], snapshots, 0)
+    return ConvResult(y, history_before(seqs, lengths).astype(history.dtype),
+                      snapshots.astype(history.dtype))
+
+
+class ShortConvolution(nnx.Module):
+    """Depthwise causal conv1d with SiLU over C channels, kernel width W (no bias)."""
+
+    def __init__(self, channels: int, width: int, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        # torch's Conv1d default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = W.
+        bound = width ** -0.5
+        self.weight = nnx.Param(jax.random.uniform(
+            rngs.params(), (channels, width), param_dtype, -bound, bound))
+
+    def __call__(self, x, cu_seqlens, history, checkpoint_offsets) -> ConvResult:
+        """See `causal_conv1d`; x [T, C], history [N, C, W-1]."""
+        return causal_conv1d(x, self.weight[...], cu_seqlens, history, checkpoint_offsets)

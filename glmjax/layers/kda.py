@@ -1,0 +1,109 @@
+"""The KDA (Kimi Delta Attention) layer: projections, short conv, gates, the checkpointing
+scan of `pallas_kernels.kda_prefill`, gated output norm.
+
+Parameter names follow the upstream Kimi-Linear ``KimiDeltaAttention`` except that the three
+depthwise convolutions of q, k and v are one convolution over their concatenated channels
+(identical maths: a depthwise conv is per channel), so one conv history per sequence covers
+all three, as the state pool stores it (DESIGN section 3).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glmjax.config import ModelConfig
+from glmjax.layers.conv import ShortConvolution
+from glmjax.layers.norms import GatedRMSNorm, l2_normalize
+from glmjax.layers.projection import projection
+from pallas_kernels import kda_prefill
+
+
+class KDAState(NamedTuple):
+    """Per-sequence KDA state; snapshots carry an extra capacity axis after N."""
+
+    recurrent: jax.Array  # fp32 [N, H, K, V]
+    conv: jax.Array  # [N, 3 * H * K, conv_kernel - 1], pre-conv q|k|v inputs, oldest first
+
+
+class KDAResult(NamedTuple):
+    y: jax.Array  # [T, D], zero on padding rows
+    state: KDAState  # after each whole sequence
+    snapshots: KDAState  # at each checkpoint offset: [N, capacity, ...]; zeros when inactive
+
+
+def _dt_bias_init(key, shape, dtype):
+    """Mamba's init: softplus^-1 of dt log-uniform in [1e-3, 0.1] (floor 1e-4), as fla."""
+    log_dt = jax.random.uniform(key, shape, jnp.float32, math.log(1e-3), math.log(0.1))
+    dt = jnp.maximum(jnp.exp(log_dt), 1e-4)
+    return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+class KDA(nnx.Module):
+    """One KDA layer over a packed batch; reads and returns states, never a pool."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        heads, dim, hidden = config.kda_num_heads, config.kda_head_dim, config.hidden_size
+
+        linear = functools.partial(projection, config, rngs=rngs)
+
+        self.num_heads, self.head_dim = heads, dim
+        self.gate, self.gate_bound = config.kda_gate, config.kda_gate_bound
+        self.backend = config.resolved_kda_backend()
+        self.q_proj = linear(hidden, heads * dim)
+        self.k_proj = linear(hidden, heads * dim)
+        self.v_proj = linear(hidden, heads * dim)
+        self.conv = ShortConvolution(config.conv_channels, config.conv_kernel,
+                                     param_dtype=config.param_dtype, rngs=rngs)
+        # Low-rank decay gate: rank = head_dim, per-channel output (upstream f_a / f_b).
+        self.f_a_proj = linear(hidden, dim)
+        self.f_b_proj = linear(dim, heads * dim)
+        # Upstream init: A = U(1, 16) per head; kept fp32 like the upstream parameter.
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(
+            rngs.params(), (heads,), jnp.float32, 1.0, 16.0)))
+        self.dt_bias = nnx.Param(_dt_bias_init(rngs.params(), (heads * dim,), jnp.float32))
+        self.b_proj = linear(hidden, heads)
+        # Low-rank output gate (upstream g_a / g_b), applied by the sigmoid-gated norm.
+        self.g_a_proj = linear(hidden, dim)
+        self.g_b_proj = linear(dim, heads * dim)
+        self.o_norm = GatedRMSNorm(dim, eps=config.rms_norm_eps, activation="sigmoid",
+                                   param_dtype=config.param_dtype)
+        self.o_proj = linear(heads * dim, hidden)
+
+    def decay(self, x: jax.Array) -> jax.Array:
+        """Per-channel log-decay g <= 0, fp32 [T, H, K].
+
+        softplus (Kimi):      g = -exp(A_log) * softplus(f + dt_bias)
+        sigmoid_bound (GLM):  g = bound * sigmoid(exp(A_log) * (f + dt_bias)), bound = -5
+        with f = f_b(f_a(x)).
+        """
+        f = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32) + self.dt_bias[...]
+        f = f.reshape(x.shape[0], self.num_heads, self.head_dim)
+        a = jnp.exp(self.A_log[...])[:, None]  # [H, 1]
+        if self.gate == "softplus":
+            return -a * jax.nn.softplus(f)
+        return self.gate_bound * jax.nn.sigmoid(a * f)
+
+    def __call__(self, x: jax.Array, cu_seqlens: jax.Array, state: KDAState,
+                 checkpoint_offsets: jax.Array) -> KDAResult:
+        """Args: x [T, D]; cu_seqlens int32 [N + 1]; state (initial, zeros for a cold start);
+        checkpoint_offsets int32 [N, capacity] (1..len, -1 inactive; DESIGN section 3)."""
+        with jax.named_scope("kda"):
+            tokens, shape = x.shape[0], (x.shape[0], self.num_heads, self.head_dim)
+            qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+            conv = self.conv(qkv, cu_seqlens, state.conv, checkpoint_offsets)
+            q, k, v = (part.reshape(shape) for part in jnp.split(conv.y, 3, axis=-1))
+            q, k = l2_normalize(q), l2_normalize(k)
+            g = self.decay(x)
+            beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [T, H]
+            o, final, snapshots = kda_prefill(q, k, v, g, beta, cu_seqlens, state.recurrent,
+                                              checkpoint_offsets, backend=self.backend)
+            gate = self.g_b_proj(self.g_a_proj(x)).reshape(shape)
+            y = self.o_proj(self.o_norm(o, gate).reshape(tokens, -1))
+            return KDAResult(y, KDAState(final, conv.history),
+                             KDAState(snapshots, conv.snapshots))

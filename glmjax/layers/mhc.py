@@ -1,0 +1,92 @@
+"""mHC: manifold-constrained hyper-connections (DeepSeek), n residual streams per token.
+
+The residual is n streams X = [x_1 .. x_n] ([T, n, D]). Around a sublayer F (attention or
+feed-forward, with its own pre-norm), per token:
+
+    u      = rmsnorm(flatten(X))                         # [n * D], no learned scale
+    p      = u @ phi                                     # [2n + n^2], one fused projection
+    H_pre  = sigmoid(alpha_pre  * p[:n]     + b_pre)     # [n]     read map, in (0, 1)
+    H_post = 2 * sigmoid(alpha_post * p[n:2n] + b_post)  # [n]     write map, in (0, 2)
+    H_res  = sinkhorn(alpha_res * p[2n:] + b_res)        # [n, n]  doubly stochastic
+    X'     = H_res X + H_post^T F(H_pre X)
+
+``sinkhorn`` exponentiates and then alternately normalises rows and columns (rows first),
+`iters` times, so columns sum to 1 exactly and rows to within the iteration's error. The
+model copies the embedding into every stream at the start and collapses the streams by their
+mean at the end. The init (alpha = 0.01, b_pre = logit(1/n), b_post = 0, b_res = 0) starts
+near a plain pre-norm residual: with alpha = 0 and equal streams, it is exactly x + F(x).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glmjax.layers.norms import rms_normalize
+
+
+class Mixing(NamedTuple):
+    """The per-token maps of one hyper-connection, fp32."""
+
+    post: jax.Array  # [T, n]
+    res: jax.Array  # [T, n, n]; res[t, i, j] weighs stream j into stream i
+
+
+def sinkhorn(logits: jax.Array, iters: int) -> jax.Array:
+    """Doubly stochastic projection of exp(logits) over the last two axes."""
+    def step(_, m):
+        m = m / jnp.sum(m, axis=-1, keepdims=True)
+        return m / jnp.sum(m, axis=-2, keepdims=True)
+
+    m = jnp.exp(logits - jnp.max(logits, axis=(-2, -1), keepdims=True))
+    return jax.lax.fori_loop(0, iters, step, m)
+
+
+def expand_streams(x: jax.Array, num_streams: int) -> jax.Array:
+    """[T, D] -> [T, n, D]: every stream starts as the embedding."""
+    return jnp.broadcast_to(x[:, None], (x.shape[0], num_streams, x.shape[1]))
+
+
+def collapse_streams(streams: jax.Array) -> jax.Array:
+    """[T, n, D] -> [T, D]: mean over streams."""
+    return jnp.mean(streams.astype(jnp.float32), axis=1).astype(streams.dtype)
+
+
+class HyperConnection(nnx.Module):
+    """The mHC wrapper of one sublayer: `read` before it, `write` after it."""
+
+    def __init__(self, hidden_size: int, num_streams: int, *, sinkhorn_iters: int,
+                 eps: float, rngs: nnx.Rngs):
+        n = num_streams
+        self.num_streams, self.sinkhorn_iters, self.eps = n, sinkhorn_iters, eps
+        self.phi = nnx.Param(jax.random.normal(rngs.params(), (n * hidden_size, 2 * n + n * n),
+                                               jnp.float32) * (n * hidden_size) ** -0.5)
+        self.alpha = nnx.Param(jnp.full((3,), 0.01, jnp.float32))  # pre, post, res
+        self.b_pre = nnx.Param(jnp.full((n,), -math.log(n - 1), jnp.float32))
+        self.b_post = nnx.Param(jnp.zeros((n,), jnp.float32))
+        self.b_res = nnx.Param(jnp.zeros((n, n), jnp.float32))
+
+    def read(self, streams: jax.Array) -> tuple[jax.Array, Mixing]:
+        """streams [T, n, D] -> sublayer input [T, D] (streams' dtype) and the write maps."""
+        with jax.named_scope("mhc_read"):
+            tokens, n = streams.shape[:2]
+            u = rms_normalize(streams.reshape(tokens, -1), self.eps)
+            p = jnp.dot(u, self.phi[...], precision=jax.lax.Precision.HIGHEST)
+            alpha = self.alpha[...]
+            pre = jax.nn.sigmoid(alpha[0] * p[:, :n] + self.b_pre[...])
+            post = 2 * jax.nn.sigmoid(alpha[1] * p[:, n:2 * n] + self.b_post[...])
+            res = sinkhorn(alpha[2] * p[:, 2 * n:].reshape(tokens, n, n) + self.b_res[...],
+                           self.sinkhorn_iters)
+            x = jnp.einsum("tn,tnd->td", pre, streams.astype(jnp.float32))
+            return x.astype(streams.dtype), Mixing(post, res)
+
+    def write(self, streams: jax.Array, y: jax.Array, mixing: Mixing) -> jax.Array:
+        """X' = H_res X + H_post^T y; streams [T, n, D], y [T, D] -> [T, n, D]."""
+        with jax.named_scope("mhc_write"):
+            mixed = jnp.einsum("tij,tjd->tid", mixing.res, streams.astype(jnp.float32))
+            out = mixed + mixing.post[..., None] * y.astype(jnp.float32)[:, None]
+            return out.astype(streams.dtype)

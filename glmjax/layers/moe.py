@@ -1,0 +1,100 @@
+"""Feed-forward layers: the dense SwiGLU MLP and the sigmoid-routed MoE (DeepSeek-V3 style).
+
+Routing of token x over E experts, top-k:
+
+    s = sigmoid(x W_router)                      # fp32 [E]
+    chosen = top_k(s + correction_bias)          # the bias steers selection only
+    w = routed_scaling_factor * s[chosen] / sum(s[chosen])
+    y = sum_{e in chosen} w_e * expert_e(x) + shared_expert(x)
+
+Grouped top-k is not implemented: both real presets use one expert group. Routed experts run
+as three `jax.lax.ragged_dot`s over the token copies sorted by expert.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glmjax.config import ModelConfig
+from glmjax.layers.projection import projection
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float | None) -> jax.Array:
+    """``silu(gate) * up``; with a limit, gate is clamped above at `limit` and up to
+    [-limit, limit] first (the DeepSeek / GLM "swiglu_limit" form)."""
+    if limit is not None:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP ``down(swiglu(gate(x), up(x)))``; x [T, D] -> [T, D]."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int, *,
+                 limit: float | None = None, rngs: nnx.Rngs):
+        linear = functools.partial(projection, config, rngs=rngs)
+
+        self.limit = limit
+        self.gate_proj = linear(config.hidden_size, intermediate_size)
+        self.up_proj = linear(config.hidden_size, intermediate_size)
+        self.down_proj = linear(intermediate_size, config.hidden_size)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        with jax.named_scope("mlp"):
+            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class MoE(nnx.Module):
+    """Routed experts plus shared experts; the swiglu limit applies to both."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        hidden, inter, experts = (config.hidden_size, config.moe_intermediate_size,
+                                  config.num_experts)
+        self.top_k = config.num_experts_per_token
+        self.scaling = config.routed_scaling_factor
+        self.limit = config.swiglu_limit
+        self.router = nnx.Linear(hidden, experts, use_bias=False, dtype=jnp.float32,
+                                 param_dtype=config.param_dtype, rngs=rngs)
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((experts,), jnp.float32))
+        init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                                    in_axis=-2, out_axis=-1, batch_axis=(0,))
+        self.w_gate = nnx.Param(init(rngs.params(), (experts, hidden, inter), config.param_dtype))
+        self.w_up = nnx.Param(init(rngs.params(), (experts, hidden, inter), config.param_dtype))
+        self.w_down = nnx.Param(init(rngs.params(), (experts, inter, hidden), config.param_dtype))
+        self.shared_experts = MLP(config, inter * config.num_shared_experts,
+                                  limit=config.swiglu_limit, rngs=rngs)
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [T, D] -> combine weights fp32 [T, k] and expert ids int32 [T, k]."""
+        scores = jax.nn.sigmoid(self.router(x.astype(jnp.float32)))  # [T, E]
+        _, experts = jax.lax.top_k(scores + self.e_score_correction_bias[...], self.top_k)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        return weights * self.scaling, experts.astype(jnp.int32)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [T, D] -> [T, D]."""
+        with jax.named_scope("moe"):
+            weights, experts = self.route(x)
+            return self._routed(x, weights, experts) + self.shared_experts(x)
+
+    def _routed(self, x, weights, experts):
+        tokens, top_k = experts.shape
+        flat = experts.reshape(-1)  # [T * k], copy i belongs to token i // k
+        order = jnp.argsort(flat, stable=True)
+        group_sizes = jnp.bincount(flat, length=self.w_gate.shape[0]).astype(jnp.int32)
+        xs = x[order // top_k]  # [T * k, D] sorted by expert
+
+        def grouped(lhs, w):
+            return jax.lax.ragged_dot(lhs, w[...].astype(x.dtype), group_sizes,
+                                      preferred_element_type=jnp.float32).astype(x.dtype)
+
+        h = swiglu(grouped(xs, self.w_gate), grouped(xs, self.w_up), self.limit)
+        ys = grouped(h, self.w_down)
+        ys = jnp.zeros_like(ys).at[order].set(ys).reshape(tokens, top_k, -1)  # unsort
+        return jnp.einsum("tk,tkd->td", weights, ys.astype(jnp.float32)).astype(x.dtype)

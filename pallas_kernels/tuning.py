@@ -1,0 +1,103 @@
+"""Block sizes, warps and pipeline stages for the KDA kernels, picked from the device.
+
+The deployment target is GB10 (DGX Spark, compute capability 12.1, 48 SMs, 99 KB of shared
+memory per block); measurements run on an H200 (9.0, 132 SMs, 227 KB). `select_config`
+maps a `DeviceSpec` to a `KernelConfig`; `estimate_shared_memory` is the model used to keep
+a configuration inside the device's per-block limit (the real compile-and-measure check is
+`python -m pallas_kernels.aot`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+FP32_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """What the configuration depends on: compute capability, SM count, smem per block."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    num_sms: int
+    smem_per_block: int  # bytes a block may use (opt-in maximum)
+
+
+H200 = DeviceSpec("NVIDIA H200", (9, 0), 132, 227 * 1024)
+GB10 = DeviceSpec("NVIDIA GB10", (12, 1), 48, 99 * 1024)
+KNOWN_DEVICES = {"h200": H200, "gb10": GB10}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static tiling of the two passes (hashable: it is a jit static argument)."""
+
+    chunk_size: int = 64
+    block_v: int = 64           # value columns per scan program
+    scan_num_warps: int = 4
+    scan_num_stages: int = 1
+    prep_block_k: int = 32      # key columns per slice in the chunk-prep pass
+    prep_block_v: int = 32
+    prep_num_warps: int = 4
+    prep_num_stages: int = 1
+
+
+def device_spec(device: jax.Device | None = None) -> DeviceSpec:
+    """DeviceSpec of a JAX GPU device (defaults to the first device)."""
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return H200
+    major, minor = (int(x) for x in str(device.compute_capability).split("."))
+    num_sms = int(getattr(device, "core_count", 0) or 0)
+    # sm_12x (consumer Blackwell, GB10) has 99 KB per block, sm_90/sm_100 227 KB, sm_80 163 KB.
+    if major == 12:
+        smem = 99 * 1024
+    elif major == 8:
+        smem = 163 * 1024
+    else:
+        smem = 227 * 1024
+    return DeviceSpec(device.device_kind, (major, minor), num_sms or 1, smem)
+
+
+def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int) -> dict[str, int]:
+    """Upper estimate of shared memory per block, in bytes, for each pass.
+
+    Triton stages each dot operand through shared memory to reach the MMA operand layout;
+    with pipelining (num_stages > 1) every tile loaded inside the chunk loop is buffered
+    once per extra stage. Scan pass tiles per iteration: W, Qg, Kg [C, K], Aqk [C, C] and
+    U [C, BV], all fp32; the largest single dot stages its [C, K] and [K, BV] operands.
+    The prep pass is straight-line code over [16, BK] / [16, BV] tiles.
+    """
+    c, bv = config.chunk_size, config.block_v
+    loop_tiles = FP32_BYTES * (3 * c * head_k + c * c + c * bv)
+    dot_staging = FP32_BYTES * (c * head_k + head_k * bv)
+    scan = dot_staging + max(0, config.scan_num_stages - 1) * loop_tiles
+    sub = 16
+    prep = FP32_BYTES * (sub * config.prep_block_k * 2 + sub * max(config.prep_block_v, sub)
+                         + sub * sub * 2)
+    return {"scan": scan, "prep": prep}
+
+
+def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: int,
+                  head_v: int) -> KernelConfig:
+    """Pick the tiling for a device and a problem shape.
+
+    The scan runs one program per (sequence, head, value block): smaller value blocks give
+    more programs when sequences x heads alone would leave SMs idle. Pipeline stages are
+    added only while the shared-memory estimate stays within the device's limit.
+    """
+    block_v = min(64, head_v)
+    while block_v > 16 and num_seqs * num_heads * (head_v // block_v) < spec.num_sms:
+        block_v //= 2
+    config = KernelConfig(block_v=block_v, prep_block_k=min(32, head_k),
+                          prep_block_v=min(32, head_v))
+    for stages in (2, 1):
+        candidate = dataclasses.replace(config, scan_num_stages=stages)
+        if max(estimate_shared_memory(candidate, head_k, head_v).values()) <= spec.smem_per_block:
+            return candidate
+    raise ValueError(
+        f"no KDA kernel configuration fits {spec.smem_per_block} bytes of shared memory on "
+        f"{spec.name} for head_k={head_k}, head_v={head_v}")

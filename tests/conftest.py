@@ -1,0 +1,26 @@
+"""Shared fixtures; markers (``gpu``, ``slow``) are registered in pyproject.toml."""
+
+import zlib
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A NumPy generator seeded from the test's node id: fresh inputs per test, reproducible."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked ``gpu`` unless JAX's default device is a GPU."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import jax  # only initialise a backend when a gpu test was collected
+
+    platform = jax.devices()[0].platform
+    if platform != "gpu":
+        skip = pytest.mark.skip(reason=f"needs a CUDA GPU; jax's default device is {platform}")
+        for item in gpu_items:
+            item.add_marker(skip)

@@ -1,0 +1,172 @@
+"""The Pallas KDA checkpointing scan against the fp64 recurrence and the chunked oracle.
+
+`KdaKernelCases` holds the cases; `TestKdaKernelGpu` compiles them for the GPU (marker
+`gpu`) and `TestKdaKernelInterpret` runs the same cases in Pallas interpret mode on the CPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import kda_chunked_reference, kda_prefill, kda_recurrent_reference
+from pallas_kernels.kda_pallas import kda_prefill_pallas
+from pallas_kernels.tuning import KernelConfig
+
+OUTPUT_NAMES = ("o", "final_states", "snapshots")
+
+
+def make_inputs(rng, lens, *, heads=2, head_k=32, head_v=32, padding=5, capacity=4,
+                min_decay=-5.0, dtype=jnp.float32, offsets=None):
+    """A packed batch: sequences of `lens` tokens, `padding` spare rows after them."""
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    num_tokens = int(cu[-1]) + padding
+
+    def unit(shape):
+        x = rng.standard_normal(shape)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    arrays = dict(
+        q=unit((num_tokens, heads, head_k)),
+        k=unit((num_tokens, heads, head_k)),
+        v=rng.standard_normal((num_tokens, heads, head_v)),
+        g=rng.uniform(min_decay, 0.0, (num_tokens, heads, head_k)),
+        beta=rng.uniform(0.02, 0.98, (num_tokens, heads)),
+    )
+    arrays = {name: jnp.asarray(x, dtype) for name, x in arrays.items()}
+    if offsets is None:
+        offsets = awkward_offsets(rng, lens, capacity)
+    return dict(
+        **arrays,
+        cu_seqlens=jnp.asarray(cu),
+        initial_states=jnp.asarray(
+            0.5 * rng.standard_normal((len(lens), heads, head_k, head_v)), jnp.float32),
+        checkpoint_offsets=jnp.asarray(np.asarray(offsets, np.int32)),
+    )
+
+
+def awkward_offsets(rng, lens, capacity):
+    """Per sequence: 1, the length, chunk boundaries and one either side, repeats, -1."""
+    rows = []
+    for length in lens:
+        if length == 0:
+            rows.append([-1] * capacity)
+            continue
+        picks = {1, length}
+        for boundary in (64, 128, 192):
+            picks.update(p for p in (boundary - 1, boundary, boundary + 1) if 1 <= p <= length)
+        picks = sorted(picks)
+        row = list(rng.choice(picks, size=capacity, replace=True))
+        if capacity > 1:
+            row[rng.integers(capacity)] = -1
+        rows.append(row)
+    return rows
+
+
+def relative_error(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30)
+
+
+class KdaKernelCases:
+    """Shared cases; subclasses set INTERPRET."""
+
+    INTERPRET: bool
+
+    def run_kernel(self, inputs, **kwargs):
+        return kda_prefill(**inputs, backend="pallas", interpret=self.INTERPRET, **kwargs)
+
+    def check_against_recurrence(self, inputs, tolerance, **kwargs):
+        outputs = self.run_kernel(inputs, **kwargs)
+        oracle = kda_recurrent_reference(
+            *(np.asarray(inputs[n], np.float64) if inputs[n].dtype == jnp.bfloat16
+              else inputs[n] for n in ("q", "k", "v", "g", "beta")),
+            inputs["cu_seqlens"], inputs["initial_states"], inputs["checkpoint_offsets"])
+        for name, out, ref in zip(OUTPUT_NAMES, outputs, oracle, strict=True):
+            out = np.asarray(out, np.float64)
+            assert np.isfinite(out).all(), f"{name} has inf or NaN"
+            err = relative_error(out, ref)
+            assert err < tolerance, f"{name}: relative error {err:.2e} >= {tolerance:.0e}"
+        return outputs
+
+    @pytest.mark.parametrize("lens", [[1], [63], [64], [65], [200], [1000]])
+    def test_single_sequence_lengths(self, rng, lens):
+        self.check_against_recurrence(make_inputs(rng, lens), 1e-5)
+
+    @pytest.mark.parametrize("lens", [[1, 63, 64], [65, 0, 200, 3, 129], [0, 130]])
+    def test_packed_sequences_with_padding(self, rng, lens):
+        inputs = make_inputs(rng, lens, padding=70)
+        o, _, _ = self.check_against_recurrence(inputs, 1e-5)
+        end = int(inputs["cu_seqlens"][-1])
+        assert not np.asarray(o[end:]).any(), "padding rows must be zero"
+
+    @pytest.mark.parametrize("capacity", [1, 2, 4])
+    def test_capacities(self, rng, capacity):
+        self.check_against_recurrence(make_inputs(rng, [150, 77], capacity=capacity), 1e-5)
+
+    def test_repeated_and_inactive_offsets(self, rng):
+        offsets = [[64, 64, -1, 130], [-1, -1, -1, -1], [1, 1, 1, 1]]
+        inputs = make_inputs(rng, [130, 20, 5], offsets=offsets)
+        _, _, snapshots = self.check_against_recurrence(inputs, 1e-5)
+        snapshots = np.asarray(snapshots)
+        np.testing.assert_array_equal(snapshots[0, 0], snapshots[0, 1])
+        assert not snapshots[0, 2].any() and not snapshots[1].any()
+
+    def test_strong_decay_stays_finite(self, rng):
+        inputs = make_inputs(rng, [300], min_decay=-5.0)
+        inputs["g"] = jnp.full_like(inputs["g"], -5.0)
+        self.check_against_recurrence(inputs, 1e-5)
+
+    def test_matches_chunked_oracle(self, rng):
+        inputs = make_inputs(rng, [190, 1, 66], head_k=64, head_v=64)
+        outputs = self.run_kernel(inputs)
+        oracle = kda_chunked_reference(**inputs)
+        for name, out, ref in zip(OUTPUT_NAMES, outputs, oracle, strict=True):
+            assert relative_error(out, ref) < 1e-5, name
+
+    def test_chunk_size_32(self, rng):
+        self.check_against_recurrence(make_inputs(rng, [100, 33]), 1e-5, chunk_size=32)
+
+    def test_bf16_inputs(self, rng):
+        inputs = make_inputs(rng, [257, 64, 31], head_k=64, head_v=64, dtype=jnp.bfloat16)
+        o, _, _ = self.check_against_recurrence(inputs, 5e-3)
+        assert o.dtype == jnp.bfloat16
+
+    def test_new_lengths_and_offsets_do_not_retrace(self, rng):
+        traces = []
+
+        @jax.jit
+        def prefill(inputs):
+            traces.append(1)
+            return kda_prefill(**inputs, backend="pallas", interpret=self.INTERPRET)
+
+        first = make_inputs(rng, [100, 60], padding=40)
+        second = make_inputs(rng, [30, 170], padding=0)
+        for inputs in (first, second):
+            jax.block_until_ready(prefill(inputs))
+        assert len(traces) == 1
+        cache_before = kda_prefill_pallas._cache_size()
+        third = make_inputs(rng, [1, 199], padding=0)
+        jax.block_until_ready(kda_prefill(**third, backend="pallas", interpret=self.INTERPRET))
+        jax.block_until_ready(kda_prefill(**second, backend="pallas", interpret=self.INTERPRET))
+        assert kda_prefill_pallas._cache_size() <= cache_before + 1
+
+
+@pytest.mark.gpu
+class TestKdaKernelGpu(KdaKernelCases):
+    INTERPRET = False
+
+    def test_real_head_dims_bf16(self, rng):
+        inputs = make_inputs(rng, [3000, 1000, 95], heads=4, head_k=128, head_v=128,
+                             dtype=jnp.bfloat16)
+        self.check_against_recurrence(inputs, 5e-3)
+
+
+class TestKdaKernelInterpret(KdaKernelCases):
+    INTERPRET = True
+
+
+def test_config_rejects_mismatched_blocks(rng):
+    inputs = make_inputs(rng, [10], head_k=32, head_v=32)
+    with pytest.raises(ValueError, match="multiples of the kernel blocks"):
+        kda_prefill(**inputs, config=KernelConfig(block_v=64))

@@ -1,0 +1,66 @@
+"""The DSA indexer inside MLA: dense when top-k covers the context, and the oracle's own
+top-k selection otherwise, in continuation prefill and in decode."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_layers_mla import decode_case, make_config, make_layer
+from test_layers_oracles import f64, rms_norm
+
+from glmjax.layers.mla import MLA
+from glmjax.layers.paged_cache import MLACache
+
+
+def indexer_select_oracle(layer: MLA, config, x, top_k):
+    """[L, L] bool: for each query, its top_k causally visible keys by index score."""
+    ind, x = layer.indexer, f64(x)
+    length, heads, dim = x.shape[0], config.dsa_num_heads, config.dsa_head_dim
+    q_latent = rms_norm(x @ f64(layer.q_a_proj.kernel), f64(layer.q_a_layernorm.weight),
+                        config.rms_norm_eps)
+    q = (q_latent @ f64(ind.wq_b.kernel)).reshape(length, heads, dim)
+    k = x @ f64(ind.wk.kernel)
+    k = ((k - k.mean(-1, keepdims=True)) / np.sqrt(k.var(-1, keepdims=True) + 1e-6)
+         * f64(ind.k_norm.scale) + f64(ind.k_norm.bias))
+    w = x @ f64(ind.weights_proj.kernel) / np.sqrt(heads * dim)
+    select = np.zeros((length, length), bool)
+    for t in range(length):
+        scores = [np.sum(w[t] * np.maximum(q[t] @ k[s], 0)) for s in range(t + 1)]
+        select[t, np.argsort(-np.array(scores), kind="stable")[:top_k]] = True
+    return select
+
+
+def dsa_config(top_k):
+    return make_config(dsa_top_k=top_k, dsa_num_heads=4, dsa_head_dim=32)
+
+
+def test_top_k_covering_the_context_is_dense_attention(rng):
+    config = dsa_config(top_k=64)  # longer than any context in the case
+    decode_case(rng, config, make_layer(config, rng))
+
+
+def test_top_k_selection_matches_oracle(rng):
+    top_k = 3
+    config = dsa_config(top_k)
+    layer = make_layer(config, rng)
+    decode_case(rng, config, layer,
+                select=lambda seq: indexer_select_oracle(layer, config, seq, top_k))
+
+
+def test_select_keeps_at_most_top_k_visible_keys(rng):
+    layer = make_layer(dsa_config(top_k=4), rng)
+    q = jnp.asarray(rng.normal(size=(6, 4, 32)), jnp.float32)
+    weights = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
+    keys = jnp.asarray(rng.normal(size=(9, 32)), jnp.float32)
+    visible = jnp.tril(jnp.ones((6, 9), bool))
+    chosen = np.asarray(layer.indexer.select(q, weights, keys, visible))
+    np.testing.assert_array_equal(chosen.sum(-1), np.minimum(4, np.arange(1, 7)))
+    assert not np.any(chosen & ~np.asarray(visible))
+
+
+def test_cache_without_index_keys_is_refused(rng):
+    config = dsa_config(top_k=4)
+    layer = make_layer(config, rng)
+    cache = MLACache(MLACache.zeros(config, 2).latent)
+    with pytest.raises(ValueError, match="index_keys"):
+        layer.decode(jnp.zeros((1, config.hidden_size)), cache, jnp.zeros((1, 1), jnp.int32),
+                     jnp.zeros((1,), jnp.int32))
