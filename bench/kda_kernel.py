@@ -162,9 +162,9 @@ def run_case(name, lens, config, args, bandwidth):
 
 
 def sweep_configs(base: KernelConfig):
-    for block_v in (32, 64, 128):
+    for block_v in (32, 64):
         for stages in (1, 2):
-            for warps in (4, 8):
+            for warps in (8,):
                 yield dataclasses.replace(base, block_v=block_v, scan_num_stages=stages,
                                           scan_num_warps=warps)
 

@@ -78,19 +78,23 @@ def kda_prefill(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets
                          f"got {chunk_size}")
     _, num_heads, head_k = q.shape
     head_v = v.shape[-1]
+    for name, dim in (("K", head_k), ("V", head_v)):
+        if dim < 16 or dim & (dim - 1):
+            raise ValueError(f"head dim {name}={dim} must be a power of two >= 16")
     scale = float(head_k ** -0.5 if scale is None else scale)
     if backend == "reference":
         return kda_chunked_reference(q, k, v, g, beta, cu_seqlens, initial_states,
                                      checkpoint_offsets, scale=scale, chunk_size=chunk_size)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
+    exact = all(x.dtype == jnp.float32 for x in (q, k, v, g, beta))
     if config is None:
         config = select_config(device_spec(), num_seqs=cu_seqlens.shape[0] - 1,
-                               num_heads=num_heads, head_k=head_k, head_v=head_v)
+                               num_heads=num_heads, head_k=head_k, head_v=head_v,
+                               operand_bytes=4 if exact else 2)
     config = dataclasses.replace(config, chunk_size=chunk_size)
-    if head_k % config.prep_block_k or head_v % config.block_v or head_v % config.prep_block_v:
-        raise ValueError(f"head dims K={head_k}, V={head_v} must be multiples of the "
-                         f"kernel blocks {config}")
-    exact = all(x.dtype == jnp.float32 for x in (q, k, v, g, beta))
+    if head_v % config.block_v:
+        raise ValueError(f"head dim V={head_v} must be a multiple of the kernel's value "
+                         f"block {config.block_v}")
     return kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets,
                               scale=scale, config=config, interpret=bool(interpret), exact=exact)

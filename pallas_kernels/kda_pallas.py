@@ -78,111 +78,93 @@ def _invert_unit_lower(l_blk):
 
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
                        w_ref, u_ref, aqk_ref, qg_ref, kg_ref, gcum_ref, glast_ref,
-                       *, scale, chunk, block_k, block_v, precision):
-    """One chunk of one head. Refs are whole arrays [T_pad, H, ...]."""
+                       *, scale, chunk, precision):
+    """One chunk of one head. Refs are whole arrays [T_pad, H, ...]; rows past the chunk's
+    length load as zeros (g = 0 keeps G flat there, k = beta = 0 adds nothing)."""
     slot, h = pl.program_id(0), pl.program_id(1)
     r0 = chunk_start_ref[slot]
     clen = chunk_len_ref[slot]
-    num_sub = chunk // SUB_CHUNK
     head_k = q_ref.shape[-1]
-    head_v = v_ref.shape[-1]
-    sub_rows = _iota((SUB_CHUNK, 1), 0)
-    sub_i, sub_j = _iota((SUB_CHUNK, SUB_CHUNK), 0), _iota((SUB_CHUNK, SUB_CHUNK), 1)
+    hi = lax.Precision.HIGHEST
+    f32 = jnp.float32
 
     @pl.when(clen > 0)
     def _():
-        def rows(blk):
-            return pl.ds(r0 + blk * SUB_CHUNK, SUB_CHUNK)
+        def load(ref, first, rows):
+            """Rows [first, first + rows) of the chunk for this head, as fp32."""
+            valid = (_iota((rows, 1), 0) + first) < clen
+            index = (pl.ds(r0 + first, rows), h, slice(None))
+            if len(ref.shape) == 2:  # beta [T, H]: a [rows, 1] column
+                index = (pl.ds(r0 + first, rows), pl.ds(h, 1))
+            return plgpu.load(ref.at[index], mask=valid, other=0).astype(f32)
 
-        def row_mask(blk):
-            return (sub_rows + blk * SUB_CHUNK) < clen  # [16, 1]
+        def store(ref, first, value):
+            rows = value.shape[0]
+            valid = (_iota((rows, 1), 0) + first) < clen
+            plgpu.store(ref.at[pl.ds(r0 + first, rows), h, :], value.astype(ref.dtype),
+                        mask=valid)
 
-        def load_kslice(ref, blk, kk):
-            x = plgpu.load(ref.at[rows(blk), h, pl.ds(kk * block_k, block_k)],
-                           mask=row_mask(blk), other=0)
-            return x.astype(jnp.float32)
+        g_cum = lax.cumsum(load(g_ref, 0, chunk), axis=0)  # [C, K]
+        rows_c = _iota((chunk, 1), 0)
+        g_last = jnp.sum(jnp.where(rows_c == chunk - 1, g_cum, 0.0), axis=0, keepdims=True)
+        store(qg_ref, 0, scale * load(q_ref, 0, chunk) * jnp.exp(g_cum))
+        k = load(k_ref, 0, chunk)
+        store(kg_ref, 0, k * jnp.exp(g_last - g_cum))
+        store(gcum_ref, 0, g_cum)
+        glast_ref[pl.ds(r0, 1), h, :] = g_last
 
-        betas = []
-        for blk in range(num_sub):
-            b = plgpu.load(beta_ref.at[rows(blk), pl.ds(h, 1)], mask=row_mask(blk), other=0)
-            betas.append(b.astype(jnp.float32))  # [16, 1]
+        sub_row = _iota((SUB_CHUNK, 1), 0)
+        cols_c = _iota((1, chunk), 1)
+        cols_s = _iota((1, SUB_CHUNK), 1)
+        t_rows = jnp.zeros((chunk, chunk), f32)  # rows of T = (I + L)^-1 solved so far
+        for blk in range(chunk // SUB_CHUNK):
+            first = blk * SUB_CHUNK
+            # The reference point is G just before this sub-chunk: both factors below are
+            # <= 1 whatever the decay.
+            g_ref_pt = jnp.sum(jnp.where(rows_c == first - 1, g_cum, 0.0), axis=0,
+                               keepdims=True)
+            g_blk = g_ref_pt + lax.cumsum(load(g_ref, first, SUB_CHUNK), axis=0)  # [16, K]
+            q_blk = load(q_ref, first, SUB_CHUNK)
+            k_blk = load(k_ref, first, SUB_CHUNK)
+            beta_blk = load(beta_ref, first, SUB_CHUNK)  # [16, 1]
+            if blk:
+                k_rise = jnp.where(rows_c < first,
+                                   k * jnp.exp(jnp.minimum(g_ref_pt - g_cum, 0.0)), 0.0)
+                fall = jnp.exp(g_blk - g_ref_pt)
+                a_rows = _dot_nt(q_blk * fall, k_rise, precision)   # [16, C]
+                l_rows = _dot_nt(k_blk * fall, k_rise, precision)
+            else:
+                a_rows = l_rows = jnp.zeros((SUB_CHUNK, chunk), f32)
 
-        def cum_g(kk):
-            """In-chunk inclusive cumsum of g per sub-chunk, and the carry before each."""
-            cums, carries, carry = [], [], jnp.zeros((1, block_k), jnp.float32)
-            for blk in range(num_sub):
-                g_blk = load_kslice(g_ref, blk, kk)
-                carries.append(carry)
-                cums.append(carry + lax.cumsum(g_blk, axis=0))
-                carry = carry + jnp.sum(g_blk, axis=0, keepdims=True)
-            return cums, carries, carry
+            def diagonal_column(j, acc, first=first, g_blk=g_blk, q_blk=q_blk, k_blk=k_blk):
+                """Column j of the diagonal block, formed elementwise (exact for any decay)."""
+                a_acc, l_acc, l_diag = acc
+                row_ok = jnp.full((1, head_k), first + j < clen)
+                k_j = plgpu.load(k_ref.at[pl.ds(r0 + first + j, 1), h, :], mask=row_ok,
+                                 other=0).astype(f32)
+                g_j = jnp.sum(jnp.where(sub_row == j, g_blk, 0.0), axis=0, keepdims=True)
+                decay = jnp.exp(jnp.minimum(g_blk - g_j, 0.0))
+                a_col = jnp.sum(q_blk * k_j * decay, axis=1, keepdims=True)  # [16, 1]
+                l_col = jnp.sum(k_blk * k_j * decay, axis=1, keepdims=True)
+                a_acc = jnp.where(cols_c == first + j, jnp.where(sub_row >= j, a_col, 0.0),
+                                  a_acc)
+                l_col = jnp.where(sub_row > j, l_col, 0.0)
+                return (a_acc, jnp.where(cols_c == first + j, l_col, l_acc),
+                        jnp.where(cols_s == j, l_col, l_diag))
 
-        # Pass over key slices: accumulate the [16, 16] blocks of Aqk and L, and emit the
-        # per-key-channel outputs (Qg, Kg, G, G_last) for this slice.
-        zero_blk = jnp.zeros((SUB_CHUNK, SUB_CHUNK), jnp.float32)
-        aqk = {(i, j): zero_blk for i in range(num_sub) for j in range(i + 1)}
-        lkk = {(i, j): zero_blk for i in range(num_sub) for j in range(i + 1)}
-        for kk in range(head_k // block_k):
-            gs, carries, g_last = cum_g(kk)
-            qs = [load_kslice(q_ref, blk, kk) for blk in range(num_sub)]
-            ks = [load_kslice(k_ref, blk, kk) for blk in range(num_sub)]
-            for i in range(num_sub):
-                g_ref_pt = carries[i]
-                q_dec = qs[i] * jnp.exp(gs[i] - g_ref_pt)
-                k_dec = ks[i] * jnp.exp(gs[i] - g_ref_pt)
-                for j in range(i):
-                    k_rise = ks[j] * jnp.exp(g_ref_pt - gs[j])
-                    aqk[i, j] += _dot_nt(q_dec, k_rise, precision)
-                    lkk[i, j] += _dot_nt(k_dec, k_rise, precision)
-                diff = gs[i][:, None, :] - gs[i][None, :, :]  # [16, 16, BK], <= 0 below diag
-                decay = jnp.exp(jnp.minimum(diff, 0.0))
-                aqk[i, i] += jnp.sum(qs[i][:, None, :] * ks[i][None, :, :] * decay, axis=2)
-                lkk[i, i] += jnp.sum(ks[i][:, None, :] * ks[i][None, :, :] * decay, axis=2)
-            kcols = pl.ds(kk * block_k, block_k)
-            for blk in range(num_sub):
-                mask = row_mask(blk)
-                plgpu.store(qg_ref.at[rows(blk), h, kcols], scale * qs[blk] * jnp.exp(gs[blk]),
-                            mask=mask)
-                plgpu.store(kg_ref.at[rows(blk), h, kcols],
-                            ks[blk] * jnp.exp(g_last - gs[blk]), mask=mask)
-                plgpu.store(gcum_ref.at[rows(blk), h, kcols], gs[blk], mask=mask)
-            glast_ref[pl.ds(r0, 1), h, kcols] = g_last
+            a_rows, l_rows, l_diag = lax.fori_loop(
+                0, SUB_CHUNK, diagonal_column,
+                (a_rows, l_rows, jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)))
+            store(aqk_ref, first, scale * a_rows)
+            # Block forward substitution: (I + L_bb) T_b = E_b - L_b,<b T_<b.
+            identity_rows = (cols_c == sub_row + first).astype(f32)        # [16, C]
+            rhs = identity_rows - _dot(beta_blk * l_rows, t_rows, hi)
+            t_blk = _dot(_invert_unit_lower(beta_blk * l_diag), rhs, hi)   # [16, C]
+            t_rows = t_rows + _dot_tn(identity_rows, t_blk, hi)
 
-        # T = (I + L)^-1 by block forward substitution over the 16-row sub-chunks.
-        hi = lax.Precision.HIGHEST
-        tinv = {}
-        for i in range(num_sub):
-            strict = sub_j < sub_i
-            l_ii = jnp.where(strict, betas[i] * lkk[i, i], 0.0)
-            tinv[i, i] = _invert_unit_lower(l_ii)
-            for j in range(i):
-                acc = zero_blk
-                for m in range(j, i):
-                    acc += _dot(betas[i] * lkk[i, m], tinv[m, j], hi)
-                tinv[i, j] = -_dot(tinv[i, i], acc, hi)
-            for j in range(i + 1):
-                blk_val = aqk[i, j] if j < i else jnp.where(sub_j <= sub_i, aqk[i, i], 0.0)
-                plgpu.store(aqk_ref.at[rows(i), h, pl.ds(j * SUB_CHUNK, SUB_CHUNK)],
-                            scale * blk_val, mask=row_mask(i))
-            for j in range(i + 1, num_sub):
-                plgpu.store(aqk_ref.at[rows(i), h, pl.ds(j * SUB_CHUNK, SUB_CHUNK)], zero_blk,
-                            mask=row_mask(i))
-
-        # W = T diag(beta) (k * exp(G)) and U = T diag(beta) v, slice by slice.
-        for kk in range(head_k // block_k):
-            gs, _, _ = cum_g(kk)
-            kb = [betas[j] * load_kslice(k_ref, j, kk) * jnp.exp(gs[j]) for j in range(num_sub)]
-            for i in range(num_sub):
-                w_blk = sum(_dot(tinv[i, j], kb[j], precision) for j in range(i + 1))
-                plgpu.store(w_ref.at[rows(i), h, pl.ds(kk * block_k, block_k)], w_blk,
-                            mask=row_mask(i))
-        for vv in range(head_v // block_v):
-            vcols = pl.ds(vv * block_v, block_v)
-            vb = [betas[j] * plgpu.load(v_ref.at[rows(j), h, vcols], mask=row_mask(j),
-                                        other=0).astype(jnp.float32) for j in range(num_sub)]
-            for i in range(num_sub):
-                u_blk = sum(_dot(tinv[i, j], vb[j], precision) for j in range(i + 1))
-                plgpu.store(u_ref.at[rows(i), h, vcols], u_blk, mask=row_mask(i))
+        beta = load(beta_ref, 0, chunk)  # [C, 1]
+        store(w_ref, 0, _dot(t_rows, beta * k * jnp.exp(g_cum), precision))
+        store(u_ref, 0, _dot(t_rows, beta * load(v_ref, 0, chunk), precision))
 
 
 def _recurrence_kernel(cu_ref, offsets_ref, init_ref, k_ref, w_ref, u_ref, aqk_ref, qg_ref,
@@ -209,15 +191,14 @@ def _recurrence_kernel(cu_ref, offsets_ref, init_ref, k_ref, w_ref, u_ref, aqk_r
         rows = pl.ds(r0, chunk)
 
         def load(ref, cols):
-            return plgpu.load(ref.at[rows, h, cols], mask=valid, other=0).astype(jnp.float32)
+            return plgpu.load(ref.at[rows, h, cols], mask=valid, other=0)
 
-        w = load(w_ref, slice(None))
-        qg = load(qg_ref, slice(None))
-        kg = load(kg_ref, slice(None))
-        u = load(u_ref, vcols)
-        aqk = load(aqk_ref, slice(None))
-        v_new = u - _dot(w, state, precision)  # [C, BV]
-        out = _dot(qg, state, precision) + _dot(aqk, v_new, precision)
+        def mm(a, b):
+            """Matmul with both operands in the stored dtype (bf16 on the fast path)."""
+            return _dot(a.astype(w_ref.dtype), b.astype(w_ref.dtype), precision)
+
+        v_new = load(u_ref, vcols).astype(jnp.float32) - mm(load(w_ref, slice(None)), state)
+        out = mm(load(qg_ref, slice(None)), state) + mm(load(aqk_ref, slice(None)), v_new)
         plgpu.store(o_ref.at[rows, h, vcols], out.astype(o_ref.dtype), mask=valid)
 
         for c in range(capacity):
@@ -226,7 +207,7 @@ def _recurrence_kernel(cu_ref, offsets_ref, init_ref, k_ref, w_ref, u_ref, aqk_r
             @pl.when((local >= 1) & (local <= n_valid))
             def _(c=c, local=local):
                 g_cum = load(gcum_ref, slice(None))
-                k = load(k_ref, slice(None))
+                k = load(k_ref, slice(None)).astype(jnp.float32)
                 g_at = jnp.sum(jnp.where(rows_c == local - 1, g_cum, 0.0), axis=0)  # [K]
                 before = rows_c < local
                 k_dec = jnp.where(before, k * jnp.exp(jnp.minimum(g_at[None, :] - g_cum, 0.0)),
@@ -235,7 +216,9 @@ def _recurrence_kernel(cu_ref, offsets_ref, init_ref, k_ref, w_ref, u_ref, aqk_r
                 snap_ref[n, c, h, :, vcols] = snap
 
         g_last = glast_ref[r0, h, :]  # [K]
-        return jnp.exp(g_last)[:, None] * state + _dot_tn(kg, v_new, precision)
+        kg = load(kg_ref, slice(None)).astype(w_ref.dtype)
+        return jnp.exp(g_last)[:, None] * state + _dot_tn(kg, v_new.astype(w_ref.dtype),
+                                                          precision)
 
     state0 = init_ref[n, h, :, vcols]
     final_ref[n, h, :, vcols] = lax.fori_loop(0, num_chunks, body, state0)
@@ -284,19 +267,19 @@ def kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_
     chunk_start, chunk_len = _chunk_slots(cu_seqlens, num_slots, chunk)
 
     f32 = jnp.float32
+    # The fast path stores the matmul operands of the scan in bf16 (the state stays fp32).
+    inter = f32 if exact else jnp.bfloat16
     prep_shapes = (
-        jax.ShapeDtypeStruct((padded, num_heads, head_k), f32),   # W
-        jax.ShapeDtypeStruct((padded, num_heads, head_v), f32),   # U
-        jax.ShapeDtypeStruct((padded, num_heads, chunk), f32),    # Aqk
-        jax.ShapeDtypeStruct((padded, num_heads, head_k), f32),   # Qg
-        jax.ShapeDtypeStruct((padded, num_heads, head_k), f32),   # Kg
+        jax.ShapeDtypeStruct((padded, num_heads, head_k), inter),   # W
+        jax.ShapeDtypeStruct((padded, num_heads, head_v), inter),   # U
+        jax.ShapeDtypeStruct((padded, num_heads, chunk), inter),    # Aqk
+        jax.ShapeDtypeStruct((padded, num_heads, head_k), inter),   # Qg
+        jax.ShapeDtypeStruct((padded, num_heads, head_k), inter),   # Kg
         jax.ShapeDtypeStruct((padded, num_heads, head_k), f32),   # G
         jax.ShapeDtypeStruct((padded, num_heads, head_k), f32),   # G_last at chunk rows
     )
     prep = pl.pallas_call(
-        functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
-                          block_k=config.prep_block_k, block_v=config.prep_block_v,
-                          precision=precision),
+        functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk, precision=precision),
         out_shape=prep_shapes,
         grid=(num_slots, num_heads),
         compiler_params=plgpu.CompilerParams(num_warps=config.prep_num_warps,

@@ -37,11 +37,9 @@ class KernelConfig:
 
     chunk_size: int = 64
     block_v: int = 64           # value columns per scan program
-    scan_num_warps: int = 4
+    scan_num_warps: int = 8
     scan_num_stages: int = 1
-    prep_block_k: int = 32      # key columns per slice in the chunk-prep pass
-    prep_block_v: int = 32
-    prep_num_warps: int = 4
+    prep_num_warps: int = 8
     prep_num_stages: int = 1
 
 
@@ -62,41 +60,43 @@ def device_spec(device: jax.Device | None = None) -> DeviceSpec:
     return DeviceSpec(device.device_kind, (major, minor), num_sms or 1, smem)
 
 
-def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int) -> dict[str, int]:
+def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
+                           operand_bytes: int = 2) -> dict[str, int]:
     """Upper estimate of shared memory per block, in bytes, for each pass.
 
-    Triton stages each dot operand through shared memory to reach the MMA operand layout;
-    with pipelining (num_stages > 1) every tile loaded inside the chunk loop is buffered
-    once per extra stage. Scan pass tiles per iteration: W, Qg, Kg [C, K], Aqk [C, C] and
-    U [C, BV], all fp32; the largest single dot stages its [C, K] and [K, BV] operands.
-    The prep pass is straight-line code over [16, BK] / [16, BV] tiles.
+    Triton stages dot operands through shared memory to reach the MMA operand layout, and
+    with pipelining (num_stages > 1) buffers every tile loaded inside the chunk loop once
+    per extra stage. Scan pass, per chunk: W, Qg, Kg [C, K], Aqk [C, C] and U [C, BV] in
+    the operand dtype (bf16 on the fast path); its largest dot stages [C, K] and [K, BV].
+    Prep pass (fp32, no loop): the largest dot stages T [C, C] and a [C, K] operand, plus
+    one [C, K] tile in flight for a layout conversion.
     """
     c, bv = config.chunk_size, config.block_v
-    loop_tiles = FP32_BYTES * (3 * c * head_k + c * c + c * bv)
-    dot_staging = FP32_BYTES * (c * head_k + head_k * bv)
+    loop_tiles = operand_bytes * (3 * c * head_k + c * c + c * bv)
+    dot_staging = operand_bytes * (c * head_k + head_k * bv)
     scan = dot_staging + max(0, config.scan_num_stages - 1) * loop_tiles
-    sub = 16
-    prep = FP32_BYTES * (sub * config.prep_block_k * 2 + sub * max(config.prep_block_v, sub)
-                         + sub * sub * 2)
+    prep = FP32_BYTES * (c * c + 2 * c * max(head_k, head_v))
     return {"scan": scan, "prep": prep}
 
 
 def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: int,
-                  head_v: int) -> KernelConfig:
+                  head_v: int, operand_bytes: int = 2) -> KernelConfig:
     """Pick the tiling for a device and a problem shape.
 
     The scan runs one program per (sequence, head, value block): smaller value blocks give
-    more programs when sequences x heads alone would leave SMs idle. Pipeline stages are
-    added only while the shared-memory estimate stays within the device's limit.
+    more programs when sequences x heads alone would leave SMs idle, at the price of
+    re-reading W, Qg, Kg and Aqk once per value block. Pipeline stages are added only while
+    the shared-memory estimate stays within the device's limit.
     """
     block_v = min(64, head_v)
-    while block_v > 16 and num_seqs * num_heads * (head_v // block_v) < spec.num_sms:
+    while block_v > 32 and num_seqs * num_heads * (head_v // block_v) < spec.num_sms:
         block_v //= 2
-    config = KernelConfig(block_v=block_v, prep_block_k=min(32, head_k),
-                          prep_block_v=min(32, head_v))
+    config = KernelConfig(block_v=block_v)
     for stages in (2, 1):
         candidate = dataclasses.replace(config, scan_num_stages=stages)
-        if max(estimate_shared_memory(candidate, head_k, head_v).values()) <= spec.smem_per_block:
+        estimate = estimate_shared_memory(candidate, head_k, head_v,
+                                          operand_bytes=operand_bytes)
+        if max(estimate.values()) <= spec.smem_per_block:
             return candidate
     raise ValueError(
         f"no KDA kernel configuration fits {spec.smem_per_block} bytes of shared memory on "

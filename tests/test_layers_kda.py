@@ -140,9 +140,9 @@ def test_bf16_layer_tracks_oracle(rng):
     assert (out.y.dtype, out.state.conv.dtype, out.snapshots.conv.dtype) == (dtype,) * 3
     assert out.state.recurrent.dtype == out.snapshots.recurrent.dtype == jnp.float32
     y, final, _ = kda_oracle(layer, config, x, cu, state, offsets)
-    scale = np.abs(y).max()
-    np.testing.assert_allclose(np.asarray(out.y, np.float32) / scale, y / scale, atol=3e-2)
-    np.testing.assert_allclose(out.state.recurrent, final.recurrent, atol=0.1)
+    for got, want in ((out.y, y), (out.state.recurrent, final.recurrent)):
+        scale = np.abs(want).max()  # measured: 0.6% (y) and 1.3% (states) of the maximum
+        np.testing.assert_allclose(np.asarray(got, np.float32) / scale, want / scale, atol=3e-2)
 
 
 @pytest.mark.gpu

@@ -28,9 +28,7 @@ class DSAIndexer(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         heads, dim = config.dsa_num_heads, config.dsa_head_dim
-
         linear = functools.partial(projection, config, rngs=rngs)
-
         self.num_heads, self.head_dim, self.top_k = heads, dim, config.dsa_top_k
         self.wq_b = linear(config.q_lora_rank, heads * dim)
         self.wk = linear(config.hidden_size, dim)

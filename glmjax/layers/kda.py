@@ -49,9 +49,7 @@ class KDA(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         heads, dim, hidden = config.kda_num_heads, config.kda_head_dim, config.hidden_size
-
         linear = functools.partial(projection, config, rngs=rngs)
-
         self.num_heads, self.head_dim = heads, dim
         self.gate, self.gate_bound = config.kda_gate, config.kda_gate_bound
         self.backend = config.resolved_kda_backend()

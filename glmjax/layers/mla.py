@@ -57,12 +57,8 @@ class MLA(nnx.Module):
                                             config.v_head_dim)
         self.scale = (self.nope + self.rope) ** -0.5
         q_dim = heads * (self.nope + self.rope)
-
         linear = functools.partial(projection, config, rngs=rngs)
-
-        def norm(dim):
-            return RMSNorm(dim, eps=config.rms_norm_eps, param_dtype=config.param_dtype)
-
+        norm = functools.partial(RMSNorm, eps=config.rms_norm_eps, param_dtype=config.param_dtype)
         if config.q_lora_rank is None:
             self.q_proj = linear(hidden, q_dim)
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None

@@ -38,7 +38,6 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int, *,
                  limit: float | None = None, rngs: nnx.Rngs):
         linear = functools.partial(projection, config, rngs=rngs)
-
         self.limit = limit
         self.gate_proj = linear(config.hidden_size, intermediate_size)
         self.up_proj = linear(config.hidden_size, intermediate_size)
