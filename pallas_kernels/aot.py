@@ -1,0 +1,196 @@
+"""Compile every production Pallas kernel ahead of time for GB10 (sm_121) and H200 (sm_90).
+
+    python -m pallas_kernels.aot --device gb10|h200|all
+
+No GPU is needed. For each device the KDA prefill is lowered under an abstract mesh whose
+device kind is that GPU, with exactly the `KernelConfig` the runtime picks for it, at the
+real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs). Each Triton module the
+Pallas lowering embeds is then compiled by the official Triton compiler for that target,
+and ptxas reports registers and spills. The table shows shared memory against the
+device's per-block limit; the exit status is non-zero when a kernel fails to compile or
+exceeds a limit (register spills are reported, they cost speed, not correctness).
+
+What this proves: the kernels compile for sm_121 and fit its 99 KB of shared memory per
+block and its register file. What it does not: speed or numerics on GB10 hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax._src.lib.mlir import ir
+from jax._src.mesh import AbstractDevice, AbstractMesh
+from jax._src.pallas.triton.lowering import _new_ir_context
+
+from pallas_kernels.kda_pallas import kda_prefill_pallas
+from pallas_kernels.tuning import KNOWN_DEVICES, DeviceSpec, KernelConfig, select_config
+
+HEAD_COUNTS = (32, 64)
+HEAD_DIM = 128
+NUM_TOKENS = 8192
+CAPACITY = 4
+MAX_REGISTERS = 255  # per thread, every NVIDIA target since sm_50
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonModule:
+    """One pallas_call as lowered: its name, Triton IR text and launch parameters."""
+
+    name: str
+    ir_text: str
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelReport:
+    kernel: str
+    device: str
+    heads: int
+    compiled: bool
+    shared_bytes: int | None = None
+    registers: int | None = None
+    spill_bytes: int | None = None
+    shared_limit: int = 0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Compiled within the device's limits (spills are reported, not failures)."""
+        return (self.compiled and self.shared_bytes <= self.shared_limit
+                and self.registers <= MAX_REGISTERS)
+
+
+def _abstract_mesh(spec: DeviceSpec) -> AbstractMesh:
+    device = AbstractDevice(device_kind=spec.name, num_cores=spec.num_sms, platform="gpu")
+    return AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+def _custom_calls(op) -> list:
+    found = []
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                if inner.operation.name == "stablehlo.custom_call":
+                    found.append(inner)
+                found.extend(_custom_calls(inner))
+    return found
+
+
+def lower_kda_prefill(spec: DeviceSpec, heads: int,
+                      config: KernelConfig | None = None) -> list[TritonModule]:
+    """The Triton modules of the bf16 KDA prefill for `spec`, by default with the config
+    the runtime picks for that device."""
+    config = config or select_config(spec, num_seqs=1, num_heads=heads, head_k=HEAD_DIM,
+                                     head_v=HEAD_DIM)
+    shape = jax.ShapeDtypeStruct
+    tokens_hk = (NUM_TOKENS, heads, HEAD_DIM)
+    args = (shape(tokens_hk, jnp.bfloat16), shape(tokens_hk, jnp.bfloat16),
+            shape(tokens_hk, jnp.bfloat16), shape(tokens_hk, jnp.float32),
+            shape((NUM_TOKENS, heads), jnp.bfloat16), shape((2,), jnp.int32),
+            shape((1, heads, HEAD_DIM, HEAD_DIM), jnp.float32),
+            shape((1, CAPACITY), jnp.int32))
+
+    def prefill(*arrays):
+        return kda_prefill_pallas(*arrays, scale=HEAD_DIM ** -0.5, config=config,
+                                  interpret=False, exact=False)
+
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(spec)):
+        lowered = jax.jit(prefill).trace(*args).lower(lowering_platforms=("cuda",))
+    modules = []
+    for call in _custom_calls(lowered.compiler_ir("stablehlo").operation):
+        backend = ir.DictAttr(call.attributes["mhlo.backend_config"])
+        with _new_ir_context(), ir.Location.unknown():
+            module = ir.Module.parse(ir.StringAttr(backend["ir"]).value_bytes)
+            text = module.operation.get_asm(enable_debug_info=False)
+        modules.append(TritonModule(
+            name=ir.StringAttr(backend["name"]).value, ir_text=text,
+            num_warps=ir.IntegerAttr(backend["num_warps"]).value,
+            num_stages=ir.IntegerAttr(backend["num_stages"]).value))
+    return modules
+
+
+def _ptxas_report(ptx: str, capability: int) -> tuple[int, int]:
+    """(registers per thread, spill bytes) from `ptxas -v` for this target."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp, "kernel.ptx")
+        source.write_text(ptx)
+        result = subprocess.run(
+            [get_ptxas(capability).path, "-v", f"--gpu-name={sm_arch_from_capability(capability)}",
+             str(source), "-o", str(Path(tmp, "kernel.cubin"))],
+            capture_output=True, text=True, check=True)
+    registers = int(re.search(r"Used (\d+) registers", result.stderr).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", result.stderr))
+    return registers, spills
+
+
+def compile_module(module: TritonModule, spec: DeviceSpec, heads: int) -> KernelReport:
+    """Compile one Triton module for `spec` with the official Triton compiler."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    capability = spec.compute_capability[0] * 10 + spec.compute_capability[1]
+    base = dict(kernel=module.name, device=spec.name, heads=heads,
+                shared_limit=spec.smem_per_block)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, f"{module.name}.ttir")
+        path.write_text(module.ir_text)
+        try:
+            kernel = triton.compile(str(path), target=GPUTarget("cuda", capability, 32),
+                                    options=dict(num_warps=module.num_warps,
+                                                 num_stages=module.num_stages))
+            registers, spills = _ptxas_report(kernel.asm["ptx"], capability)
+        except Exception as error:  # reported in the table; the exit status says it failed
+            return KernelReport(compiled=False, error=f"{type(error).__name__}: {error}"[:300],
+                                **base)
+    return KernelReport(compiled=True, shared_bytes=int(kernel.metadata.shared),
+                        registers=registers, spill_bytes=spills, **base)
+
+
+def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> list[KernelReport]:
+    reports = []
+    for name in names:
+        spec = KNOWN_DEVICES[name]
+        for num_heads in heads:
+            for module in lower_kda_prefill(spec, num_heads):
+                reports.append(compile_module(module, spec, num_heads))
+    return reports
+
+
+def format_table(reports: list[KernelReport]) -> str:
+    lines = [f"{'kernel':16} {'device':12} {'H':>3} {'compiled':8} {'smem B':>8} "
+             f"{'limit B':>8} {'margin B':>9} {'regs':>5} {'spill B':>7}  status"]
+    for r in reports:
+        if r.compiled:
+            lines.append(
+                f"{r.kernel:16} {r.device:12} {r.heads:3} {'yes':8} {r.shared_bytes:8} "
+                f"{r.shared_limit:8} {r.shared_limit - r.shared_bytes:9} {r.registers:5} "
+                f"{r.spill_bytes:7}  {'ok' if r.ok else 'OVER LIMIT'}")
+        else:
+            lines.append(f"{r.kernel:16} {r.device:12} {r.heads:3} {'no':8} {'':>8} "
+                         f"{r.shared_limit:8} {'':>9} {'':>5} {'':>7}  {r.error}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=[*KNOWN_DEVICES, "all"], default="all")
+    args = parser.parse_args(argv)
+    names = list(KNOWN_DEVICES) if args.device == "all" else [args.device]
+    reports = check_devices(names)
+    print(format_table(reports))
+    return 0 if all(r.ok for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

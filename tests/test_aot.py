@@ -1,0 +1,51 @@
+"""Every production Pallas kernel compiles for GB10 (sm_121) and H200 (sm_90) and fits.
+
+Runs on the CPU: the kernels are lowered under an abstract GPU mesh and compiled by the
+official Triton compiler for each target (see pallas_kernels/aot.py).
+"""
+
+import pytest
+
+pytest.importorskip("triton", reason="the AOT check needs the triton package (test extra)")
+
+from pallas_kernels import aot  # noqa: E402
+from pallas_kernels.tuning import GB10, H200, KernelConfig, estimate_shared_memory  # noqa: E402
+
+
+@pytest.mark.parametrize("device", ["gb10", "h200"])
+def test_every_kernel_compiles_within_limits(device):
+    reports = aot.check_devices([device])
+    assert {r.kernel for r in reports} == {"kda_chunk_prep", "kda_chunk_scan"}
+    assert {r.heads for r in reports} == set(aot.HEAD_COUNTS)
+    for report in reports:
+        assert report.compiled, report.error
+        assert report.shared_bytes <= report.shared_limit, aot.format_table([report])
+        assert report.registers <= aot.MAX_REGISTERS
+
+
+@pytest.mark.parametrize("spec", [GB10, H200], ids=["gb10", "h200"])
+@pytest.mark.parametrize("config", [KernelConfig(block_v=32, scan_num_stages=1),
+                                    KernelConfig(block_v=64, scan_num_stages=2)],
+                         ids=["bv32-s1", "bv64-s2"])
+def test_shared_memory_estimate_bounds_triton(spec, config):
+    """The estimate select_config relies on is an upper bound of what Triton allocates."""
+    modules = aot.lower_kda_prefill(spec, 32, config)
+    estimate = estimate_shared_memory(config, aot.HEAD_DIM, aot.HEAD_DIM,
+                                      compute_capability=spec.compute_capability)
+    for module in modules:
+        if module.name != "kda_chunk_scan":
+            continue
+        report = aot.compile_module(module, spec, 32)
+        assert report.compiled, report.error
+        assert report.shared_bytes <= estimate["scan"]
+        assert estimate["scan"] <= 2 * report.shared_bytes, "estimate too loose to steer"
+
+
+def test_table_marks_failures():
+    failed = aot.KernelReport(kernel="k", device="d", heads=1, compiled=False,
+                              shared_limit=10, error="boom")
+    over = aot.KernelReport(kernel="k", device="d", heads=1, compiled=True, shared_bytes=11,
+                            registers=10, spill_bytes=0, shared_limit=10)
+    assert not failed.ok and not over.ok
+    table = aot.format_table([failed, over])
+    assert "boom" in table and "OVER LIMIT" in table
