@@ -6,4 +6,8 @@
   prefix-cache block map.
 - ``serving.state_slots``: KDA state-pool slots for running requests and retained states.
 - ``serving.prefix_cache``: longest-prefix lookup over both.
+- ``serving.request``: a request's tokens, status and the resources it holds.
+- ``serving.scheduler``: per-step decodes and prefill spans, admission, preemption, and
+  registering what each step retained.
+- ``serving.batch_builder``: a scheduled step packed into the model's bucketed batches.
 """

@@ -24,14 +24,17 @@ def test_every_kernel_compiles_within_limits(device):
 
 
 @pytest.mark.parametrize("spec", [GB10, H200], ids=["gb10", "h200"])
-@pytest.mark.parametrize("config", [KernelConfig(block_v=32, scan_num_stages=1),
-                                    KernelConfig(block_v=64, scan_num_stages=2)],
-                         ids=["bv32-s1", "bv64-s2"])
+@pytest.mark.parametrize(
+    "config",
+    [KernelConfig(block_v=32, scan_num_stages=1), KernelConfig(block_v=64, scan_num_stages=2)],
+    ids=["bv32-s1", "bv64-s2"],
+)
 def test_shared_memory_estimate_bounds_triton(spec, config):
     """The estimate select_config relies on is an upper bound of what Triton allocates."""
     modules = aot.lower_kda_prefill(spec, 32, config)
-    estimate = estimate_shared_memory(config, aot.HEAD_DIM, aot.HEAD_DIM,
-                                      compute_capability=spec.compute_capability)
+    estimate = estimate_shared_memory(
+        config, aot.HEAD_DIM, aot.HEAD_DIM, compute_capability=spec.compute_capability
+    )
     for module in modules:
         if module.name != "kda_chunk_scan":
             continue
@@ -42,10 +45,19 @@ def test_shared_memory_estimate_bounds_triton(spec, config):
 
 
 def test_table_marks_failures():
-    failed = aot.KernelReport(kernel="k", device="d", heads=1, compiled=False,
-                              shared_limit=10, error="boom")
-    over = aot.KernelReport(kernel="k", device="d", heads=1, compiled=True, shared_bytes=11,
-                            registers=10, spill_bytes=0, shared_limit=10)
+    failed = aot.KernelReport(
+        kernel="k", device="d", heads=1, compiled=False, shared_limit=10, error="boom"
+    )
+    over = aot.KernelReport(
+        kernel="k",
+        device="d",
+        heads=1,
+        compiled=True,
+        shared_bytes=11,
+        registers=10,
+        spill_bytes=0,
+        shared_limit=10,
+    )
     assert not failed.ok and not over.ok
     table = aot.format_table([failed, over])
     assert "boom" in table and "OVER LIMIT" in table

@@ -16,8 +16,19 @@ from pallas_kernels.tuning import KernelConfig
 OUTPUT_NAMES = ("o", "final_states", "snapshots")
 
 
-def make_inputs(rng, lens, *, heads=2, head_k=32, head_v=32, padding=5, capacity=4,
-                min_decay=-5.0, dtype=jnp.float32, offsets=None):
+def make_inputs(
+    rng,
+    lens,
+    *,
+    heads=2,
+    head_k=32,
+    head_v=32,
+    padding=5,
+    capacity=4,
+    min_decay=-5.0,
+    dtype=jnp.float32,
+    offsets=None,
+):
     """A packed batch: sequences of `lens` tokens, `padding` spare rows after them."""
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     num_tokens = int(cu[-1]) + padding
@@ -40,7 +51,8 @@ def make_inputs(rng, lens, *, heads=2, head_k=32, head_v=32, padding=5, capacity
         **arrays,
         cu_seqlens=jnp.asarray(cu),
         initial_states=jnp.asarray(
-            0.5 * rng.standard_normal((len(lens), heads, head_k, head_v)), jnp.float32),
+            0.5 * rng.standard_normal((len(lens), heads, head_k, head_v)), jnp.float32
+        ),
         checkpoint_offsets=jnp.asarray(np.asarray(offsets, np.int32)),
     )
 
@@ -79,9 +91,14 @@ class KdaKernelCases:
     def check_against_recurrence(self, inputs, tolerance, **kwargs):
         outputs = self.run_kernel(inputs, **kwargs)
         oracle = kda_recurrent_reference(
-            *(np.asarray(inputs[n], np.float64) if inputs[n].dtype == jnp.bfloat16
-              else inputs[n] for n in ("q", "k", "v", "g", "beta")),
-            inputs["cu_seqlens"], inputs["initial_states"], inputs["checkpoint_offsets"])
+            *(
+                np.asarray(inputs[n], np.float64) if inputs[n].dtype == jnp.bfloat16 else inputs[n]
+                for n in ("q", "k", "v", "g", "beta")
+            ),
+            inputs["cu_seqlens"],
+            inputs["initial_states"],
+            inputs["checkpoint_offsets"],
+        )
         for name, out, ref in zip(OUTPUT_NAMES, outputs, oracle, strict=True):
             out = np.asarray(out, np.float64)
             assert np.isfinite(out).all(), f"{name} has inf or NaN"
@@ -157,8 +174,9 @@ class TestKdaKernelGpu(KdaKernelCases):
     INTERPRET = False
 
     def test_real_head_dims_bf16(self, rng):
-        inputs = make_inputs(rng, [3000, 1000, 95], heads=4, head_k=128, head_v=128,
-                             dtype=jnp.bfloat16)
+        inputs = make_inputs(
+            rng, [3000, 1000, 95], heads=4, head_k=128, head_v=128, dtype=jnp.bfloat16
+        )
         self.check_against_recurrence(inputs, 5e-3)
 
 

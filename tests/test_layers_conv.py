@@ -38,7 +38,7 @@ def test_conv_matches_loop(rng, case):
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(final, final_ref, rtol=0, atol=0)
     np.testing.assert_allclose(snaps, snaps_ref, rtol=0, atol=0)
-    assert not np.any(np.asarray(y)[cu[-1]:])  # padding rows are zero
+    assert not np.any(np.asarray(y)[cu[-1] :])  # padding rows are zero
 
 
 def test_snapshot_before_kernel_reach_reads_history():
@@ -46,8 +46,13 @@ def test_snapshot_before_kernel_reach_reads_history():
     x = np.arange(1, 6, dtype=np.float32)[:, None]  # one channel: 1, 2, 3, 4, 5
     history = np.array([[[-3.0, -2.0, -1.0]]], np.float32)
     offsets = np.array([[1, 2, 5, -1]], np.int32)
-    _, final, snaps = conv(x, np.ones((1, WIDTH), np.float32), jnp.array([0, 5], jnp.int32),
-                           history, jnp.asarray(offsets))
+    _, final, snaps = conv(
+        x,
+        np.ones((1, WIDTH), np.float32),
+        jnp.array([0, 5], jnp.int32),
+        history,
+        jnp.asarray(offsets),
+    )
     np.testing.assert_array_equal(snaps[0, :, 0], [[-2, -1, 1], [-1, 1, 2], [3, 4, 5], [0, 0, 0]])
     np.testing.assert_array_equal(final[0, 0], [3, 4, 5])
 
@@ -63,7 +68,11 @@ def test_conv_is_one_compile_for_all_lengths(rng):
     before = conv._cache_size()
     for _ in range(3):
         cu = cu_seqlens_of(random_lengths(rng, NUM_SEQS, NUM_TOKENS))
-        conv(np.zeros((NUM_TOKENS, CHANNELS), np.float32), np.zeros((CHANNELS, WIDTH), np.float32),
-             jnp.asarray(cu), np.zeros((NUM_SEQS, CHANNELS, WIDTH - 1), np.float32),
-             jnp.full((NUM_SEQS, CAPACITY), -1, jnp.int32))
+        conv(
+            np.zeros((NUM_TOKENS, CHANNELS), np.float32),
+            np.zeros((CHANNELS, WIDTH), np.float32),
+            jnp.asarray(cu),
+            np.zeros((NUM_SEQS, CHANNELS, WIDTH - 1), np.float32),
+            jnp.full((NUM_SEQS, CAPACITY), -1, jnp.int32),
+        )
     assert conv._cache_size() - before <= 1

@@ -15,12 +15,14 @@ def indexer_select_oracle(layer: MLA, config, x, top_k):
     """[L, L] bool: for each query, its top_k causally visible keys by index score."""
     ind, x = layer.indexer, f64(x)
     length, heads, dim = x.shape[0], config.dsa_num_heads, config.dsa_head_dim
-    q_latent = rms_norm(x @ f64(layer.q_a_proj.kernel), f64(layer.q_a_layernorm.weight),
-                        config.rms_norm_eps)
+    q_latent = rms_norm(
+        x @ f64(layer.q_a_proj.kernel), f64(layer.q_a_layernorm.weight), config.rms_norm_eps
+    )
     q = (q_latent @ f64(ind.wq_b.kernel)).reshape(length, heads, dim)
     k = x @ f64(ind.wk.kernel)
-    k = ((k - k.mean(-1, keepdims=True)) / np.sqrt(k.var(-1, keepdims=True) + 1e-6)
-         * f64(ind.k_norm.scale) + f64(ind.k_norm.bias))
+    k = (k - k.mean(-1, keepdims=True)) / np.sqrt(k.var(-1, keepdims=True) + 1e-6) * f64(
+        ind.k_norm.scale
+    ) + f64(ind.k_norm.bias)
     w = x @ f64(ind.weights_proj.kernel) / np.sqrt(heads * dim)
     select = np.zeros((length, length), bool)
     for t in range(length):
@@ -42,8 +44,9 @@ def test_top_k_selection_matches_oracle(rng):
     top_k = 3
     config = dsa_config(top_k)
     layer = make_layer(config, rng)
-    decode_case(rng, config, layer,
-                select=lambda seq: indexer_select_oracle(layer, config, seq, top_k))
+    decode_case(
+        rng, config, layer, select=lambda seq: indexer_select_oracle(layer, config, seq, top_k)
+    )
 
 
 def test_select_keeps_at_most_top_k_visible_keys(rng):
@@ -62,5 +65,9 @@ def test_cache_without_index_keys_is_refused(rng):
     layer = make_layer(config, rng)
     cache = MLACache(MLACache.zeros(config, 2).latent)
     with pytest.raises(ValueError, match="index_keys"):
-        layer.decode(jnp.zeros((1, config.hidden_size)), cache, jnp.zeros((1, 1), jnp.int32),
-                     jnp.zeros((1,), jnp.int32))
+        layer.decode(
+            jnp.zeros((1, config.hidden_size)),
+            cache,
+            jnp.zeros((1, 1), jnp.int32),
+            jnp.zeros((1,), jnp.int32),
+        )

@@ -34,13 +34,15 @@ def kda_oracle(layer: KDA, config: ModelConfig, x, cu, state: KDAState, offsets)
     """(y [T, D], final KDAState, snapshot KDAState) from the formulas in float64."""
     tokens, heads, dim = x.shape[0], config.kda_num_heads, config.kda_head_dim
     x = f64(x)
-    qkv = np.concatenate([x @ kernel(layer.q_proj), x @ kernel(layer.k_proj),
-                          x @ kernel(layer.v_proj)], axis=1)
-    mixed, conv_final, conv_snaps = conv_oracle(qkv, f64(layer.conv.weight), cu, state.conv,
-                                                offsets)
+    qkv = np.concatenate(
+        [x @ kernel(layer.q_proj), x @ kernel(layer.k_proj), x @ kernel(layer.v_proj)], axis=1
+    )
+    mixed, conv_final, conv_snaps = conv_oracle(
+        qkv, f64(layer.conv.weight), cu, state.conv, offsets
+    )
     q, k, v = (part.reshape(tokens, heads, dim) for part in np.split(mixed, 3, axis=1))
     q, k = (a / np.sqrt(np.sum(a * a, axis=-1, keepdims=True) + 1e-6) for a in (q, k))
-    f = (x @ kernel(layer.f_a_proj) @ kernel(layer.f_b_proj) + f64(layer.dt_bias))
+    f = x @ kernel(layer.f_a_proj) @ kernel(layer.f_b_proj) + f64(layer.dt_bias)
     f = f.reshape(q.shape)
     a = np.exp(f64(layer.A_log))[:, None]
     if config.kda_gate == "softplus":
@@ -48,12 +50,16 @@ def kda_oracle(layer: KDA, config: ModelConfig, x, cu, state: KDAState, offsets)
     else:
         g = config.kda_gate_bound * sigmoid(a * f)
     beta = sigmoid(x @ kernel(layer.b_proj))
-    o, final, snaps = kda_recurrence_oracle(q, k, v, g, beta, cu, state.recurrent, offsets,
-                                            scale=dim ** -0.5)
+    o, final, snaps = kda_recurrence_oracle(
+        q, k, v, g, beta, cu, state.recurrent, offsets, scale=dim**-0.5
+    )
     gate = (x @ kernel(layer.g_a_proj) @ kernel(layer.g_b_proj)).reshape(o.shape)
     y = rms_norm(o, f64(layer.o_norm.weight), config.rms_norm_eps) * sigmoid(gate)
-    return (y.reshape(tokens, -1) @ kernel(layer.o_proj), KDAState(final, conv_final),
-            KDAState(snaps, conv_snaps))
+    return (
+        y.reshape(tokens, -1) @ kernel(layer.o_proj),
+        KDAState(final, conv_final),
+        KDAState(snaps, conv_snaps),
+    )
 
 
 def random_batch(rng, config, *, cold):
@@ -78,14 +84,20 @@ def run(layer, x, cu, state, offsets):
     return layer(x, cu, state, offsets)
 
 
-@pytest.mark.parametrize("gate, cold", [("sigmoid_bound", False), ("sigmoid_bound", True),
-                                        ("softplus", False)])
+@pytest.mark.parametrize(
+    "gate, cold", [("sigmoid_bound", False), ("sigmoid_bound", True), ("softplus", False)]
+)
 def test_kda_layer_matches_oracle(rng, gate, cold):
     config = dataclasses.replace(ModelConfig.preset("tiny"), kda_gate=gate)
     layer = random_module(lambda: KDA(config, rngs=nnx.Rngs(0)), rng)
     x, cu, state, offsets = random_batch(rng, config, cold=cold)
-    out = run(layer, jnp.asarray(x), jnp.asarray(cu), KDAState(*map(jnp.asarray, state)),
-              jnp.asarray(offsets))
+    out = run(
+        layer,
+        jnp.asarray(x),
+        jnp.asarray(cu),
+        KDAState(*map(jnp.asarray, state)),
+        jnp.asarray(offsets),
+    )
     y, final, snaps = kda_oracle(layer, config, x, cu, state, offsets)
     np.testing.assert_allclose(out.y, y, rtol=1e-5, atol=2e-5)
     np.testing.assert_allclose(out.state.recurrent, final.recurrent, rtol=1e-5, atol=1e-5)
@@ -93,7 +105,7 @@ def test_kda_layer_matches_oracle(rng, gate, cold):
     np.testing.assert_allclose(out.snapshots.recurrent, snaps.recurrent, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out.snapshots.conv, snaps.conv, rtol=1e-5, atol=1e-5)
     assert out.state.recurrent.dtype == jnp.float32
-    assert not np.any(np.asarray(out.y)[cu[-1]:])  # padding rows
+    assert not np.any(np.asarray(out.y)[cu[-1] :])  # padding rows
 
 
 def test_resume_from_snapshot_equals_cold_run(rng):
@@ -106,16 +118,26 @@ def test_resume_from_snapshot_equals_cold_run(rng):
     x = jnp.asarray(rng.normal(size=(NUM_TOKENS, config.hidden_size)), jnp.float32)
     _, _, zeros, _ = random_batch(rng, config, cold=True)
     no_checkpoints = np.full((NUM_SEQS, CAPACITY), -1, np.int32)
-    full = run(layer, x, jnp.array([0] + [length] * NUM_SEQS, jnp.int32), zeros,
-               jnp.asarray(no_checkpoints).at[0, 2].set(split))
+    full = run(
+        layer,
+        x,
+        jnp.array([0] + [length] * NUM_SEQS, jnp.int32),
+        zeros,
+        jnp.asarray(no_checkpoints).at[0, 2].set(split),
+    )
     retained = KDAState(*(s[:, 2] for s in full.snapshots))
     tail_x = jnp.roll(x, -split, axis=0)
-    tail = run(layer, tail_x, jnp.array([0] + [length - split] * NUM_SEQS, jnp.int32), retained,
-               jnp.asarray(no_checkpoints))
-    np.testing.assert_allclose(tail.y[:length - split], full.y[split:length], rtol=1e-5,
-                               atol=2e-5)
-    np.testing.assert_allclose(tail.state.recurrent[0], full.state.recurrent[0], rtol=1e-5,
-                               atol=1e-5)
+    tail = run(
+        layer,
+        tail_x,
+        jnp.array([0] + [length - split] * NUM_SEQS, jnp.int32),
+        retained,
+        jnp.asarray(no_checkpoints),
+    )
+    np.testing.assert_allclose(tail.y[: length - split], full.y[split:length], rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        tail.state.recurrent[0], full.state.recurrent[0], rtol=1e-5, atol=1e-5
+    )
     np.testing.assert_array_equal(tail.state.conv[0], full.state.conv[0])
 
 
@@ -133,10 +155,17 @@ def test_bf16_layer_tracks_oracle(rng):
     config = dataclasses.replace(ModelConfig.preset("tiny"), dtype=dtype, param_dtype=dtype)
     layer = random_module(lambda: KDA(config, rngs=nnx.Rngs(0)), rng)
     x, cu, state, offsets = random_batch(rng, config, cold=False)
-    x, state = np.asarray(jnp.asarray(x, dtype)), KDAState(state.recurrent,
-                                                          np.asarray(jnp.asarray(state.conv, dtype)))
-    out = run(layer, jnp.asarray(x), jnp.asarray(cu), KDAState(*map(jnp.asarray, state)),
-              jnp.asarray(offsets))
+    x, state = (
+        np.asarray(jnp.asarray(x, dtype)),
+        KDAState(state.recurrent, np.asarray(jnp.asarray(state.conv, dtype))),
+    )
+    out = run(
+        layer,
+        jnp.asarray(x),
+        jnp.asarray(cu),
+        KDAState(*map(jnp.asarray, state)),
+        jnp.asarray(offsets),
+    )
     assert (out.y.dtype, out.state.conv.dtype, out.snapshots.conv.dtype) == (dtype,) * 3
     assert out.state.recurrent.dtype == out.snapshots.recurrent.dtype == jnp.float32
     y, final, _ = kda_oracle(layer, config, x, cu, state, offsets)
@@ -154,14 +183,18 @@ def test_pallas_backend_matches_reference_backend(rng, dtype):
     layer = random_module(lambda: KDA(config, rngs=nnx.Rngs(0)), rng)
     assert layer.backend == "pallas"
     x, cu, state, offsets = random_batch(rng, config, cold=False)
-    args = (jnp.asarray(x, dtype), jnp.asarray(cu),
-            KDAState(jnp.asarray(state.recurrent), jnp.asarray(state.conv, dtype)),
-            jnp.asarray(offsets))
+    args = (
+        jnp.asarray(x, dtype),
+        jnp.asarray(cu),
+        KDAState(jnp.asarray(state.recurrent), jnp.asarray(state.conv, dtype)),
+        jnp.asarray(offsets),
+    )
     with jax.default_matmul_precision("highest"):
         got = run(layer, *args)
         want = run(with_backend(layer, "reference"), *args)
     tol = 1e-5 if dtype == jnp.float32 else 5e-3
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         scale = float(jnp.abs(b.astype(jnp.float32)).max()) or 1.0
-        np.testing.assert_allclose(np.asarray(a, np.float32) / scale,
-                                   np.asarray(b, np.float32) / scale, atol=tol)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32) / scale, np.asarray(b, np.float32) / scale, atol=tol
+        )

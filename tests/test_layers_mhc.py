@@ -20,6 +20,7 @@ def read_write(hc, streams, sublayer_weight):
 def make(rng=None) -> HyperConnection:
     def factory():
         return HyperConnection(HIDDEN, STREAMS, sinkhorn_iters=20, eps=1e-5, rngs=nnx.Rngs(0))
+
     return factory() if rng is None else random_module(factory, rng)
 
 
@@ -28,10 +29,14 @@ def test_read_write_matches_per_token_loop(rng):
     streams = rng.normal(size=(7, STREAMS, HIDDEN)).astype(np.float32)
     weight = rng.normal(size=(HIDDEN, HIDDEN)) / np.sqrt(HIDDEN)
     _, out = read_write(hc, jnp.asarray(streams), jnp.asarray(weight, jnp.float32))
-    params = {"phi": f64(hc.phi), "alpha": f64(hc.alpha), "b_pre": f64(hc.b_pre),
-              "b_post": f64(hc.b_post), "b_res": f64(hc.b_res)}
-    expected = mhc_oracle(params, f64(streams), lambda u: np.tanh(u @ weight), iters=20,
-                          eps=1e-5)
+    params = {
+        "phi": f64(hc.phi),
+        "alpha": f64(hc.alpha),
+        "b_pre": f64(hc.b_pre),
+        "b_post": f64(hc.b_post),
+        "b_res": f64(hc.b_res),
+    }
+    expected = mhc_oracle(params, f64(streams), lambda u: np.tanh(u @ weight), iters=20, eps=1e-5)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -53,5 +58,6 @@ def test_static_init_is_a_plain_residual_on_equal_streams(rng):
     weight = jnp.asarray(rng.normal(size=(HIDDEN, HIDDEN)) / np.sqrt(HIDDEN), jnp.float32)
     h, out = read_write(hc, expand_streams(x, STREAMS), weight)
     np.testing.assert_allclose(h, x, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(collapse_streams(out), x + jnp.tanh(x @ weight), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        collapse_streams(out), x + jnp.tanh(x @ weight), rtol=1e-5, atol=1e-5
+    )

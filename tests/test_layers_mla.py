@@ -31,8 +31,9 @@ def make_layer(config, rng) -> MLA:
 
 def mla_params(layer: MLA) -> dict:
     names = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-    p = {name: f64(getattr(layer, name).kernel) for name in names
-         if getattr(layer, name) is not None}
+    p = {
+        name: f64(getattr(layer, name).kernel) for name in names if getattr(layer, name) is not None
+    }
     p["kv_a_layernorm"] = f64(layer.kv_a_layernorm.weight)
     if layer.q_a_layernorm is not None:
         p["q_a_layernorm"] = f64(layer.q_a_layernorm.weight)
@@ -40,15 +41,22 @@ def mla_params(layer: MLA) -> dict:
 
 
 def oracle(layer: MLA, config: ModelConfig, x_seq, select=None):
-    return mla_oracle(mla_params(layer), f64(x_seq), heads=config.mla_num_heads,
-                      nope=config.qk_nope_head_dim, rope=config.qk_rope_head_dim,
-                      v_dim=config.v_head_dim, kv_lora=config.kv_lora_rank,
-                      eps=config.rms_norm_eps, select=select)
+    return mla_oracle(
+        mla_params(layer),
+        f64(x_seq),
+        heads=config.mla_num_heads,
+        nope=config.qk_nope_head_dim,
+        rope=config.qk_rope_head_dim,
+        v_dim=config.v_head_dim,
+        kv_lora=config.kv_lora_rank,
+        eps=config.rms_norm_eps,
+        select=select,
+    )
 
 
 def random_block_table(rng):
     """Shuffled physical blocks; the last sequence has none (-1), as an inactive row."""
-    table = rng.permutation(NUM_BLOCKS)[:NUM_SEQS * BLOCKS_PER_SEQ].reshape(NUM_SEQS, -1)
+    table = rng.permutation(NUM_BLOCKS)[: NUM_SEQS * BLOCKS_PER_SEQ].reshape(NUM_SEQS, -1)
     table[-1] = -1
     return jnp.asarray(table, jnp.int32)
 
@@ -57,7 +65,7 @@ def pack(seqs, num_tokens=NUM_TOKENS):
     """Sequences [L_n, D] -> packed x [T, D] (zero padding) and cu_seqlens."""
     cu = cu_seqlens_of([len(s) for s in seqs])
     x = np.zeros((num_tokens, seqs[0].shape[1]), np.float32)
-    x[:cu[-1]] = np.concatenate(seqs)
+    x[: cu[-1]] = np.concatenate(seqs)
     return jnp.asarray(x), jnp.asarray(cu)
 
 
@@ -80,8 +88,8 @@ def test_packed_prefill_without_cache(rng, variant):
     y, cache = nnx.jit(lambda m, x, cu: m(x, cu))(layer, x, cu)
     assert cache is None
     expected = np.concatenate([oracle(layer, config, s) for s in seqs if len(s)])
-    np.testing.assert_allclose(y[:cu[-1]], expected, rtol=1e-5, atol=1e-5)
-    assert not np.any(np.asarray(y)[int(cu[-1]):])
+    np.testing.assert_allclose(y[: cu[-1]], expected, rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(y)[int(cu[-1]) :])
 
 
 def continuation_case(rng, config, layer, select=lambda seq: None):
@@ -102,8 +110,8 @@ def continuation_case(rng, config, layer, select=lambda seq: None):
         if not len(s):
             continue
         expected = oracle(layer, config, s, select(s))
-        np.testing.assert_allclose(y1[cu1[n]:cu1[n + 1]], expected[:p], rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(y2[cu2[n]:cu2[n + 1]], expected[p:], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(y1[cu1[n] : cu1[n + 1]], expected[:p], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(y2[cu2[n] : cu2[n + 1]], expected[p:], rtol=1e-5, atol=1e-5)
     return seqs, cache, table
 
 
@@ -115,14 +123,19 @@ def decode_case(rng, config, layer, select=lambda seq: None):
     context = jnp.array([len(s) for s in seqs[:-1]] + [-1], jnp.int32)
     y, decoded_cache = decode(layer, jnp.asarray(new), cache, table, context)
     for n, s in enumerate(seqs[:-1]):
-        full = np.concatenate([s, new[n:n + 1]])
+        full = np.concatenate([s, new[n : n + 1]])
         expected = oracle(layer, config, full, select(full))[-1]
         np.testing.assert_allclose(y[n], expected, rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(y[-1]))
     # The non-absorbed path over the same cache gives the same token (one-token sequences).
     y_expanded, expanded_cache = prefill(
-        layer, jnp.zeros((NUM_TOKENS, config.hidden_size)).at[:NUM_SEQS].set(new),
-        jnp.array([0, 1, 2, 3, 3], jnp.int32), cache, table, context)
+        layer,
+        jnp.zeros((NUM_TOKENS, config.hidden_size)).at[:NUM_SEQS].set(new),
+        jnp.array([0, 1, 2, 3, 3], jnp.int32),
+        cache,
+        table,
+        context,
+    )
     np.testing.assert_allclose(y, y_expanded[:NUM_SEQS], rtol=1e-5, atol=1e-6)
     for decoded, expanded in zip(decoded_cache, expanded_cache):
         np.testing.assert_array_equal(decoded, expanded)
@@ -138,11 +151,11 @@ def test_decode_inactive_row_leaves_cache_untouched(rng):
     config = make_config()
     layer = make_layer(config, rng)
     table = random_block_table(rng)
-    cache = MLACache(jnp.asarray(rng.normal(size=(NUM_BLOCKS, BLOCK, config.kv_lora_rank)),
-                                 jnp.float32))
+    cache = MLACache(
+        jnp.asarray(rng.normal(size=(NUM_BLOCKS, BLOCK, config.kv_lora_rank)), jnp.float32)
+    )
     context = jnp.array([-1, 3, 39, 40], jnp.int32)  # inactive, valid, last slot, past the table
-    _, new_cache = decode(layer, jnp.zeros((NUM_SEQS, config.hidden_size)), cache, table,
-                          context)
+    _, new_cache = decode(layer, jnp.zeros((NUM_SEQS, config.hidden_size)), cache, table, context)
     changed = np.argwhere(np.any(np.asarray(new_cache.latent != cache.latent), axis=-1))
     np.testing.assert_array_equal(changed, [[table[1, 0], 3], [table[2, 4], 7]])
 
@@ -156,5 +169,7 @@ def test_paged_write_then_read_round_trip(rng):
     valid = jnp.array([1, 1, 1, 1, 1, 1, 1], bool)
     read = np.asarray(read_paged(write_paged(pages, table, seq, pos, values, valid), table))
     expected = np.zeros((2, 12, 3), np.float32)
-    expected[0, 0], expected[0, 5], expected[1, 11], expected[1, 2] = np.asarray(values)[[0, 1, 3, 4]]
+    expected[0, 0], expected[0, 5], expected[1, 11], expected[1, 2] = np.asarray(values)[
+        [0, 1, 3, 4]
+    ]
     np.testing.assert_array_equal(read, expected)

@@ -14,17 +14,26 @@ from glmjax.layers.moe import MLP, MoE, swiglu
 
 VARIANTS = {
     "tiny": {},  # 4 experts top-2, clamp 10
-    "kimi-like": {"num_experts": 7, "num_experts_per_token": 3, "swiglu_limit": None,
-                  "routed_scaling_factor": 2.446},
+    "kimi-like": {
+        "num_experts": 7,
+        "num_experts_per_token": 3,
+        "swiglu_limit": None,
+        "routed_scaling_factor": 2.446,
+    },
 }
 
 
 def moe_params(moe: MoE) -> dict:
-    return {"router": f64(moe.router.kernel), "bias": f64(moe.e_score_correction_bias),
-            "w_gate": f64(moe.w_gate), "w_up": f64(moe.w_up), "w_down": f64(moe.w_down),
-            "shared_gate": f64(moe.shared_experts.gate_proj.kernel),
-            "shared_up": f64(moe.shared_experts.up_proj.kernel),
-            "shared_down": f64(moe.shared_experts.down_proj.kernel)}
+    return {
+        "router": f64(moe.router.kernel),
+        "bias": f64(moe.e_score_correction_bias),
+        "w_gate": f64(moe.w_gate),
+        "w_up": f64(moe.w_up),
+        "w_down": f64(moe.w_down),
+        "shared_gate": f64(moe.shared_experts.gate_proj.kernel),
+        "shared_up": f64(moe.shared_experts.up_proj.kernel),
+        "shared_down": f64(moe.shared_experts.down_proj.kernel),
+    }
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -33,8 +42,13 @@ def test_moe_matches_per_token_loop(rng, variant):
     moe = random_module(lambda: MoE(config, rngs=nnx.Rngs(0)), rng)
     x = (rng.normal(size=(19, config.hidden_size)) * 4).astype(np.float32)  # reach the clamp
     y = nnx.jit(lambda m, x: m(x))(moe, jnp.asarray(x))
-    expected = moe_oracle(moe_params(moe), f64(x), top_k=config.num_experts_per_token,
-                          scaling=config.routed_scaling_factor, limit=config.swiglu_limit)
+    expected = moe_oracle(
+        moe_params(moe),
+        f64(x),
+        top_k=config.num_experts_per_token,
+        scaling=config.routed_scaling_factor,
+        limit=config.swiglu_limit,
+    )
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)
 
 
@@ -54,11 +68,13 @@ def test_router_weights_renormalised_and_bias_only_selects(rng):
 @pytest.mark.parametrize("limit", [None, 10.0])
 def test_dense_mlp(rng, limit):
     config = ModelConfig.preset("tiny")
-    mlp = random_module(lambda: MLP(config, config.intermediate_size, limit=limit,
-                                    rngs=nnx.Rngs(0)), rng)
+    mlp = random_module(
+        lambda: MLP(config, config.intermediate_size, limit=limit, rngs=nnx.Rngs(0)), rng
+    )
     x = (rng.normal(size=(6, config.hidden_size)) * 4).astype(np.float32)
-    expected = swiglu_oracle(f64(x), f64(mlp.gate_proj.kernel), f64(mlp.up_proj.kernel),
-                             f64(mlp.down_proj.kernel), limit)
+    expected = swiglu_oracle(
+        f64(x), f64(mlp.gate_proj.kernel), f64(mlp.up_proj.kernel), f64(mlp.down_proj.kernel), limit
+    )
     np.testing.assert_allclose(mlp(jnp.asarray(x)), expected, rtol=1e-5, atol=1e-4)
 
 
@@ -66,5 +82,6 @@ def test_swiglu_clamp():
     gate = jnp.array([20.0, -20.0, 3.0])
     up = jnp.array([-30.0, 5.0, 30.0])
     silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
-    np.testing.assert_allclose(swiglu(gate, up, 10.0),
-                               [silu(10.0) * -10, silu(-20.0) * 5, silu(3.0) * 10], rtol=1e-6)
+    np.testing.assert_allclose(
+        swiglu(gate, up, 10.0), [silu(10.0) * -10, silu(-20.0) * 5, silu(3.0) * 10], rtol=1e-6
+    )

@@ -11,8 +11,9 @@ from glmjax.layers.norms import GatedRMSNorm, RMSNorm, l2_normalize
 def test_rms_norm(rng):
     norm = random_module(lambda: RMSNorm(48, eps=1e-5), rng)
     x = rng.normal(size=(7, 3, 48)).astype(np.float32) * 3
-    np.testing.assert_allclose(norm(jnp.asarray(x)), rms_norm(f64(x), f64(norm.weight), 1e-5),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        norm(jnp.asarray(x)), rms_norm(f64(x), f64(norm.weight), 1e-5), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("activation, act", [("sigmoid", sigmoid), ("silu", silu)])
@@ -20,8 +21,9 @@ def test_gated_rms_norm(rng, activation, act):
     norm = random_module(lambda: GatedRMSNorm(64, eps=1e-6, activation=activation), rng)
     x, gate = rng.normal(size=(2, 5, 4, 64)).astype(np.float32)
     expected = rms_norm(f64(x), f64(norm.weight), 1e-6) * act(f64(gate))
-    np.testing.assert_allclose(norm(jnp.asarray(x), jnp.asarray(gate)), expected,
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        norm(jnp.asarray(x), jnp.asarray(gate)), expected, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_gated_rms_norm_rejects_unknown_activation():

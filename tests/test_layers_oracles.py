@@ -90,11 +90,11 @@ def conv_oracle(x, weight, cu_seqlens, history, offsets):
         start, end = cu_seqlens[n], cu_seqlens[n + 1]
         ext = np.concatenate([history[n].T, x[start:end]])  # row j = position j - (W - 1)
         for i in range(end - start):
-            y[start + i] = silu(np.sum(ext[i:i + width].T * weight, axis=1))
-        final[n] = ext[len(ext) - (width - 1):].T
+            y[start + i] = silu(np.sum(ext[i : i + width].T * weight, axis=1))
+        final[n] = ext[len(ext) - (width - 1) :].T
         for c, p in enumerate(offsets[n]):
             if p >= 0:
-                snaps[n, c] = ext[p:p + width - 1].T
+                snaps[n, c] = ext[p : p + width - 1].T
     return y, final, snaps
 
 
@@ -160,8 +160,7 @@ def moe_oracle(p: dict, x, *, top_k, scaling, limit):
         chosen = np.argsort(-(scores + p["bias"]), kind="stable")[:top_k]
         weights = scores[chosen] / scores[chosen].sum() * scaling
         for e, w in zip(chosen, weights):
-            out[t] += w * swiglu_oracle(x[t], p["w_gate"][e], p["w_up"][e], p["w_down"][e],
-                                        limit)
+            out[t] += w * swiglu_oracle(x[t], p["w_gate"][e], p["w_up"][e], p["w_down"][e], limit)
         out[t] += swiglu_oracle(x[t], p["shared_gate"], p["shared_up"], p["shared_down"], limit)
     return out
 
@@ -182,21 +181,21 @@ def mhc_oracle(p: dict, streams, sublayer, *, iters, eps):
         flat = streams[t].reshape(-1)
         proj = (flat / np.sqrt(np.mean(flat * flat) + eps)) @ p["phi"]
         pre = sigmoid(p["alpha"][0] * proj[:n] + p["b_pre"])
-        post = 2 * sigmoid(p["alpha"][1] * proj[n:2 * n] + p["b_post"])
-        res = sinkhorn_oracle(p["alpha"][2] * proj[2 * n:].reshape(n, n) + p["b_res"], iters)
+        post = 2 * sigmoid(p["alpha"][1] * proj[n : 2 * n] + p["b_post"])
+        res = sinkhorn_oracle(p["alpha"][2] * proj[2 * n :].reshape(n, n) + p["b_res"], iters)
         inputs.append(pre @ streams[t])
         maps.append((post, res))
     y = sublayer(np.stack(inputs))
-    return np.stack([res @ streams[t] + np.outer(post, y[t]) for t, (post, res) in
-                     enumerate(maps)])
+    return np.stack([res @ streams[t] + np.outer(post, y[t]) for t, (post, res) in enumerate(maps)])
 
 
 def test_conv_oracle_by_hand():
     # One channel, taps [1, 0, 0, 2]: y_t = silu(x_{t-3} + 2 x_t).
     x = np.array([[1.0], [2.0]])
     history = np.array([[[5.0, 6.0, 7.0]]])
-    y, final, snaps = conv_oracle(x, np.array([[1.0, 0, 0, 2]]), np.array([0, 2]), history,
-                                  np.array([[1, -1]]))
+    y, final, snaps = conv_oracle(
+        x, np.array([[1.0, 0, 0, 2]]), np.array([0, 2]), history, np.array([[1, -1]])
+    )
     np.testing.assert_allclose(y[:, 0], silu(np.array([5 + 2, 6 + 4])))
     np.testing.assert_allclose(final[0, 0], [7, 1, 2])
     np.testing.assert_allclose(snaps[0, 0, 0], [6, 7, 1])
@@ -210,8 +209,9 @@ def test_kda_recurrence_oracle_one_token():
     v = rng.normal(size=(1, 1, 3))
     s0 = rng.normal(size=(1, 1, 2, 3))
     beta = np.array([[0.3]])
-    o, final, snaps = kda_recurrence_oracle(q, k, v, g, beta, np.array([0, 1]), s0,
-                                            np.array([[1]]), scale=0.5)
+    o, final, snaps = kda_recurrence_oracle(
+        q, k, v, g, beta, np.array([0, 1]), s0, np.array([[1]]), scale=0.5
+    )
     decayed = np.exp(g[0, 0])[:, None] * s0[0, 0]
     expected = decayed + 0.3 * np.outer(k[0, 0], v[0, 0] - decayed.T @ k[0, 0])
     np.testing.assert_allclose(final[0, 0], expected)

@@ -1,0 +1,208 @@
+"""The hybrid KDA / MLA model and its jitted, cache-aware prefill and decode steps.
+
+    model = HybridModel(config, nnx.Rngs(0))
+    model_state = nnx.split(model)                  # (GraphDef, params): a pytree
+    caches = Caches.init(config, num_state_slots, num_kv_blocks)
+    out = prefill(model_state, caches, prefill_batch)   # caches donated: use out.caches
+    out = decode(model_state, out.caches, decode_batch)
+
+Both steps compile once per bucket (the static shapes of the batch and caches); lengths,
+offsets, slots, positions and block tables are runtime values. A step whose slot metadata
+is invalid (see `glmjax.state_pool.PoolStatus`) writes no cache at all, KDA pools and MLA
+blocks alike, and its logits are meaningless: check `status` before using them.
+
+Positions: no layer rotates queries or keys (qk_rope is unrotated), so the steps read no
+`positions` in prefill; MLA places each span's tokens after `prefix_lens[n]` cached ones.
+In decode, `positions[n]` is the new token's cache position.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glmjax.batch import DecodeBatch, PrefillBatch
+from glmjax.caches import Caches
+from glmjax.config import ModelConfig
+from glmjax.layers.block import DecoderBlock
+from glmjax.layers.kda import KDAState
+from glmjax.layers.mhc import collapse_streams, expand_streams
+from glmjax.layers.mtp import MTP
+from glmjax.layers.norms import RMSNorm
+from glmjax.layers.packing import PackedBatch, sequence_ids
+from glmjax.layers.paged_cache import MLACache
+from glmjax.layers.projection import projection
+from glmjax.state_pool import (
+    PoolStatus,
+    commit_decode,
+    commit_prefill,
+    decode_status,
+    prefill_status,
+    read_states,
+)
+
+ModelState = tuple[nnx.GraphDef, nnx.State]  # nnx.split(model)
+
+
+class ForwardResult(NamedTuple):
+    hidden: jax.Array  # [T, D] after the final norm
+    kda_states: list[KDAState]  # per KDA layer, after each whole sequence
+    kda_snapshots: list[KDAState]  # per KDA layer, [N, capacity, ...]
+    mla_caches: list[MLACache | None]  # per MLA layer
+
+
+class HybridModel(nnx.Module):
+    """Embedding, decoder blocks per `config.layer_types`, final norm, LM head; the MTP
+    heads are held (for drafting and weight loading) but not run by the forward passes."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=config.dtype,
+                                      param_dtype=config.param_dtype, rngs=rngs)
+        self.layers = nnx.List([
+            DecoderBlock(config, kind, dense_mlp=i < config.first_dense_layers, rngs=rngs)
+            for i, kind in enumerate(config.layer_types)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
+                            param_dtype=config.param_dtype)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else projection(config, config.hidden_size, config.vocab_size,
+                                        rngs=rngs))
+        self.mtp = nnx.List([MTP(config, rngs=rngs) for _ in range(config.num_mtp_layers)])
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """[..., D] normed hidden -> fp32 [..., vocab]."""
+        if self.lm_head is None:
+            return self.embed_tokens.attend(hidden).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def forward(self, token_ids: jax.Array, batch: PackedBatch,
+                kda_states: Sequence[KDAState], mla_caches: Sequence[MLACache | None], *,
+                decode: bool = False) -> ForwardResult:
+        """All layers over a packed batch.
+
+        Args:
+          token_ids: int32 [T]. batch: the packed metadata the layers read.
+          kda_states: per KDA layer, the initial state of each sequence.
+          mla_caches: per MLA layer, its paged cache (None: no cache, no prefix).
+          decode: one token per sequence; MLA attends in absorbed form.
+        """
+        x = self.embed_tokens(token_ids)
+        if self.config.mhc_streams is not None:
+            x = expand_streams(x, self.config.mhc_streams)
+        kda_in, mla_in = iter(kda_states), iter(mla_caches)
+        kda_out, snapshots_out, mla_out = [], [], []
+        for block, kind in zip(self.layers, self.config.layer_types):
+            cache = next(kda_in) if kind == "kda" else next(mla_in)
+            x, cache, snapshots = block(x, batch, cache, decode=decode)
+            if kind == "kda":
+                kda_out.append(cache)
+                snapshots_out.append(snapshots)
+            else:
+                mla_out.append(cache)
+        if self.config.mhc_streams is not None:
+            x = collapse_streams(x)
+        return ForwardResult(self.norm(x), kda_out, snapshots_out, mla_out)
+
+    def reference_forward(self, token_ids: jax.Array) -> jax.Array:
+        """Cache-free forward over one whole sequence from a cold start, for tests.
+
+        token_ids int32 [L] -> fp32 logits [L, vocab].
+        """
+        config = self.config
+        num_kda = config.layer_types.count("kda")
+        heads, dim = config.kda_num_heads, config.kda_head_dim
+        cold = KDAState(jnp.zeros((1, heads, dim, dim), jnp.float32),
+                        jnp.zeros((1, config.conv_channels, config.conv_kernel - 1),
+                                  config.dtype))
+        cu = jnp.array([0, token_ids.shape[0]], jnp.int32)
+        batch = PackedBatch(cu, None, None, jnp.full((1, 1), -1, jnp.int32))
+        out = self.forward(token_ids, batch, [cold] * num_kda,
+                           [None] * (config.num_layers - num_kda))
+        return self.logits(out.hidden)
+
+
+class PrefillOutput(NamedTuple):
+    logits: jax.Array  # fp32 [N, vocab]: after each span's last token (zeros: empty span)
+    caches: Caches
+    status: jax.Array  # int32 [], a PoolStatus; caches untouched unless OK
+    # fp32 [T] with return_logprobs: row t holds log p(token_ids[t + 1] | the request up to
+    # and including token t), where row t + 1 is in the same span; 0 on each span's last row
+    # and on padding. (The logprob of a span's first token is the previous step's
+    # last-token logits at that token.) None otherwise.
+    token_logprobs: jax.Array | None
+
+
+class DecodeOutput(NamedTuple):
+    logits: jax.Array  # fp32 [N, vocab] (zeros on padding rows)
+    caches: Caches
+    status: jax.Array  # int32 [], a PoolStatus; caches untouched unless OK
+
+
+def _next_token_logprobs(model: HybridModel, hidden, token_ids, cu_seqlens):
+    """log p(token_ids[t + 1]) at every row t whose next row is in the same span: fp32 [T].
+
+    Materialises [T, vocab] fp32 logits: a cost only callers asking for logprobs pay.
+    """
+    num_tokens = token_ids.shape[0]
+    seq, valid = sequence_ids(cu_seqlens, num_tokens)
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    has_next = valid & (rows + 1 < cu_seqlens[seq + 1])
+    next_ids = jnp.roll(token_ids, -1)
+    logprobs = jax.nn.log_softmax(model.logits(hidden), axis=-1)
+    picked = jnp.take_along_axis(logprobs, next_ids[:, None], axis=-1)[:, 0]
+    return jnp.where(has_next, picked, 0.0)
+
+
+@functools.partial(jax.jit, donate_argnums=1, static_argnames="return_logprobs")
+def prefill(model_state: ModelState, caches: Caches, batch: PrefillBatch, *,
+            return_logprobs: bool = False) -> PrefillOutput:
+    """One packed prefill step: run every span, update the caches, return last-token logits.
+
+    Span n (rows cu_seqlens[n]:cu_seqlens[n + 1]) continues a request after
+    `prefix_lens[n]` tokens already in its MLA blocks (`block_tables[n]`) and starts from
+    KDA running slot `state_slots[n]` if `has_initial[n]` (zeros otherwise). Its final KDA
+    states go to `state_slots[n]`, the snapshot after `checkpoint_offsets[n, c]` tokens of
+    the span to `checkpoint_slots[n, c]`, its latents to its MLA blocks.
+    `caches` is donated: use the returned one.
+    """
+    model = nnx.merge(*model_state)
+    num_tokens = batch.token_ids.shape[0]
+    # A refused step must not write anything; running it on empty spans with no checkpoints
+    # and no blocks also keeps bad offsets and lengths away from the kernel.
+    ok = prefill_status(batch, caches.num_state_slots) == PoolStatus.OK
+    cu = jnp.where(ok, batch.cu_seqlens, 0)
+    packed = PackedBatch(cu, batch.prefix_lens, jnp.where(ok, batch.block_tables, -1),
+                         jnp.where(ok, batch.checkpoint_offsets, -1))
+    initial = read_states(caches.kda, batch.state_slots, batch.has_initial)
+    out = model.forward(batch.token_ids, packed, initial, caches.mla)
+    kda, status = commit_prefill(caches.kda, batch, out.kda_states, out.kda_snapshots)
+    lengths = cu[1:] - cu[:-1]
+    last = jnp.clip(cu[1:] - 1, 0, num_tokens - 1)
+    logits = jnp.where((lengths > 0)[:, None], model.logits(out.hidden[last]), 0.0)
+    logprobs = (_next_token_logprobs(model, out.hidden, batch.token_ids, cu)
+                if return_logprobs else None)
+    return PrefillOutput(logits, Caches(kda, tuple(out.mla_caches)), status, logprobs)
+
+
+@functools.partial(jax.jit, donate_argnums=1)
+def decode(model_state: ModelState, caches: Caches, batch: DecodeBatch) -> DecodeOutput:
+    """One token per row: row n appends `token_ids[n]` at cache position `positions[n]` of
+    the request in KDA slot `state_slots[n]` (-1: padding row, nothing read or written) and
+    MLA blocks `block_tables[n]`. `caches` is donated: use the returned one."""
+    model = nnx.merge(*model_state)
+    slots = batch.state_slots
+    num_rows = slots.shape[0]
+    active = (decode_status(slots, caches.num_state_slots) == PoolStatus.OK) & (slots >= 0)
+    packed = PackedBatch(jnp.arange(num_rows + 1, dtype=jnp.int32),
+                         jnp.where(active, batch.positions, -1), batch.block_tables,
+                         jnp.full((num_rows, 1), -1, jnp.int32))
+    initial = read_states(caches.kda, slots, slots >= 0)
+    out = model.forward(batch.token_ids, packed, initial, caches.mla, decode=True)
+    kda, status = commit_decode(caches.kda, slots, out.kda_states)
+    logits = jnp.where(active[:, None], model.logits(out.hidden), 0.0)
+    return DecodeOutput(logits, Caches(kda, tuple(out.mla_caches)), status)

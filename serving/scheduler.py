@@ -1,0 +1,571 @@
+"""The step scheduler: which decodes and prefill spans each model step computes.
+
+Per step (DESIGN section 6): decodes first, one token each, then prefill spans while the
+token budget lasts, running requests before waiting ones. A request's span is re-planned
+every step from its ``num_computed`` with ``plan_prefill``; a span the remaining budget
+cuts short ends on the P grid (``cut_span_to_budget``), and a request that cannot get P
+tokens waits. Waiting requests are admitted first come, first served, through a prefix
+cache lookup. A running request that needs KV blocks the pool cannot give preempts the
+most recently admitted running request not yet in the step (possibly itself); a waiting
+request never preempts.
+
+One step is in flight at a time. The engine runs it as:
+
+    step = scheduler.schedule()
+    copy step.block_copies, then step.resume_state_copies     # before the model
+    run the model on batch_builder's PrefillBatch / DecodeBatch of the step
+    copy step.retain_state_copies                             # after the model
+    scheduler.update_from_step(step, {request_id: sampled token, ...})
+
+``update_from_step`` then registers what the step wrote in the prefix cache: the KV blocks
+of every full P-token chunk computed, each checkpoint slot as the retained state at its
+position, and each end-of-span copy as the retained state at the span's end.
+
+Retained states are an optimisation, so their destination slots are best effort: when
+the slot pool is short, a span keeps the destinations it can get (its end state first,
+then its checkpoints from the latest back) rather than preempting anyone.
+"""
+
+import collections
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from serving.plan import PrefillSpan, alignment, cut_span_to_budget, plan_prefill
+from serving.prefix_cache import PrefixCache, PrefixHit
+from serving.request import Request, RequestStatus, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Scheduling knobs.
+
+    Attributes:
+      max_model_len: most tokens (prompt plus generated) one request may have.
+      block_size: P, the KV block and prefix-lookup unit in tokens.
+      dcp: decode-context-parallel ranks (1, 2, 4); a KV block id holds P * dcp tokens.
+      budget: B, the most tokens one step computes; a multiple of P * dcp.
+      coalesce: coalesced spans with kernel checkpoints (True) or the reference ladder.
+      prefix_caching: look requests up in the prefix cache and retain states for it.
+      max_num_seqs: the most requests (decodes plus prefills) in one step.
+      log_schedule: keep ``Scheduler.schedule_log``, one plain-data entry per step.
+    """
+
+    max_model_len: int
+    block_size: int = 512
+    dcp: int = 1
+    budget: int = 8192
+    coalesce: bool = True
+    prefix_caching: bool = True
+    max_num_seqs: int = 256
+    log_schedule: bool = False
+
+    def __post_init__(self):
+        align = alignment(self.block_size, self.dcp)
+        if self.budget < align or self.budget % align:
+            raise ValueError(
+                f"budget must be a positive multiple of block_size * dcp = {align}, "
+                f"got {self.budget}"
+            )
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+class BlockCopy(NamedTuple):
+    """Copy KV block ``src`` into block ``dst`` on every dcp rank."""
+
+    src: int
+    dst: int
+
+
+class SlotCopy(NamedTuple):
+    """Copy state slot ``src`` into slot ``dst`` in every KDA layer (recurrent and conv)."""
+
+    src: int
+    dst: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledPrefill:
+    """One request's prefill span in a step.
+
+    Attributes:
+      request_id: the request.
+      span: tokens [start, end) and the states retained: ``span.checkpoints`` are kernel
+        snapshots, ``span.retain_end`` an end-state copy. Each has a destination below.
+      token_ids: the span's tokens, ``end - start`` of them.
+      state_slot: the running slot; read at the start (when ``has_initial``) and
+        holding the state after ``end`` tokens when the step is done.
+      checkpoint_slots: the destination slot of each checkpoint, in order.
+      retain_slot: where the state after ``end`` is copied after the step, or None.
+      block_table: the request's KV blocks covering [0, end).
+      samples: the span ends the sequence, so the model samples the next token.
+    """
+
+    request_id: str
+    span: PrefillSpan
+    token_ids: tuple[int, ...]
+    state_slot: int
+    checkpoint_slots: tuple[int, ...]
+    retain_slot: int | None
+    block_table: tuple[int, ...]
+    samples: bool
+
+    @property
+    def has_initial(self) -> bool:
+        """Whether the span resumes a state (False: a cold start from zeros)."""
+        return self.span.start > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledDecode:
+    """One request's decode in a step: token ``token_id`` at ``position``."""
+
+    request_id: str
+    token_id: int
+    position: int
+    state_slot: int
+    block_table: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledStep:
+    """What one model step computes, and the copies around it.
+
+    Attributes:
+      step_id: counts steps from 0.
+      decodes: decode rows, in priority order.
+      prefills: prefill spans, in priority order.
+      block_copies: before the model, copy-on-write of a prefix hit's partly shared block.
+      resume_state_copies: before the model, a prefix hit's retained state into the
+        request's running slot.
+      retain_state_copies: after the model, a running slot holding a span's end state
+        into a retained slot (before the next step moves the running state on).
+      preempted: requests preempted while scheduling this step.
+    """
+
+    step_id: int
+    decodes: tuple[ScheduledDecode, ...] = ()
+    prefills: tuple[ScheduledPrefill, ...] = ()
+    block_copies: tuple[BlockCopy, ...] = ()
+    resume_state_copies: tuple[SlotCopy, ...] = ()
+    retain_state_copies: tuple[SlotCopy, ...] = ()
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed: one per decode plus every span's length."""
+        return len(self.decodes) + sum(p.span.num_tokens for p in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def sampling_request_ids(self) -> tuple[str, ...]:
+        """Requests the model samples a token for: every decode and every final span."""
+        return tuple(d.request_id for d in self.decodes) + tuple(
+            p.request_id for p in self.prefills if p.samples
+        )
+
+    def log_entry(self) -> dict:
+        """The step as plain data: which spans, which checkpoints, who was preempted."""
+        return {
+            "step": self.step_id,
+            "num_tokens": self.num_tokens,
+            "decodes": [d.request_id for d in self.decodes],
+            "prefills": [
+                {
+                    "request_id": p.request_id,
+                    "start": p.span.start,
+                    "end": p.span.end,
+                    "checkpoints": list(p.span.checkpoints),
+                    "retain_end": p.span.retain_end,
+                }
+                for p in self.prefills
+            ],
+            "preempted": list(self.preempted),
+        }
+
+
+@dataclasses.dataclass
+class _Draft:
+    """A step being scheduled."""
+
+    budget: int
+    seqs_left: int
+    decodes: list = dataclasses.field(default_factory=list)
+    prefills: list = dataclasses.field(default_factory=list)
+    block_copies: list = dataclasses.field(default_factory=list)
+    resume_copies: list = dataclasses.field(default_factory=list)
+    retain_copies: list = dataclasses.field(default_factory=list)
+    preempted: list = dataclasses.field(default_factory=list)
+    scheduled: set = dataclasses.field(default_factory=set)
+
+
+class Scheduler:
+    """Admits requests, schedules steps, preempts, and updates after each step."""
+
+    def __init__(self, config: SchedulerConfig, prefix_cache: PrefixCache):
+        """Schedules over the allocators of ``prefix_cache`` (used even without caching).
+
+        Raises:
+          ValueError: if the allocators' block size or dcp differ from the config's, or
+            the slot pool is too small for one request (2 slots with prefix caching: the
+            running slot and the retained state it resumes from).
+        """
+        blocks, states = prefix_cache.blocks, prefix_cache.states
+        if (blocks.block_size, blocks.dcp) != (config.block_size, config.dcp):
+            raise ValueError(
+                f"block allocator has block_size {blocks.block_size}, dcp {blocks.dcp}; "
+                f"config has {config.block_size}, {config.dcp}"
+            )
+        min_slots = 2 if config.prefix_caching else 1
+        if states.num_slots < min_slots:
+            raise ValueError(f"need at least {min_slots} state slots, got {states.num_slots}")
+        self.config = config
+        self._cache = prefix_cache
+        self._blocks = blocks
+        self._states = states
+        self._requests: dict[str, Request] = {}
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []
+        self._in_flight: ScheduledStep | None = None
+        self._num_steps = 0
+        self.schedule_log: list[dict] = []
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The live (waiting, running or preempted) request, or None."""
+        return self._requests.get(request_id)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+    ) -> Request:
+        """Queues a request (``sampling`` defaults to ``SamplingParams()``).
+
+        Raises:
+          ValueError: for a duplicate id, an empty prompt, or a request that can never
+            fit: prompt plus ``max_tokens`` over ``max_model_len``, or more KV blocks than
+            the whole pool holds.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already live")
+        sampling = sampling or SamplingParams()
+        request = Request.create(request_id, prompt_token_ids, sampling)
+        if request.max_num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt {len(request.prompt_token_ids)} + max_tokens "
+                f"{sampling.max_tokens} = {request.max_num_tokens} tokens exceeds max_model_len "
+                f"{self.config.max_model_len}"
+            )
+        # The last sampled token is never computed; a copy-on-write hit holds one more block.
+        copy_on_write = int(self.config.prefix_caching and self.config.dcp > 1)
+        needed = self._blocks.blocks_needed(request.max_num_tokens - 1) + copy_on_write
+        if needed > self._blocks.num_blocks:
+            raise ValueError(
+                f"request {request_id!r}: {request.max_num_tokens} tokens need {needed} KV "
+                f"blocks, the pool has {self._blocks.num_blocks}"
+            )
+        self._requests[request_id] = request
+        self._waiting.append(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Drops a live request and frees everything it holds, at any point.
+
+        Slots that a step in flight writes for it stay held by that step until
+        ``update_from_step``, which then registers nothing for it.
+
+        Returns:
+          True if the request was live; False if it is unknown or already done.
+        """
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+            self._free_resources(request)
+        else:
+            self._waiting.remove(request)
+        request.status = RequestStatus.ABORTED
+        return True
+
+    def schedule(self) -> ScheduledStep:
+        """Plans the next step. A non-empty step is in flight until ``update_from_step``;
+        an empty one (nothing could run) needs no update.
+
+        Raises:
+          RuntimeError: if the previous step is still in flight.
+        """
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight.step_id} is still in flight")
+        draft = _Draft(budget=self.config.budget, seqs_left=self.config.max_num_seqs)
+        self._schedule_decodes(draft)
+        self._schedule_running_prefills(draft)
+        if not draft.preempted:
+            self._admit_waiting(draft)
+        step = ScheduledStep(
+            step_id=self._num_steps,
+            decodes=tuple(draft.decodes),
+            prefills=tuple(draft.prefills),
+            block_copies=tuple(draft.block_copies),
+            resume_state_copies=tuple(draft.resume_copies),
+            retain_state_copies=tuple(draft.retain_copies),
+            preempted=tuple(draft.preempted),
+        )
+        self._num_steps += 1
+        if not step.is_empty:
+            self._in_flight = step
+        if self.config.log_schedule:
+            self.schedule_log.append(step.log_entry())
+        return step
+
+    def update_from_step(
+        self, step: ScheduledStep, sampled_tokens: Mapping[str, int]
+    ) -> list[Request]:
+        """Records that ``step`` ran: advances, registers, appends tokens, finishes.
+
+        Args:
+          step: the step in flight.
+          sampled_tokens: the token sampled for each of ``step.sampling_request_ids``
+            (those aborted since may be left out).
+
+        Returns:
+          The requests that finished (their resources are freed).
+
+        Raises:
+          ValueError: for a step not in flight, or a token missing or unexpected.
+        """
+        if step.is_empty and self._in_flight is None:
+            return []
+        if step is not self._in_flight:
+            raise ValueError(f"step {step.step_id} is not the step in flight")
+        expected = set(step.sampling_request_ids)
+        unexpected = sorted(set(sampled_tokens) - expected)
+        if unexpected:
+            raise ValueError(f"sampled tokens for requests not sampled in this step: {unexpected}")
+        missing = [i for i in expected if self._live(i) and i not in sampled_tokens]
+        if missing:
+            raise ValueError(f"no sampled token for requests {sorted(missing)}")
+        self._in_flight = None
+
+        finished = []
+        for decode in step.decodes:
+            request = self._live(decode.request_id)
+            if request is not None:
+                request.num_computed += 1
+                self._append_token(request, sampled_tokens[request.request_id], finished)
+        for prefill in step.prefills:
+            request = self._live(prefill.request_id)
+            if request is not None:
+                request.num_computed = prefill.span.end
+                request.pending_retained = ()
+                self._release_pins(request)
+                if self.config.prefix_caching:
+                    self._register(request, prefill)
+                if prefill.samples:
+                    self._append_token(request, sampled_tokens[request.request_id], finished)
+            self._states.free(prefill.checkpoint_slots)
+            if prefill.retain_slot is not None:
+                self._states.free([prefill.retain_slot])
+        return finished
+
+    def _live(self, request_id: str) -> Request | None:
+        request = self._requests.get(request_id)
+        return request if request is not None and request.status is RequestStatus.RUNNING else None
+
+    def _register(self, request: Request, prefill: ScheduledPrefill) -> None:
+        tokens = request.token_ids
+        self._cache.register_blocks(tokens, request.block_table, prefill.span.end)
+        for position, slot in zip(prefill.span.checkpoints, prefill.checkpoint_slots):
+            self._cache.register_state(tokens, position, slot)
+        if prefill.retain_slot is not None:
+            self._cache.register_state(tokens, prefill.span.end, prefill.retain_slot)
+
+    def _append_token(self, request: Request, token: int, finished: list[Request]) -> None:
+        request.output_token_ids.append(int(token))
+        sampling = request.sampling
+        if token in sampling.stop_token_ids or len(request.output_token_ids) >= sampling.max_tokens:
+            self._running.remove(request)
+            self._free_resources(request)
+            del self._requests[request.request_id]
+            request.status = RequestStatus.FINISHED
+            finished.append(request)
+
+    def _schedule_decodes(self, draft: _Draft) -> None:
+        for request in list(self._running):
+            if request.status is not RequestStatus.RUNNING or not request.is_decoding:
+                continue
+            if draft.budget < 1 or draft.seqs_left < 1:
+                return
+            position = request.num_computed
+            new_blocks = self._blocks.blocks_needed(position + 1) - len(request.block_table)
+            if not self._make_room(new_blocks, request, draft):
+                continue
+            request.block_table += self._blocks.allocate(new_blocks)
+            draft.decodes.append(
+                ScheduledDecode(
+                    request.request_id,
+                    request.output_token_ids[-1],
+                    position,
+                    request.state_slot,
+                    tuple(request.block_table),
+                )
+            )
+            draft.budget -= 1
+            draft.seqs_left -= 1
+            draft.scheduled.add(request.request_id)
+
+    def _schedule_running_prefills(self, draft: _Draft) -> None:
+        for request in list(self._running):
+            if (
+                request.status is not RequestStatus.RUNNING
+                or request.is_decoding
+                or request.request_id in draft.scheduled
+            ):
+                continue
+            if draft.seqs_left < 1:
+                return
+            span = self._next_span(request, request.num_computed, draft.budget)
+            if span is None:
+                continue
+            new_blocks = self._blocks.blocks_needed(span.end) - len(request.block_table)
+            if not self._make_room(new_blocks, request, draft):
+                continue
+            request.block_table += self._blocks.allocate(new_blocks)
+            self._add_prefill(request, span, draft)
+
+    def _admit_waiting(self, draft: _Draft) -> None:
+        while self._waiting and draft.seqs_left > 0:
+            request = self._waiting[0]
+            tokens = request.token_ids
+            hit = self._cache.lookup(tokens) if self.config.prefix_caching else PrefixHit()
+            span = self._next_span(request, hit.num_tokens, draft.budget)
+            if span is None:
+                return
+            # Pinning the hit takes its unreferenced blocks and slot out of the free pool.
+            pinned = sum(self._blocks.refcount(b) == 0 for b in set(hit.block_ids))
+            new_blocks = (
+                self._blocks.blocks_needed(span.end) - len(hit.block_ids) + int(hit.copy_last_block)
+            )
+            if new_blocks > self._blocks.num_allocatable - pinned:
+                return
+            slot_pinned = hit.state_slot is not None and self._states.refcount(hit.state_slot) == 0
+            if self._states.num_allocatable - int(slot_pinned) < 1:
+                return
+
+            self._waiting.popleft()
+            if self.config.prefix_caching:
+                acquired = self._cache.acquire(tokens)
+                assert acquired == hit, (acquired, hit)
+            (running_slot,) = self._states.allocate(1)
+            table = list(hit.block_ids)
+            if hit.copy_last_block:
+                (copy,) = self._blocks.allocate(1)
+                draft.block_copies.append(BlockCopy(table[-1], copy))
+                request.pinned_blocks = [table[-1]]
+                table[-1] = copy
+            if hit.state_slot is not None:
+                draft.resume_copies.append(SlotCopy(hit.state_slot, running_slot))
+                request.pinned_slots = [hit.state_slot]
+            table += self._blocks.allocate(self._blocks.blocks_needed(span.end) - len(table))
+            request.block_table = table
+            request.state_slot = running_slot
+            request.num_computed = hit.num_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = hit.num_tokens
+            request.status = RequestStatus.RUNNING
+            self._running.append(request)
+            self._add_prefill(request, span, draft)
+
+    def _next_span(self, request: Request, start: int, budget: int) -> PrefillSpan | None:
+        """The request's next span from ``start``, cut to ``budget``; None if it must wait."""
+        config = self.config
+        span = plan_prefill(
+            request.num_tokens,
+            start,
+            block_size=config.block_size,
+            dcp=config.dcp,
+            budget=config.budget,
+            coalesce=config.coalesce,
+        )[0]
+        span = cut_span_to_budget(span, budget, block_size=config.block_size)
+        if span is not None and not config.prefix_caching:
+            span = dataclasses.replace(span, checkpoints=(), retain_end=False)
+        return span
+
+    def _add_prefill(self, request: Request, span: PrefillSpan, draft: _Draft) -> None:
+        wanted = ([span.end] if span.retain_end else []) + list(reversed(span.checkpoints))
+        slots = self._states.allocate(min(len(wanted), self._states.num_allocatable))
+        destinations = dict(zip(wanted, slots))
+        retain_slot = destinations.pop(span.end, None)
+        checkpoints = tuple(p for p in span.checkpoints if p in destinations)
+        span = dataclasses.replace(
+            span, checkpoints=checkpoints, retain_end=retain_slot is not None
+        )
+        tokens = request.token_ids
+        draft.prefills.append(
+            ScheduledPrefill(
+                request_id=request.request_id,
+                span=span,
+                token_ids=tokens[span.start : span.end],
+                state_slot=request.state_slot,
+                checkpoint_slots=tuple(destinations[p] for p in checkpoints),
+                retain_slot=retain_slot,
+                block_table=tuple(request.block_table),
+                samples=span.end == len(tokens),
+            )
+        )
+        if retain_slot is not None:
+            draft.retain_copies.append(SlotCopy(request.state_slot, retain_slot))
+        request.pending_retained = span.retained_positions
+        draft.budget -= span.num_tokens
+        draft.seqs_left -= 1
+        draft.scheduled.add(request.request_id)
+
+    def _make_room(self, num_blocks: int, request: Request, draft: _Draft) -> bool:
+        """Preempts until ``num_blocks`` blocks are allocatable; False if ``request`` went."""
+        while self._blocks.num_allocatable < num_blocks:
+            victim = next(r for r in reversed(self._running) if r.request_id not in draft.scheduled)
+            self._preempt(victim, draft)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, draft: _Draft) -> None:
+        self._running.remove(request)
+        self._free_resources(request)
+        request.num_computed = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self._waiting.appendleft(request)
+        draft.preempted.append(request.request_id)
+
+    def _release_pins(self, request: Request) -> None:
+        self._blocks.free(request.pinned_blocks)
+        self._states.free(request.pinned_slots)
+        request.pinned_blocks, request.pinned_slots = [], []
+
+    def _free_resources(self, request: Request) -> None:
+        self._release_pins(request)
+        self._blocks.free(request.block_table)
+        if request.state_slot is not None:
+            self._states.free([request.state_slot])
+        request.block_table, request.state_slot = [], None
+        request.pending_retained = ()
