@@ -10,4 +10,6 @@
 - ``serving.scheduler``: per-step decodes and prefill spans, admission, preemption, and
   registering what each step retained.
 - ``serving.batch_builder``: a scheduled step packed into the model's bucketed batches.
+- ``serving.sampling``: greedy / temperature / top-k / top-p sampling with per-request seeds.
+- ``serving.engine``: the step loop over scheduler, model and sampler; outputs and metrics.
 """

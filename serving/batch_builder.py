@@ -63,13 +63,26 @@ class BatchBuckets:
             block_table_widths=power_of_two_buckets(1, max_width),
         )
 
+    def largest_only(self) -> "BatchBuckets":
+        """Only the largest bucket of each kind: every batch has one shape, so each model
+        entry point compiles once (small models, tests), at the cost of padding."""
+        return BatchBuckets(self.tokens[-1:], self.seqs[-1:], self.block_table_widths[-1:])
+
 
 class BatchBuilder:
     """Builds and checks the batches of each step for one pool of blocks and slots."""
 
-    def __init__(self, config: SchedulerConfig, *, num_blocks: int, num_slots: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        num_blocks: int,
+        num_slots: int,
+        buckets: BatchBuckets | None = None,
+    ):
+        """``buckets`` defaults to ``BatchBuckets.for_config(config)``."""
         self.config = config
-        self.buckets = BatchBuckets.for_config(config)
+        self.buckets = buckets or BatchBuckets.for_config(config)
         self.num_blocks = num_blocks
         self.num_slots = num_slots
         self.tokens_per_block = config.block_size * config.dcp

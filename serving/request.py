@@ -26,23 +26,51 @@ class RequestStatus(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """What the scheduler needs to know about sampling: when a request stops.
+    """How a request samples and when it stops.
+
+    The scheduler reads only the stop conditions ``max_tokens`` and ``stop_token_ids``;
+    the engine (``serving.engine``) adds the end-of-sequence token to the latter unless
+    ``ignore_eos``, samples with the rest (``serving.sampling``), and checks ``stop``.
 
     Attributes:
       max_tokens: most tokens generated (>= 1).
       stop_token_ids: generating any of these finishes the request (the token is kept).
-      temperature: passed through to the sampler; the scheduler does not read it.
+      temperature: 0 samples greedily (argmax); otherwise logits are divided by it.
+      top_p: keep the most likely tokens up to this probability mass, in (0, 1].
+      top_k: keep the k most likely tokens (0: all).
+      seed: the request's own random stream (None: the engine draws one); the k-th output
+        token is sampled with a key made from (seed, k), so a seeded request reproduces.
+      stop: strings that finish the request when the detokenized output contains one;
+        the output text is cut before it (the tokens are kept).
+      ignore_eos: keep generating past the model's end-of-sequence token.
     """
 
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        for name in ("max_tokens", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: all tokens), got {self.top_k}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -57,7 +85,7 @@ class Request:
     Attributes:
       request_id: unique among live requests.
       prompt_token_ids: the prompt (at least one token).
-      sampling: stop conditions.
+      sampling: how it samples and when it stops.
       status: see ``RequestStatus``.
       output_token_ids: generated tokens, in order.
       num_computed: tokens of the sequence whose KV and state are in the cache.

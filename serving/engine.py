@@ -1,0 +1,482 @@
+"""The serving loop: scheduler, batch builder, model steps and sampler, one step at a time.
+
+    engine = Engine(model_config, model, EngineConfig(max_model_len=4096,
+                                                      num_kv_blocks=256, num_state_slots=64))
+    engine.add_request("a", prompt_ids, SamplingParams(max_tokens=32, temperature=0.7))
+    outputs = engine.run_until_done()          # {request_id: final RequestOutput}
+
+Each ``step()`` follows the scheduler's contract (``serving.scheduler``): schedule; copy
+the step's KV blocks (copy-on-write) and resume states into their slots; run the model's
+prefill and / or decode on the device batches; copy the retained end states out of the
+running slots; sample a token for every request the step samples; hand the tokens back
+to the scheduler, which registers what the step retained. A step the model refuses (a
+non-OK pool status) raises ``StepRefusedError``: the batch builder validates every batch,
+so a refusal is a bug, and the engine must not be used afterwards.
+
+The model runs on one device. At dcp > 1 a block id names P * dcp tokens, which on one
+device live in one physical block, so the model's ``kv_block_size`` must be
+``block_size * dcp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from glmjax.caches import Caches, copy_kv_blocks, copy_state_slots
+from glmjax.config import ModelConfig
+from glmjax.model import HybridModel, ModelState, decode, prefill
+from glmjax.state_pool import PoolStatus
+from serving.batch_builder import BatchBuckets, BatchBuilder
+from serving.block_allocator import BlockAllocator
+from serving.prefix_cache import PrefixCache
+from serving.request import Request, SamplingParams
+from serving.sampling import SEED_LIMIT, SamplingTensors, sample
+from serving.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from serving.state_slots import StateSlotAllocator
+
+
+class StepRefusedError(RuntimeError):
+    """The model refused a step's cache update (a non-OK `PoolStatus`); nothing was written."""
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # a stop token (or end of sequence) or a stop string
+    LENGTH = "length"  # max_tokens
+    ABORT = "abort"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig(SchedulerConfig):
+    """Memory and scheduling of one engine (see ``SchedulerConfig`` for the knobs it shares).
+
+    Attributes:
+      num_kv_blocks: MLA KV block ids (each P * dcp tokens).
+      num_state_slots: KDA state slots (running requests and retained states).
+      eos_token_id: finishes a request unless its ``ignore_eos`` (None: no such token).
+      single_bucket: pad every batch to the largest bucket, so each entry point compiles
+        once; good for small models and tests, wasteful for long budgets.
+      seed: draws the seed of every request that brings none.
+    """
+
+    num_kv_blocks: int
+    num_state_slots: int
+    eos_token_id: int | None = None
+    single_bucket: bool = False
+    seed: int = 0
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduling knobs alone."""
+        names = (field.name for field in dataclasses.fields(SchedulerConfig))
+        return SchedulerConfig(**{name: getattr(self, name) for name in names})
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """A request's state after a step: everything generated so far.
+
+    Attributes:
+      output_token_ids: generated tokens, all of them (a stop token or the token that
+        completed a stop string included).
+      logprobs: log p of each generated token under the model's raw distribution.
+      text: the detokenized output, cut before a stop string (None without a detokenizer).
+      finish_reason: None while the request runs.
+      stop_reason: the stop token id or stop string that finished it, if any.
+      num_prompt_tokens: prompt length.
+      num_cached_tokens: prompt tokens its first admission took from the prefix cache.
+      num_preemptions: times it was preempted (and recomputed through the prefix cache).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineMetrics:
+    """Counters and gauges for ``/metrics``: a snapshot, plain data.
+
+    Counters (since start): requests added / finished / aborted, prompt tokens added,
+    prompt tokens served by the prefix cache at first admission, tokens generated,
+    preemptions, copy-on-write block copies, steps, prefix-cache lookups and hits, evictions. Gauges (now): requests
+    running and waiting, KV blocks and state slots total / referenced / cached.
+    """
+
+    requests_added: int
+    requests_finished: int
+    requests_aborted: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    generated_tokens: int
+    preemptions: int
+    kv_block_copies: int
+    steps: int
+    prefix_cache_lookups: int
+    prefix_cache_hits: int
+    kv_block_evictions: int
+    state_slot_evictions: int
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    state_slots_total: int
+    state_slots_used: int
+    state_slots_retained: int
+
+
+@dataclasses.dataclass(eq=False)
+class _Tracked:
+    """What the engine keeps about a live request beside the scheduler's ``Request``."""
+
+    request: Request
+    seed: int
+    stop_token_ids: frozenset[int]
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    cached_counted: bool = False
+
+
+class Engine:
+    """Runs requests to completion on one model and one set of caches."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        model: HybridModel | ModelState | nnx.State,
+        engine_config: EngineConfig,
+        *,
+        detokenize: Callable[[Sequence[int]], str] | None = None,
+    ):
+        """Args:
+          config: the model's config.
+          model: the model, ``nnx.split(model)``, or its parameters alone (an
+            ``nnx.State`` of the module ``HybridModel(config)``).
+          engine_config: memory and scheduling.
+          detokenize: token ids -> text; needed for stop strings and ``text``.
+
+        Raises:
+          ValueError: for a model whose config or KV block size does not match.
+        """
+        if isinstance(model, HybridModel):
+            if model.config != config:
+                raise ValueError(
+                    f"model config {model.config.name!r} differs from config {config.name!r}"
+                )
+            model = nnx.split(model)
+        elif isinstance(model, nnx.State):
+            graphdef, _ = nnx.split(nnx.eval_shape(lambda: HybridModel(config, nnx.Rngs(0))))
+            model = (graphdef, model)
+        tokens_per_block = engine_config.block_size * engine_config.dcp
+        if config.kv_block_size != tokens_per_block:
+            raise ValueError(
+                f"model kv_block_size {config.kv_block_size} must equal block_size * dcp = "
+                f"{tokens_per_block} (one device holds a block id's tokens in one block)"
+            )
+        sched_config = engine_config.scheduler_config()
+        self.config = engine_config
+        self.model_config = config
+        self._model_state: ModelState = model
+        self._detokenize = detokenize
+        self.prefix_cache = PrefixCache(
+            BlockAllocator(
+                engine_config.num_kv_blocks,
+                block_size=engine_config.block_size,
+                dcp=engine_config.dcp,
+            ),
+            StateSlotAllocator(engine_config.num_state_slots),
+        )
+        self.scheduler = Scheduler(sched_config, self.prefix_cache)
+        buckets = BatchBuckets.for_config(sched_config)
+        if engine_config.single_bucket:
+            buckets = buckets.largest_only()
+        self.builder = BatchBuilder(
+            sched_config,
+            num_blocks=engine_config.num_kv_blocks,
+            num_slots=engine_config.num_state_slots,
+            buckets=buckets,
+        )
+        self._rows = buckets.seqs[-1]  # copies and sampled rows per step are at most this
+        self.caches = Caches.init(
+            config, engine_config.num_state_slots, engine_config.num_kv_blocks
+        )
+        self._seeds = np.random.default_rng(engine_config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._aborted: list[RequestOutput] = []
+        self._idle = False  # the last step scheduled nothing and preempted no one
+        self._counts = dict(
+            requests_added=0,
+            requests_finished=0,
+            requests_aborted=0,
+            prompt_tokens=0,
+            cached_prompt_tokens=0,
+            generated_tokens=0,
+            preemptions=0,
+            kv_block_copies=0,
+            steps=0,
+        )
+
+    @property
+    def schedule_log(self) -> list[dict]:
+        """One plain-data entry per step when ``log_schedule`` is set (else empty)."""
+        return self.scheduler.schedule_log
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+    ) -> None:
+        """Queues a request.
+
+        Raises:
+          ValueError: as ``Scheduler.add_request`` does, for a token id outside the
+            vocabulary, or stop strings without a detokenizer.
+        """
+        sampling = sampling or SamplingParams()
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token id {bad[0]} outside [0, {vocab})")
+        if sampling.stop and self._detokenize is None:
+            raise ValueError(
+                f"request {request_id!r} has stop strings but the engine has no detokenize callback"
+            )
+        stops = set(sampling.stop_token_ids)
+        if self.config.eos_token_id is not None and not sampling.ignore_eos:
+            stops.add(self.config.eos_token_id)
+        scheduled = dataclasses.replace(sampling, stop_token_ids=tuple(sorted(stops)))
+        request = self.scheduler.add_request(request_id, prompt_token_ids, scheduled)
+        seed = sampling.seed if sampling.seed is not None else int(self._seeds.integers(SEED_LIMIT))
+        self._tracked[request_id] = _Tracked(request, seed, frozenset(stops))
+        self._counts["requests_added"] += 1
+        self._counts["prompt_tokens"] += len(request.prompt_token_ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Drops a live request and frees what it holds; the next ``step`` reports it
+        finished with reason ABORT. Returns False for an unknown or finished request."""
+        if not self.scheduler.abort(request_id):
+            return False
+        tracked = self._tracked.pop(request_id)
+        self._aborted.append(self._output(tracked, FinishReason.ABORT, None))
+        self._counts["requests_aborted"] += 1
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step; returns an output for every request that got a token,
+        finished or was aborted since the last step.
+
+        Raises:
+          StepRefusedError: if the model refused the step's cache update.
+        """
+        outputs, self._aborted = self._aborted, []
+        step = self.scheduler.schedule()
+        self._counts["preemptions"] += len(step.preempted)
+        self._idle = step.is_empty and not step.preempted
+        if step.is_empty:
+            return outputs
+        self._counts["steps"] += 1
+        prefill_batch, decode_batch = self.builder.build(step)
+        # Every call donates the caches: keep self.caches on the live buffers throughout.
+        if step.block_copies:
+            self.caches = copy_kv_blocks(self.caches, *self._pairs(step.block_copies))
+            self._counts["kv_block_copies"] += len(step.block_copies)
+        if step.resume_state_copies:
+            self._copy_slots(step, step.resume_state_copies, "resume copies")
+        logits = []
+        if prefill_batch is not None:
+            out = prefill(self._model_state, self.caches, jax.device_put(prefill_batch))
+            self.caches = out.caches
+            self._check(out.status, step, "prefill")
+            logits.append(out.logits)
+        if decode_batch is not None:
+            out = decode(self._model_state, self.caches, jax.device_put(decode_batch))
+            self.caches = out.caches
+            self._check(out.status, step, "decode")
+            logits.append(out.logits)
+        if step.retain_state_copies:
+            self._copy_slots(step, step.retain_state_copies, "retain copies")
+        self._count_cached_tokens(step)
+        sampled = self._sample(step, prefill_batch, logits)
+        finished = {
+            r.request_id
+            for r in self.scheduler.update_from_step(
+                step, {i: token for i, (token, _) in sampled.items()}
+            )
+        }
+        for request_id, (_, logprob) in sampled.items():
+            tracked = self._tracked[request_id]
+            tracked.logprobs.append(logprob)
+            self._counts["generated_tokens"] += 1
+            outputs.append(self._after_token(tracked, request_id in finished))
+        return outputs
+
+    def run_until_done(self) -> dict[str, RequestOutput]:
+        """Steps until no request is left; returns each request's final output.
+
+        Raises:
+          RuntimeError: if a step schedules nothing while requests remain (a bug).
+        """
+        final = {}
+        while self.has_unfinished():
+            outputs = self.step()
+            if self._idle and self.scheduler.has_unfinished():
+                raise RuntimeError(
+                    f"no progress: {self.scheduler.num_waiting} requests wait and nothing runs"
+                )
+            final |= {o.request_id: o for o in outputs if o.finished}
+        return final
+
+    def metrics(self) -> EngineMetrics:
+        blocks = self.prefix_cache.blocks.usage()
+        slots = self.prefix_cache.states.usage()
+        stats = self.prefix_cache.stats()
+        return EngineMetrics(
+            **self._counts,
+            prefix_cache_lookups=stats.requests,
+            prefix_cache_hits=stats.hits,
+            kv_block_evictions=self.prefix_cache.blocks.num_evictions,
+            state_slot_evictions=self.prefix_cache.states.num_evictions,
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            kv_blocks_total=blocks.total,
+            kv_blocks_used=blocks.used,
+            kv_blocks_cached=blocks.cached,
+            state_slots_total=slots.total,
+            state_slots_used=slots.used,
+            state_slots_retained=slots.cached,
+        )
+
+    def _pairs(self, copies) -> tuple[np.ndarray, np.ndarray]:
+        """(sources, destinations) padded with -1 to the fixed row count: one compile."""
+        if len(copies) > self._rows:
+            raise ValueError(f"{len(copies)} copies exceed {self._rows} rows")
+        pairs = np.full((2, self._rows), -1, np.int32)
+        pairs[:, : len(copies)] = np.asarray(copies, np.int32).T
+        return pairs[0], pairs[1]
+
+    def _copy_slots(self, step: ScheduledStep, copies, what: str) -> None:
+        self.caches, status = copy_state_slots(self.caches, *self._pairs(copies))
+        self._check(status, step, what)
+
+    def _check(self, status: jax.Array, step: ScheduledStep, what: str) -> None:
+        status = PoolStatus(int(status))
+        if status is not PoolStatus.OK:
+            raise StepRefusedError(
+                f"step {step.step_id}: the model refused the {what} ({status.name}); the "
+                f"caches are unchanged and the engine must be discarded"
+            )
+
+    def _sample(self, step: ScheduledStep, prefill_batch, logits) -> dict[str, tuple[int, float]]:
+        """{request_id: (token, logprob)} for every request the step samples."""
+        rows, params = [], []
+        num_prefill_rows = 0 if prefill_batch is None else prefill_batch.state_slots.shape[0]
+        sampling_rows = [(i, p.request_id) for i, p in enumerate(step.prefills) if p.samples]
+        sampling_rows += [(num_prefill_rows + i, d.request_id) for i, d in enumerate(step.decodes)]
+        if not sampling_rows:
+            return {}
+        for row, request_id in sampling_rows:
+            tracked = self._tracked[request_id]
+            s = tracked.request.sampling
+            rows.append(row)
+            params.append(
+                (
+                    s.temperature,
+                    s.top_k,
+                    s.top_p,
+                    tracked.seed,
+                    len(tracked.request.output_token_ids),
+                )
+            )
+        index = np.zeros(self._rows, np.int32)
+        index[: len(rows)] = rows
+        tokens, logprobs = jax.device_get(
+            _sample_rows(tuple(logits), index, SamplingTensors.host(params, self._rows))
+        )
+        return {
+            request_id: (int(tokens[k]), float(logprobs[k]))
+            for k, (_, request_id) in enumerate(sampling_rows)
+        }
+
+    def _count_cached_tokens(self, step: ScheduledStep) -> None:
+        for scheduled in step.prefills:
+            tracked = self._tracked[scheduled.request_id]
+            if not tracked.cached_counted:
+                tracked.cached_counted = True
+                self._counts["cached_prompt_tokens"] += tracked.request.num_cached_tokens or 0
+
+    def _after_token(self, tracked: _Tracked, finished: bool) -> RequestOutput:
+        """The output after a new token; finishes the request on a stop string."""
+        request = tracked.request
+        last = request.output_token_ids[-1]
+        reason, stop_reason = None, None
+        stop_string = self._stop_string(tracked)
+        if finished and last in tracked.stop_token_ids:
+            reason, stop_reason = FinishReason.STOP, last
+        elif stop_string is not None:
+            reason, stop_reason = FinishReason.STOP, stop_string
+            if not finished:
+                self.scheduler.abort(request.request_id)
+        elif finished:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            del self._tracked[request.request_id]
+            self._counts["requests_finished"] += 1
+        return self._output(tracked, reason, stop_reason)
+
+    def _stop_string(self, tracked: _Tracked) -> str | None:
+        """The stop string that occurs first in the output text, or None."""
+        if not tracked.request.sampling.stop:
+            return None
+        text = self._detokenize(tracked.request.output_token_ids)
+        found = [(text.find(s), s) for s in tracked.request.sampling.stop if s in text]
+        return min(found)[1] if found else None
+
+    def _output(
+        self, tracked: _Tracked, reason: FinishReason | None, stop_reason: int | str | None
+    ) -> RequestOutput:
+        request = tracked.request
+        text = None
+        if self._detokenize is not None:
+            text = self._detokenize(request.output_token_ids)
+            if isinstance(stop_reason, str):
+                text = text[: text.find(stop_reason)]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=tuple(request.output_token_ids),
+            logprobs=tuple(tracked.logprobs),
+            text=text,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=request.num_cached_tokens or 0,
+            num_preemptions=request.num_preemptions,
+        )
+
+
+@jax.jit
+def _sample_rows(
+    logits: tuple[jax.Array, ...], rows: jax.Array, params: SamplingTensors
+) -> tuple[jax.Array, jax.Array]:
+    """Sample from rows ``rows`` of the step's logits (prefill rows, then decode rows)."""
+    return sample(jnp.concatenate(logits)[rows], params)

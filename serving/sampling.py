@@ -1,0 +1,98 @@
+"""Next-token sampling over a batch of logits: greedy, temperature, top-k, top-p, seeds.
+
+Pure, jittable functions of fp32 logits ``[N, V]`` and per-row parameters, so one compiled
+sampler serves any mix of greedy and random rows. Row n draws with the key
+``fold_in(key(seeds[n]), token_index[n])``: the same request (seed) sampling its k-th output
+token gets the same key however the steps are batched, preempted or replayed, which makes
+seeded sampling reproducible.
+
+Order of operations (the usual one): divide by the temperature, keep the ``top_k`` largest,
+then keep the smallest set of those whose probability (after top-k) reaches ``top_p``,
+then draw. The logprob returned is of the chosen token under the model's own distribution
+(``log_softmax`` of the raw logits), whatever the sampling parameters.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SEED_LIMIT = 2**32  # seeds are uint32
+
+
+class SamplingTensors(NamedTuple):
+    """Per-row sampling parameters of one batch (N rows, a bucket size)."""
+
+    temperature: jax.Array  # fp32 [N], 0: greedy (argmax)
+    top_k: jax.Array  # int32 [N], 0: all tokens
+    top_p: jax.Array  # fp32 [N] in (0, 1], 1: all tokens
+    seeds: jax.Array  # uint32 [N]
+    token_index: jax.Array  # int32 [N], which output token of its request the row samples
+
+    @classmethod
+    def host(cls, rows: list[tuple[float, int, float, int, int]], size: int) -> SamplingTensors:
+        """Host NumPy arrays from (temperature, top_k, top_p, seed, token_index) per row,
+        padded to ``size`` greedy rows."""
+        if len(rows) > size:
+            raise ValueError(f"{len(rows)} sampling rows exceed the bucket size {size}")
+        pad = [(0.0, 0, 1.0, 0, 0)] * (size - len(rows))
+        temperature, top_k, top_p, seeds, index = zip(*(list(rows) + pad))
+        return cls(
+            np.asarray(temperature, np.float32),
+            np.asarray(top_k, np.int32),
+            np.asarray(top_p, np.float32),
+            np.asarray(seeds, np.uint32),
+            np.asarray(index, np.int32),
+        )
+
+
+def top_k_top_p_mask(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Which tokens each row may sample: bool [N, V].
+
+    Args:
+      logits: fp32 [N, V], already divided by the temperature.
+      top_k: int32 [N]; keep the k largest (0: no limit).
+      top_p: fp32 [N]; of those, keep the largest tokens while the probability mass
+        before each is below top_p (so the top token is always kept).
+    """
+    num_rows, vocab = logits.shape
+    order = jnp.argsort(-logits, axis=-1, stable=True)  # [N, V], largest first
+    ranked = jnp.take_along_axis(logits, order, axis=-1)
+    rank = jnp.arange(vocab, dtype=jnp.int32)
+    keep = (top_k[:, None] <= 0) | (rank[None, :] < top_k[:, None])
+    probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # top_p = 1 keeps everything even where the fp32 running sum rounds up to 1.
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1) | (rank[None, :] == 0)
+    rows = jnp.arange(num_rows)[:, None]
+    return jnp.zeros((num_rows, vocab), bool).at[rows, order].set(keep)
+
+
+def row_key(seed: jax.Array, token_index: jax.Array) -> jax.Array:
+    """The PRNG key of one row: the request's seed folded with its output token index."""
+    return jax.random.fold_in(jax.random.key(seed), token_index)
+
+
+def sample(logits: jax.Array, params: SamplingTensors) -> tuple[jax.Array, jax.Array]:
+    """One token per row.
+
+    Args:
+      logits: fp32 [N, V] raw model logits.
+      params: per-row parameters (see ``SamplingTensors``).
+    Returns:
+      tokens int32 [N] and their fp32 [N] logprobs under the raw logits.
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = params.temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, params.temperature)[:, None]
+    mask = top_k_top_p_mask(scaled, params.top_k, params.top_p)
+    keys = jax.vmap(row_key)(params.seeds, params.token_index)
+    drawn = jax.vmap(jax.random.categorical)(keys, jnp.where(mask, scaled, -jnp.inf))
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[
+        :, 0
+    ]
+    return tokens, logprobs
