@@ -34,8 +34,7 @@ test: lint
 	$(PYTHON) -m pytest -q -m "not gpu"
 
 serve: venv
-	@echo "The HTTP server (python -m serving.server) is not built yet; running the kernel demo."
-	$(PYTHON) -m pallas_kernels.demo
+	$(PYTHON) -m serving.server $(SERVE_ARGS)
 
 test-gpu:
 	$(GPU_PYTHON) -m pytest -q -m gpu

@@ -1,0 +1,279 @@
+"""The OpenAI-style HTTP API: request bodies (pydantic, strict types), error bodies, and
+the response and stream-chunk shapes of ``/v1/completions`` and ``/v1/chat/completions``.
+
+Request fields OpenAI defines but this server cannot honour are refused (400) when set to
+anything but their neutral value, never ignored: ``n`` and ``best_of`` other than 1,
+penalties other than 0, ``logit_bias``, ``suffix``, ``echo``, and top-N alternatives
+(``logprobs`` > 0 for completions, ``top_logprobs`` > 0 for chat): the engine returns
+the log-probability of each sampled token only. Unknown fields are ignored. Extensions
+(as in vLLM): ``top_k`` (-1 or 0: all tokens) and ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from serving.engine import RequestOutput
+from serving.tokenizer import Tokenizer
+
+MAX_STOP_STRINGS = 16
+SEED_LIMIT = 2**32
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
+    stop: (
+        str
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)]
+        | None
+    ) = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        _refuse(self.n not in (None, 1), "n", "only n=1 is supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _refuse(getattr(self, name) not in (None, 0, 0.0), name, f"{name} is not supported")
+        _refuse(bool(self.logit_bias), "logit_bias", "logit_bias is not supported")
+        _refuse(self.stop == "", "stop", "stop strings must not be empty")
+        return self
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _refuse_completion_extras(self):
+        _refuse(self.echo, "echo", "echo=true is not supported")
+        _refuse(self.best_of not in (None, 1), "best_of", "only best_of=1 is supported")
+        _refuse(self.suffix is not None, "suffix", "suffix is not supported")
+        _refuse(
+            bool(self.logprobs),
+            "logprobs",
+            "top alternatives are not supported: logprobs=0 returns the log-probability "
+            "of each sampled token",
+        )
+        return self
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @model_validator(mode="after")
+    def _refuse_chat_extras(self):
+        _refuse(
+            bool(self.top_logprobs),
+            "top_logprobs",
+            "top alternatives are not supported: logprobs=true returns the "
+            "log-probability of each sampled token",
+        )
+        return self
+
+
+def _refuse(condition: bool, param: str, message: str) -> None:
+    if condition:
+        raise APIError(400, message, param=param, code="unsupported_parameter")
+
+
+# --- responses ----------------------------------------------------------------------------
+
+
+class Generation:
+    """One request's output as the client has seen it: text sent so far, tokens seen."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):
+        self._tokenizer = tokenizer
+        # A stop string may still be completing: hold back what could be its beginning.
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self.sent = ""
+        self.num_tokens = 0
+
+    def advance(self, output: RequestOutput) -> tuple[str, list[str], list[float]]:
+        """(new text, texts of the new tokens, their logprobs) since the last call."""
+        text = output.text or ""
+        if not output.finished:
+            text = text[: max(len(text) - self._holdback, 0)]
+            text = text.rstrip("\ufffd")  # a character whose bytes are still arriving
+        delta = text[len(self.sent) :] if len(text) > len(self.sent) else ""
+        self.sent += delta
+        new_ids = output.output_token_ids[self.num_tokens :]
+        logprobs = list(output.logprobs[self.num_tokens :])
+        self.num_tokens = len(output.output_token_ids)
+        return delta, [self._tokenizer.token_text(t) for t in new_ids], logprobs
+
+
+def finish_reason(output: RequestOutput) -> str | None:
+    return None if output.finish_reason is None else output.finish_reason.value
+
+
+def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict:
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
+    }
+
+
+def completion_logprobs(
+    token_texts: Sequence[str], logprobs: Sequence[float], text_offset: int
+) -> dict:
+    """The legacy completions ``logprobs`` object for these tokens."""
+    offsets, position = [], text_offset
+    for text in token_texts:
+        offsets.append(position)
+        position += len(text)
+    return {
+        "tokens": list(token_texts),
+        "token_logprobs": list(logprobs),
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(token_texts: Sequence[str], logprobs: Sequence[float]) -> dict:
+    return {
+        "content": [
+            {
+                "token": text,
+                "logprob": logprob,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [],
+            }
+            for text, logprob in zip(token_texts, logprobs, strict=True)
+        ]
+    }
+
+
+def completion_choice(text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(
+    text: str | None,
+    finish_reason: str | None,
+    logprobs: dict | None,
+    *,
+    delta: bool,
+    first: bool = False,
+) -> dict:
+    message: dict = {}
+    if not delta or first:
+        message["role"] = "assistant"
+    if text is not None or not delta:
+        message["content"] = text
+    key = "delta" if delta else "message"
+    return {"index": 0, key: message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def envelope(
+    request_id: str,
+    model: str,
+    choice: dict | None,
+    *,
+    chat: bool,
+    chunk: bool,
+    created: int,
+    usage_: dict | None = None,
+) -> dict:
+    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
+    body = {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": [] if choice is None else [choice],
+    }
+    if usage_ is not None or not chunk:
+        body["usage"] = usage_
+    return body
+
+
+def now() -> int:
+    return int(time.time())
