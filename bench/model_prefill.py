@@ -25,31 +25,11 @@ from flax import nnx
 from glmjax.batch import PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
-from glmjax.model import HybridModel, prefill
+from glmjax.model import prefill
+from glmjax.random_weights import random_model
 
 BLOCK_SIZE = 512
 RESULTS = Path(__file__).parent / "results"
-
-
-def random_model(config: ModelConfig, seed: int = 0) -> HybridModel:
-    """The model with random parameters drawn on the device (no init ops compiled)."""
-    model = nnx.eval_shape(lambda: HybridModel(config, nnx.Rngs(0)))
-    params = nnx.state(model, nnx.Param)
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    keys = jax.random.split(jax.random.key(seed), len(paths_leaves))
-
-    def draw(key, path, leaf):
-        if "norm" in jax.tree_util.keystr(path):
-            return jnp.ones(leaf.shape, leaf.dtype)
-        return (0.02 * jax.random.normal(key, leaf.shape, jnp.float32)).astype(leaf.dtype)
-
-    @jax.jit
-    def draw_all(keys):
-        return [draw(key, path, leaf) for key, (path, leaf) in zip(keys, paths_leaves,
-                                                                   strict=True)]
-
-    nnx.update(model, jax.tree_util.tree_unflatten(treedef, draw_all(keys)))
-    return model
 
 
 def cold_prompt_batch(tokens: np.ndarray) -> PrefillBatch:
@@ -83,7 +63,7 @@ def main():
     config = ModelConfig.preset(args.preset)
     if args.num_layers:
         config = config.replace_depth(args.num_layers, args.num_experts)
-    model_state = nnx.split(random_model(config))
+    model_state = nnx.split(random_model(config, seed=0))
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, args.tokens)
     batch = cold_prompt_batch(tokens)
     caches = Caches.init(config, num_state_slots=5,

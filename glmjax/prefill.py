@@ -47,7 +47,8 @@ from glmjax.batch import CHECKPOINT_CAPACITY, PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
 from glmjax.layers.paged_cache import MLACache
-from glmjax.model import HybridModel, ModelState, prefill
+from glmjax.model import ModelState, prefill
+from glmjax.random_weights import random_model
 from glmjax.state_pool import PoolStatus, StatePool
 from serving.plan import PrefillSpan, plan_prefill
 
@@ -168,18 +169,8 @@ def model_fingerprint(model_state: ModelState) -> str:
 
 
 def random_model_state(config: ModelConfig, seed: int) -> ModelState:
-    """Random weights drawn on the host (normal * 0.02, norm gains 1): no device program to
-    compile, which on a CPU takes longer than the prefill itself."""
-    model = nnx.eval_shape(lambda: HybridModel(config, nnx.Rngs(0)))
-    params = nnx.state(model, nnx.Param)
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    rng = np.random.default_rng(seed)
-    leaves = [np.ones(leaf.shape) if "norm" in jax.tree_util.keystr(path)
-              else 0.02 * rng.standard_normal(leaf.shape, np.float32)
-              for path, leaf in paths_leaves]
-    nnx.update(model, jax.tree_util.tree_unflatten(treedef, [
-        jnp.asarray(value, leaf.dtype) for value, (_, leaf) in zip(leaves, paths_leaves)]))
-    return nnx.split(model)
+    """The default weights: `random_model(config, seed)`, split for the jitted steps."""
+    return nnx.split(random_model(config, seed))
 
 
 # --- saving and loading ---------------------------------------------------------------------

@@ -26,17 +26,13 @@ import time
 import uuid
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from flax import nnx
 
 from glmjax.config import ModelConfig
-from glmjax.model import HybridModel
+from glmjax.random_weights import random_model
 from serving import api
 from serving.async_engine import AsyncEngine, EngineDeadError, prometheus_text
 from serving.engine import Engine, EngineConfig, FinishReason, RequestOutput
@@ -522,25 +518,6 @@ def load_model(args: argparse.Namespace, config: ModelConfig):
 
     logger.info("weights: orbax checkpoint %s", args.weights)
     return restore_params(args.weights, config)
-
-
-def random_model(config: ModelConfig, seed: int) -> HybridModel:
-    """The model with random parameters (normal * 0.02, norm gains 1, as in
-    ``bench.model_prefill``), drawn on the host with NumPy: on a CPU this takes a fraction
-    of a second where compiling the device-side draws takes most of a minute."""
-    model = nnx.eval_shape(lambda: HybridModel(config, nnx.Rngs(0)))
-    params = nnx.state(model, nnx.Param)
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    rng = np.random.default_rng(seed)
-    leaves = []
-    for path, leaf in paths_leaves:
-        if "norm" in jax.tree_util.keystr(path):
-            value = np.ones(leaf.shape, np.float32)
-        else:
-            value = 0.02 * rng.standard_normal(leaf.shape, np.float32)
-        leaves.append(jax.device_put(jnp.asarray(value, leaf.dtype)))
-    nnx.update(model, jax.tree_util.tree_unflatten(treedef, leaves))
-    return model
 
 
 def log_features(engine: Engine, tokenizer: Tokenizer) -> None:
