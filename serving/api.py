@@ -3,9 +3,10 @@ the response and stream-chunk shapes of ``/v1/completions`` and ``/v1/chat/compl
 
 Request fields OpenAI defines but this server cannot honour are refused (400) when set to
 anything but their neutral value, never ignored: ``n`` and ``best_of`` other than 1,
-penalties other than 0, ``logit_bias``, ``suffix``, ``echo``, and top-N alternatives
-(``logprobs`` > 0 for completions, ``top_logprobs`` > 0 for chat): the engine returns
-the log-probability of each sampled token only. Unknown fields are ignored. Extensions
+penalties other than 0, ``logit_bias``, ``suffix`` and ``echo``. Log-probabilities:
+``logprobs`` = n (completions) or ``logprobs: true`` with ``top_logprobs`` = n (chat)
+return each sampled token's log-probability and the n most likely alternatives, under the
+model's raw distribution. Unknown fields are ignored. Extensions
 (as in vLLM): ``top_k`` (-1 or 0: all tokens) and ``ignore_eos``.
 """
 
@@ -112,12 +113,6 @@ class CompletionRequest(_Sampling):
         _refuse(self.echo, "echo", "echo=true is not supported")
         _refuse(self.best_of not in (None, 1), "best_of", "only best_of=1 is supported")
         _refuse(self.suffix is not None, "suffix", "suffix is not supported")
-        _refuse(
-            bool(self.logprobs),
-            "logprobs",
-            "top alternatives are not supported: logprobs=0 returns the log-probability "
-            "of each sampled token",
-        )
         return self
 
 
@@ -148,10 +143,9 @@ class ChatRequest(_Sampling):
     @model_validator(mode="after")
     def _refuse_chat_extras(self):
         _refuse(
-            bool(self.top_logprobs),
+            bool(self.top_logprobs) and not self.logprobs,
             "top_logprobs",
-            "top alternatives are not supported: logprobs=true returns the "
-            "log-probability of each sampled token",
+            "top_logprobs needs logprobs=true",
         )
         return self
 
@@ -174,8 +168,11 @@ class Generation:
         self.sent = ""
         self.num_tokens = 0
 
-    def advance(self, output: RequestOutput) -> tuple[str, list[str], list[float]]:
-        """(new text, texts of the new tokens, their logprobs) since the last call."""
+    def advance(
+        self, output: RequestOutput
+    ) -> tuple[str, list[str], list[float], list[list[tuple[str, float]]]]:
+        """(new text, texts of the new tokens, their logprobs, their most likely
+        alternatives as (text, logprob)) since the last call."""
         text = output.text or ""
         if not output.finished:
             text = text[: max(len(text) - self._holdback, 0)]
@@ -184,8 +181,12 @@ class Generation:
         self.sent += delta
         new_ids = output.output_token_ids[self.num_tokens :]
         logprobs = list(output.logprobs[self.num_tokens :])
+        tops = [
+            [(self._tokenizer.token_text(token), logprob) for token, logprob in alternatives]
+            for alternatives in output.top_logprobs[self.num_tokens :]
+        ]
         self.num_tokens = len(output.output_token_ids)
-        return delta, [self._tokenizer.token_text(t) for t in new_ids], logprobs
+        return delta, [self._tokenizer.token_text(t) for t in new_ids], logprobs, tops
 
 
 def finish_reason(output: RequestOutput) -> str | None:
@@ -202,9 +203,14 @@ def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict:
 
 
 def completion_logprobs(
-    token_texts: Sequence[str], logprobs: Sequence[float], text_offset: int
+    token_texts: Sequence[str],
+    logprobs: Sequence[float],
+    text_offset: int,
+    tops: Sequence[Sequence[tuple[str, float]]],
+    num_top: int,
 ) -> dict:
-    """The legacy completions ``logprobs`` object for these tokens."""
+    """The legacy completions ``logprobs`` object for these tokens, with the `num_top` most
+    likely alternatives of each (None when 0)."""
     offsets, position = [], text_offset
     for text in token_texts:
         offsets.append(position)
@@ -212,21 +218,34 @@ def completion_logprobs(
     return {
         "tokens": list(token_texts),
         "token_logprobs": list(logprobs),
-        "top_logprobs": None,
+        "top_logprobs": [_most_likely_per_text(top[:num_top]) for top in tops]
+        if num_top
+        else None,
         "text_offset": offsets,
     }
 
 
-def chat_logprobs(token_texts: Sequence[str], logprobs: Sequence[float]) -> dict:
+def _most_likely_per_text(pairs: Sequence[tuple[str, float]]) -> dict[str, float]:
+    """{text: logprob}, most likely first; two tokens with one text keep the likelier."""
+    mapping: dict[str, float] = {}
+    for text, logprob in pairs:
+        mapping.setdefault(text, logprob)
+    return mapping
+
+
+def chat_logprobs(
+    token_texts: Sequence[str],
+    logprobs: Sequence[float],
+    tops: Sequence[Sequence[tuple[str, float]]],
+    num_top: int,
+) -> dict:
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
     return {
         "content": [
-            {
-                "token": text,
-                "logprob": logprob,
-                "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [],
-            }
-            for text, logprob in zip(token_texts, logprobs, strict=True)
+            {**entry(text, logprob), "top_logprobs": [entry(*alt) for alt in top[:num_top]]}
+            for text, logprob, top in zip(token_texts, logprobs, tops, strict=True)
         ]
     }
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ from serving.batch_builder import BatchBuckets, BatchBuilder
 from serving.block_allocator import BlockAllocator
 from serving.prefix_cache import PrefixCache
 from serving.request import Request, SamplingParams
-from serving.sampling import SEED_LIMIT, SamplingTensors, sample
+from serving.sampling import SEED_LIMIT, Sampled, SamplingTensors, sample
 from serving.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from serving.state_slots import StateSlotAllocator
 
@@ -85,6 +86,8 @@ class RequestOutput:
       output_token_ids: generated tokens, all of them (a stop token or the token that
         completed a stop string included).
       logprobs: log p of each generated token under the model's raw distribution.
+      top_logprobs: per generated token, the ``MAX_TOP_LOGPROBS`` most likely
+        (token id, log p) pairs under the same distribution, most likely first.
       text: the detokenized output, cut before a stop string (None without a detokenizer).
       finish_reason: None while the request runs.
       stop_reason: the stop token id or stop string that finished it, if any.
@@ -97,6 +100,7 @@ class RequestOutput:
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
     text: str | None
     finish_reason: FinishReason | None
     stop_reason: int | str | None
@@ -142,6 +146,14 @@ class EngineMetrics:
     state_slots_retained: int
 
 
+class _Draw(NamedTuple):
+    """One request's sampled token, its logprob and the top alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclasses.dataclass(eq=False)
 class _Tracked:
     """What the engine keeps about a live request beside the scheduler's ``Request``."""
@@ -150,6 +162,7 @@ class _Tracked:
     seed: int
     stop_token_ids: frozenset[int]
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
     cached_counted: bool = False
 
 
@@ -320,12 +333,13 @@ class Engine:
         finished = {
             r.request_id
             for r in self.scheduler.update_from_step(
-                step, {i: token for i, (token, _) in sampled.items()}
+                step, {i: draw.token for i, draw in sampled.items()}
             )
         }
-        for request_id, (_, logprob) in sampled.items():
+        for request_id, draw in sampled.items():
             tracked = self._tracked[request_id]
-            tracked.logprobs.append(logprob)
+            tracked.logprobs.append(draw.logprob)
+            tracked.top_logprobs.append(draw.top)
             self._counts["generated_tokens"] += 1
             outputs.append(self._after_token(tracked, request_id in finished))
         return outputs
@@ -386,8 +400,8 @@ class Engine:
                 f"caches are unchanged and the engine must be discarded"
             )
 
-    def _sample(self, step: ScheduledStep, prefill_batch, logits) -> dict[str, tuple[int, float]]:
-        """{request_id: (token, logprob)} for every request the step samples."""
+    def _sample(self, step: ScheduledStep, prefill_batch, logits) -> dict[str, _Draw]:
+        """{request_id: its draw} for every request the step samples."""
         rows, params = [], []
         num_prefill_rows = 0 if prefill_batch is None else prefill_batch.state_slots.shape[0]
         sampling_rows = [(i, p.request_id) for i, p in enumerate(step.prefills) if p.samples]
@@ -409,11 +423,16 @@ class Engine:
             )
         index = np.zeros(self._rows, np.int32)
         index[: len(rows)] = rows
-        tokens, logprobs = jax.device_get(
+        drawn = jax.device_get(
             _sample_rows(tuple(logits), index, SamplingTensors.host(params, self._rows))
         )
         return {
-            request_id: (int(tokens[k]), float(logprobs[k]))
+            request_id: _Draw(
+                int(drawn.tokens[k]),
+                float(drawn.logprobs[k]),
+                tuple(zip(drawn.top_ids[k].tolist(), drawn.top_logprobs[k].tolist(),
+                          strict=True)),
+            )
             for k, (_, request_id) in enumerate(sampling_rows)
         }
 
@@ -465,6 +484,7 @@ class Engine:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=tuple(request.output_token_ids),
             logprobs=tuple(tracked.logprobs),
+            top_logprobs=tuple(tracked.top_logprobs),
             text=text,
             finish_reason=reason,
             stop_reason=stop_reason,
@@ -477,6 +497,6 @@ class Engine:
 @jax.jit
 def _sample_rows(
     logits: tuple[jax.Array, ...], rows: jax.Array, params: SamplingTensors
-) -> tuple[jax.Array, jax.Array]:
+) -> Sampled:
     """Sample from rows ``rows`` of the step's logits (prefill rows, then decode rows)."""
     return sample(jnp.concatenate(logits)[rows], params)

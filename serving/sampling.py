@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SEED_LIMIT = 2**32  # seeds are uint32
+MAX_TOP_LOGPROBS = 20  # alternatives returned per token (OpenAI allows up to 20)
 
 
 class SamplingTensors(NamedTuple):
@@ -76,14 +77,22 @@ def row_key(seed: jax.Array, token_index: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), token_index)
 
 
-def sample(logits: jax.Array, params: SamplingTensors) -> tuple[jax.Array, jax.Array]:
+class Sampled(NamedTuple):
+    """One step's draws: per row the token, its logprob, and the most likely alternatives
+    (all under the model's raw distribution, most likely first)."""
+
+    tokens: jax.Array        # int32 [N]
+    logprobs: jax.Array      # fp32 [N]
+    top_ids: jax.Array       # int32 [N, min(MAX_TOP_LOGPROBS, V)]
+    top_logprobs: jax.Array  # fp32 [N, min(MAX_TOP_LOGPROBS, V)]
+
+
+def sample(logits: jax.Array, params: SamplingTensors) -> Sampled:
     """One token per row.
 
     Args:
       logits: fp32 [N, V] raw model logits.
       params: per-row parameters (see ``SamplingTensors``).
-    Returns:
-      tokens int32 [N] and their fp32 [N] logprobs under the raw logits.
     """
     logits = logits.astype(jnp.float32)
     greedy = params.temperature <= 0
@@ -92,7 +101,7 @@ def sample(logits: jax.Array, params: SamplingTensors) -> tuple[jax.Array, jax.A
     keys = jax.vmap(row_key)(params.seeds, params.token_index)
     drawn = jax.vmap(jax.random.categorical)(keys, jnp.where(mask, scaled, -jnp.inf))
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[
-        :, 0
-    ]
-    return tokens, logprobs
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(log_probs, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
+    return Sampled(tokens, logprobs, top_ids.astype(jnp.int32), top_logprobs)

@@ -84,7 +84,7 @@ class Handlers:
             body,
             prompt,
             chat=False,
-            want_logprobs=body.logprobs is not None,
+            top_logprobs=body.logprobs,
             max_tokens=body.max_tokens,
         )
 
@@ -97,7 +97,12 @@ class Handlers:
             return error.response()
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._generate(
-            request, body, prompt, chat=True, want_logprobs=body.logprobs, max_tokens=max_tokens
+            request,
+            body,
+            prompt,
+            chat=True,
+            top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            max_tokens=max_tokens,
         )
 
     async def _parse(self, request: Request, model: type[pydantic.BaseModel]):
@@ -183,7 +188,7 @@ class Handlers:
         prompt: list[int],
         *,
         chat: bool,
-        want_logprobs: bool,
+        top_logprobs: int | None,
         max_tokens: int | None,
     ):
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -204,7 +209,7 @@ class Handlers:
             outputs,
             generation,
             chat=chat,
-            want_logprobs=want_logprobs,
+            top_logprobs=top_logprobs,
             created=api.now(),
         )
         if body.stream:
@@ -227,24 +232,25 @@ class _Job:
         generation: api.Generation,
         *,
         chat: bool,
-        want_logprobs: bool,
+        top_logprobs: int | None,
         created: int,
     ):
         self.h, self.request, self.id, self.outputs = handlers, request, request_id, outputs
-        self.gen, self.chat, self.want_logprobs, self.created = (
+        self.gen, self.chat, self.top_logprobs, self.created = (
             generation,
             chat,
-            want_logprobs,
+            top_logprobs,
             created,
         )
         self.finished = False
 
-    def _logprobs(self, texts, logprobs, text_offset):
-        if not self.want_logprobs:
+    def _logprobs(self, texts, logprobs, tops, text_offset):
+        """None unless the request asked for logprobs (`top_logprobs` alternatives each)."""
+        if self.top_logprobs is None:
             return None
         if self.chat:
-            return api.chat_logprobs(texts, logprobs)
-        return api.completion_logprobs(texts, logprobs, text_offset)
+            return api.chat_logprobs(texts, logprobs, tops, self.top_logprobs)
+        return api.completion_logprobs(texts, logprobs, text_offset, tops, self.top_logprobs)
 
     def _envelope(self, choice, *, chunk, usage=None):
         return api.envelope(
@@ -289,8 +295,8 @@ class _Job:
             return api.APIError(
                 503, "the request was aborted: the server is shutting down", code="aborted"
             ).response()
-        text, texts, logprobs = self.gen.advance(output)
-        logprobs = self._logprobs(texts, logprobs, 0)
+        text, texts, logprobs, tops = self.gen.advance(output)
+        logprobs = self._logprobs(texts, logprobs, tops, 0)
         if self.chat:
             choice = api.chat_choice(text, api.finish_reason(output), logprobs, delta=False)
         else:
@@ -320,10 +326,10 @@ class _Job:
                 if await self.request.is_disconnected():
                     return
                 offset = len(self.gen.sent)
-                text, texts, logprobs = self.gen.advance(output)
+                text, texts, logprobs, tops = self.gen.advance(output)
                 if not (text or texts or output.finished):
                     continue
-                logprobs = self._logprobs(texts, logprobs, offset)
+                logprobs = self._logprobs(texts, logprobs, tops, offset)
                 reason = api.finish_reason(output)
                 if self.chat:
                     choice = api.chat_choice(text, reason, logprobs, delta=True)

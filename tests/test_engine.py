@@ -94,21 +94,25 @@ def test_samples_follow_the_masked_tempered_distribution(rng):
     want = np.where(keep, np.exp(scaled - scaled.max()), 0)
     want /= want.sum()
     params = SamplingTensors.host([(temperature, top_k, top_p, 11, i) for i in range(draws)], draws)
-    tokens, logprobs = jax.jit(sample)(np.tile(logits, (draws, 1)), params)
+    tokens, logprobs, top_ids, top_logprobs = jax.jit(sample)(np.tile(logits, (draws, 1)), params)
     freq = np.bincount(np.asarray(tokens), minlength=vocab) / draws
     assert np.all(freq[~keep] == 0)
     np.testing.assert_allclose(freq, want, atol=0.03)
     raw = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
     np.testing.assert_allclose(np.asarray(logprobs), raw[np.asarray(tokens)], atol=1e-5)
+    # The alternatives: the most likely tokens of the raw distribution, in order.
+    want_top = np.argsort(-raw, kind="stable")[: top_ids.shape[1]]
+    np.testing.assert_array_equal(np.asarray(top_ids[0]), want_top)
+    np.testing.assert_allclose(np.asarray(top_logprobs[0]), raw[want_top], atol=1e-5)
 
 
 def test_greedy_rows_take_the_argmax_and_seeds_reproduce(rng):
     logits = rng.normal(size=(4, 100)).astype(np.float32)
     rows = [(0.0, 0, 1.0, 5, 0), (1.0, 0, 1.0, 5, 0), (1.0, 0, 1.0, 5, 0), (1.0, 0, 1.0, 6, 0)]
     sample_jit = jax.jit(sample)
-    tokens, _ = sample_jit(logits, SamplingTensors.host(rows, 4))
+    tokens = sample_jit(logits, SamplingTensors.host(rows, 4)).tokens
     assert int(tokens[0]) == int(np.argmax(logits[0]))
-    again, _ = sample_jit(logits, SamplingTensors.host(rows, 4))
+    again = sample_jit(logits, SamplingTensors.host(rows, 4)).tokens
     np.testing.assert_array_equal(tokens, again)
     # Same (seed, index) on the same logits: same token. Across 64 indices a seed's stream
     # differs from another seed's.

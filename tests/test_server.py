@@ -158,6 +158,7 @@ def _output(token_ids, text, finished=False):
         (1,),
         tuple(token_ids),
         (-1.0,) * len(token_ids),
+        ((),) * len(token_ids),
         text,
         FinishReason.LENGTH if finished else None,
         None,
@@ -175,10 +176,10 @@ def test_streamed_text_never_takes_back_what_it_sent():
     gen = Generation(tok, stop=("STOP",))
     sent = []
     for n in range(1, len(ids) + 1):
-        text, _, _ = gen.advance(_output(ids[:n], tok.decode(ids[:n])))
+        text = gen.advance(_output(ids[:n], tok.decode(ids[:n])))[0]
         sent.append(text)
         assert "\ufffd" not in "".join(sent)
-    text, _, _ = gen.advance(_output(ids, tok.decode(ids), finished=True))
+    text = gen.advance(_output(ids, tok.decode(ids), finished=True))[0]
     assert "".join(sent) + text == "a✓bST"
     assert text == "bST"  # the last len("STOP") - 1 characters wait for the finish
 
@@ -261,6 +262,34 @@ def test_completion_shape_logprobs_and_reproducibility(server):
     again = complete(server, list(b"Hello, world"), max_tokens=8, ignore_eos=True)
     assert again["choices"][0]["text"] == choice["text"]
     assert again["choices"][0]["logprobs"] is None
+
+
+def test_top_logprob_alternatives(server):
+    body = complete(server, "Hello, world", max_tokens=5, logprobs=3, ignore_eos=True)
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["top_logprobs"]) == 5
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
+                                   strict=True):
+        values = list(top.values())
+        assert 1 <= len(top) <= 3 and values == sorted(values, reverse=True)
+        # Greedy: the sampled token is the most likely one.
+        assert top[token] == pytest.approx(logprob, abs=1e-5) == pytest.approx(values[0])
+    request = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    chat = server.post("/v1/chat/completions", json=request).json()
+    for entry in chat["choices"][0]["logprobs"]["content"]:
+        assert len(entry["top_logprobs"]) == 2
+        best = entry["top_logprobs"][0]
+        assert best["token"] == entry["token"]
+        assert best["logprob"] == pytest.approx(entry["logprob"], abs=1e-5)
+        assert best["bytes"] == list(best["token"].encode())
 
 
 def test_seeded_sampling_reproduces(server):
@@ -353,7 +382,13 @@ def test_stop_string_cuts_text_whole_and_streamed(server):
         ("/v1/completions", {"prompt": [5000]}, 400, None),
         ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
         ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-        ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            400,
+            "top_logprobs",
+        ),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         (
             "/v1/chat/completions",
