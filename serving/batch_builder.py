@@ -98,16 +98,17 @@ class BatchBuilder:
         self.validate_step(prefill, decode)
         return prefill, decode
 
+    def _block_table_width(self, rows) -> int:
+        """The block-table width bucket that holds the longest table of `rows`."""
+        widest = max(len(row.block_table) for row in rows)
+        return bucket_for(self.buckets.block_table_widths, widest, "blocks in a block table")
+
     def prefill_batch(self, prefills: tuple[ScheduledPrefill, ...]) -> PrefillBatch:
         """Packs the spans in order; offsets are span-relative (position - span start)."""
         num_tokens = sum(p.span.num_tokens for p in prefills)
         t = bucket_for(self.buckets.tokens, num_tokens, "prefill tokens")
         n = bucket_for(self.buckets.seqs, len(prefills), "prefill sequences")
-        m = bucket_for(
-            self.buckets.block_table_widths,
-            max(len(p.block_table) for p in prefills),
-            "blocks in a block table",
-        )
+        m = self._block_table_width(prefills)
         token_ids = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         cu_seqlens = np.full(n + 1, num_tokens, np.int32)
@@ -146,11 +147,7 @@ class BatchBuilder:
     def decode_batch(self, decodes: tuple[ScheduledDecode, ...]) -> DecodeBatch:
         """One row per decode, padded to a sequence bucket."""
         n = bucket_for(self.buckets.seqs, len(decodes), "decode rows")
-        m = bucket_for(
-            self.buckets.block_table_widths,
-            max(len(d.block_table) for d in decodes),
-            "blocks in a block table",
-        )
+        m = self._block_table_width(decodes)
         token_ids = np.zeros(n, np.int32)
         positions = np.zeros(n, np.int32)
         state_slots = np.full(n, -1, np.int32)

@@ -78,6 +78,12 @@ def host_copy(caches: Caches):
     return [np.array(x) for x in jax.tree.leaves(caches)]
 
 
+def assert_unchanged(before, caches: Caches):
+    """Every cache array still equals its `host_copy` taken `before`, bit for bit."""
+    for old, new in zip(before, jax.tree.leaves(caches), strict=True):
+        np.testing.assert_array_equal(np.asarray(new), old)
+
+
 def assert_logits_close(actual, reference):
     err = np.max(np.abs(np.asarray(actual) - reference)) / np.max(np.abs(reference))
     assert err <= LOGIT_RTOL, f"max relative logit error {err:.2e}"
@@ -293,8 +299,7 @@ def test_invalid_checkpoint_metadata_leaves_every_cache_untouched(setup, case):
     spans, code = BAD_SPANS[case]
     out = prefill(model_state, caches, prefill_batch(tokens, *spans))
     assert int(out.status) == code
-    for old, new in zip(before, jax.tree.leaves(out.caches), strict=True):
-        np.testing.assert_array_equal(np.asarray(new), old)
+    assert_unchanged(before, out.caches)
 
 
 def test_invalid_decode_slots_leave_every_cache_untouched(setup):
@@ -313,8 +318,7 @@ def test_invalid_decode_slots_leave_every_cache_untouched(setup):
         ),
     )
     assert int(out.status) == PoolStatus.DUPLICATE_DESTINATION
-    for old, new in zip(before, jax.tree.leaves(out.caches), strict=True):
-        np.testing.assert_array_equal(np.asarray(new), old)
+    assert_unchanged(before, out.caches)
 
 
 def test_new_lengths_offsets_and_slots_do_not_recompile(setup):
