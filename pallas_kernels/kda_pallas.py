@@ -1,4 +1,4 @@
-"""The KDA checkpointing scan as two Pallas kernels lowered through Triton.
+"""The KDA checkpointing scan as three Pallas kernels lowered through Triton.
 
 Pass 1, `_chunk_prep_kernel` (grid: chunk slots x heads, fully parallel), turns each
 chunk of C tokens into the matrices the recurrence needs (DESIGN section 2):
@@ -15,20 +15,26 @@ cut into sub-chunks of 16 rows; blocks below the diagonal use the sub-chunk boun
 reference point (both factors <= 1) and diagonal blocks are formed elementwise.
 
 Pass 2, `_recurrence_kernel` (grid: sequences x heads x value blocks), runs the
-chunk-to-chunk recurrence in one program's `fori_loop`:
+chunk-to-chunk recurrence in one program's `fori_loop`, with only the two matmuls the
+recurrence depends on:
 
-    Vnew = U - W S;   O = Qg S + Aqk Vnew;   S <- diag(exp(G_last)) S + Kg^T Vnew
+    store S (the chunk's entry state);   Vnew = U - W S;   S <- diag(exp(G_last)) S + Kg^T Vnew
 
 and stores a snapshot whenever a checkpoint offset falls inside the chunk:
     S_p = diag(exp(G_{p-1})) S_in + (k * exp(G_{p-1} - G) * [j < p])^T Vnew.
 
-All intermediates are fp32. Rows past a sequence's end are masked on every load, so chunks
+Pass 3, `_output_kernel` (grid: chunk slots x heads x value blocks, fully parallel):
+    O = Qg S_entry + Aqk Vnew.
+
+Intermediates are fp32; on the fast path the matmul operands W, U, Aqk, Qg, Kg, Vnew and
+the entry states are stored in bf16. Rows past a sequence's end are masked on every load, so chunks
 never see the next sequence's rows.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,11 +82,57 @@ def _invert_unit_lower(l_blk):
     return _dot(inv, eye + l8, hi)
 
 
+def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref, l_ref, *,
+                     chunk):
+    """One 16-row sub-chunk of one head: its diagonal [16, 16] blocks of Aqk (inclusive,
+    before scale) and L (strict, before beta), stored at the sub-chunk's rows ([T_pad, H, 16]).
+
+    Formed column by column from register tiles, every exponent <= 0 (exact for any
+    decay); small programs, so many share an SM and hide each other's latency.
+    """
+    sub, h = pl.program_id(0), pl.program_id(1)
+    slot = sub // (chunk // SUB_CHUNK)
+    first = (sub % (chunk // SUB_CHUNK)) * SUB_CHUNK
+    clen = chunk_len_ref[slot]
+    f32 = jnp.float32
+
+    @pl.when(first < clen)
+    def _():
+        sub_row = _iota((SUB_CHUNK, 1), 0)
+        valid = sub_row + first < clen
+        rows = pl.ds(chunk_start_ref[slot] + first, SUB_CHUNK)
+
+        def load(ref):
+            return plgpu.load(ref.at[rows, h, :], mask=valid, other=0).astype(f32)
+
+        q, k = load(q_ref), load(k_ref)
+        g_blk = lax.cumsum(load(g_ref), axis=0)  # G relative to the sub-chunk's start
+        cols = _iota((1, SUB_CHUNK), 1)
+        a_blk = l_blk = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
+        for j in range(SUB_CHUNK):
+            at_j = sub_row == j
+            k_j = jnp.sum(jnp.where(at_j, k, 0.0), axis=0, keepdims=True)  # [1, K]
+            g_j = jnp.sum(jnp.where(at_j, g_blk, 0.0), axis=0, keepdims=True)
+            k_dec = k_j * jnp.exp(jnp.minimum(g_blk - g_j, 0.0))  # [16, K]
+            a_col = jnp.sum(q * k_dec, axis=1, keepdims=True)  # [16, 1]
+            l_col = jnp.sum(k * k_dec, axis=1, keepdims=True)
+            a_blk = jnp.where(cols == j, jnp.where(sub_row >= j, a_col, 0.0), a_blk)
+            l_blk = jnp.where(cols == j, jnp.where(sub_row > j, l_col, 0.0), l_blk)
+        plgpu.store(a_ref.at[rows, h, :], a_blk, mask=valid)
+        plgpu.store(l_ref.at[rows, h, :], l_blk, mask=valid)
+
+
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-                       w_ref, u_ref, aqk_ref, qg_ref, kg_ref, gcum_ref, glast_ref,
-                       *, scale, chunk, precision):
+                       *refs, scale, chunk, precision, separate_diagonal):
     """One chunk of one head. Refs are whole arrays [T_pad, H, ...]; rows past the chunk's
-    length load as zeros (g = 0 keeps G flat there, k = beta = 0 adds nothing)."""
+    length load as zeros (g = 0 keeps G flat there, k = beta = 0 adds nothing).
+
+    separate_diagonal: the diagonal blocks come from `_diagonal_kernel` (two more input
+    refs, [T_pad, H, 16]) instead of a loop over their columns here.
+    """
+    if separate_diagonal:
+        diag_a_ref, diag_l_ref, *refs = refs
+    w_ref, u_ref, aqk_ref, qg_ref, kg_ref, gcum_ref, glast_ref = refs
     slot, h = pl.program_id(0), pl.program_id(1)
     r0 = chunk_start_ref[slot]
     clen = chunk_len_ref[slot]
@@ -152,12 +204,18 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_re
                 return (a_acc, jnp.where(cols_c == first + j, l_col, l_acc),
                         jnp.where(cols_s == j, l_col, l_diag))
 
-            a_rows, l_rows, l_diag = lax.fori_loop(
-                0, SUB_CHUNK, diagonal_column,
-                (a_rows, l_rows, jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)))
+            identity_rows = (cols_c == sub_row + first).astype(f32)        # [16, C]: E_b
+            if separate_diagonal:
+                a_diag, l_diag = load(diag_a_ref, first, SUB_CHUNK), load(diag_l_ref, first,
+                                                                          SUB_CHUNK)
+                a_rows = a_rows + _dot(a_diag, identity_rows, hi)  # into columns of block b
+                l_rows = l_rows + _dot(l_diag, identity_rows, hi)
+            else:
+                a_rows, l_rows, l_diag = lax.fori_loop(
+                    0, SUB_CHUNK, diagonal_column,
+                    (a_rows, l_rows, jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)))
             store(aqk_ref, first, scale * a_rows)
             # Block forward substitution: (I + L_bb) T_b = E_b - L_b,<b T_<b.
-            identity_rows = (cols_c == sub_row + first).astype(f32)        # [16, C]
             rhs = identity_rows - _dot(beta_blk * l_rows, t_rows, hi)
             t_blk = _dot(_invert_unit_lower(beta_blk * l_diag), rhs, hi)   # [16, C]
             t_rows = t_rows + _dot_tn(identity_rows, t_blk, hi)
@@ -167,19 +225,25 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_re
         store(u_ref, 0, _dot(t_rows, beta * load(v_ref, 0, chunk), precision))
 
 
-def _recurrence_kernel(cu_ref, offsets_ref, init_ref, k_ref, w_ref, u_ref, aqk_ref, qg_ref,
-                       kg_ref, gcum_ref, glast_ref, o_in_ref,
-                       o_ref, final_ref, snap_ref, *, chunk, block_v, capacity, precision):
-    """One sequence x head x value block: the chunk-to-chunk scan with snapshots."""
-    del o_in_ref  # aliased to o_ref: rows no sequence owns stay zero
+def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_ref, u_ref,
+                       kg_ref, gcum_ref, glast_ref,
+                       states_ref, vnew_ref, final_ref, snap_ref, *, chunk, block_v, capacity,
+                       precision):
+    """One sequence x head x value block: the chunk-to-chunk scan with snapshots.
+
+    Stores each chunk's entry state (for the output pass) at its chunk slot and Vnew at
+    the chunk's rows; only the two matmuls the recurrence depends on run here.
+    """
     n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start = cu_ref[n]
     seq_len = cu_ref[n + 1] - start
     num_chunks = (seq_len + chunk - 1) // chunk
+    first_slot = first_slot_ref[n]
     head_k = k_ref.shape[-1]
     vcols = pl.ds(vb * block_v, block_v)
     rows_c = _iota((chunk, 1), 0)
     offsets = [offsets_ref[n, c] for c in range(capacity)]
+    operand = w_ref.dtype
 
     for c in range(capacity):
         snap_ref[n, c, h, :, vcols] = jnp.zeros((head_k, block_v), jnp.float32)
@@ -193,13 +257,11 @@ def _recurrence_kernel(cu_ref, offsets_ref, init_ref, k_ref, w_ref, u_ref, aqk_r
         def load(ref, cols):
             return plgpu.load(ref.at[rows, h, cols], mask=valid, other=0)
 
-        def mm(a, b):
-            """Matmul with both operands in the stored dtype (bf16 on the fast path)."""
-            return _dot(a.astype(w_ref.dtype), b.astype(w_ref.dtype), precision)
-
-        v_new = load(u_ref, vcols).astype(jnp.float32) - mm(load(w_ref, slice(None)), state)
-        out = mm(load(qg_ref, slice(None)), state) + mm(load(aqk_ref, slice(None)), v_new)
-        plgpu.store(o_ref.at[rows, h, vcols], out.astype(o_ref.dtype), mask=valid)
+        state_op = state.astype(operand)
+        states_ref[first_slot + i, h, :, vcols] = state_op.astype(states_ref.dtype)
+        v_new = load(u_ref, vcols).astype(jnp.float32) - _dot(load(w_ref, slice(None)),
+                                                             state_op, precision)
+        plgpu.store(vnew_ref.at[rows, h, vcols], v_new.astype(vnew_ref.dtype), mask=valid)
 
         for c in range(capacity):
             local = offsets[c] - i * chunk
@@ -216,18 +278,41 @@ def _recurrence_kernel(cu_ref, offsets_ref, init_ref, k_ref, w_ref, u_ref, aqk_r
                 snap_ref[n, c, h, :, vcols] = snap
 
         g_last = glast_ref[r0, h, :]  # [K]
-        kg = load(kg_ref, slice(None)).astype(w_ref.dtype)
-        return jnp.exp(g_last)[:, None] * state + _dot_tn(kg, v_new.astype(w_ref.dtype),
-                                                          precision)
+        kg = load(kg_ref, slice(None)).astype(operand)
+        return jnp.exp(g_last)[:, None] * state + _dot_tn(kg, v_new.astype(operand), precision)
 
     state0 = init_ref[n, h, :, vcols]
     final_ref[n, h, :, vcols] = lax.fori_loop(0, num_chunks, body, state0)
 
 
+def _output_kernel(chunk_start_ref, chunk_len_ref, qg_ref, aqk_ref, states_ref, vnew_ref,
+                   o_in_ref, o_ref, *, chunk, block_v, precision):
+    """One chunk x head x value block, in parallel: O = Qg S_entry + Aqk Vnew."""
+    del o_in_ref  # aliased to o_ref: rows no sequence owns stay zero
+    slot, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r0 = chunk_start_ref[slot]
+    clen = chunk_len_ref[slot]
+    vcols = pl.ds(vb * block_v, block_v)
+
+    @pl.when(clen > 0)
+    def _():
+        valid = _iota((chunk, 1), 0) < clen
+        rows = pl.ds(r0, chunk)
+
+        def load(ref, cols):
+            return plgpu.load(ref.at[rows, h, cols], mask=valid, other=0)
+
+        state = states_ref[slot, h, :, vcols]
+        out = (_dot(load(qg_ref, slice(None)), state, precision)
+               + _dot(load(aqk_ref, slice(None)), load(vnew_ref, vcols), precision))
+        plgpu.store(o_ref.at[rows, h, vcols], out.astype(o_ref.dtype), mask=valid)
+
+
 def _chunk_slots(cu_seqlens, num_slots, chunk):
     """Start row and length of every chunk, sequence by sequence, padded to num_slots.
 
-    Returns (chunk_start, chunk_len), int32 [num_slots]; unused slots have length 0.
+    Returns (chunk_start, chunk_len) int32 [num_slots] (unused slots have length 0) and
+    each sequence's first chunk slot, int32 [N].
     """
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     chunks_per_seq = (lens + chunk - 1) // chunk
@@ -240,7 +325,146 @@ def _chunk_slots(cu_seqlens, num_slots, chunk):
     start = cu_seqlens[seq_c] + local * chunk
     length = jnp.clip(cu_seqlens[seq_c + 1] - start, 0, chunk)
     return (jnp.where(in_range, start, 0).astype(jnp.int32),
-            jnp.where(in_range, length, 0).astype(jnp.int32))
+            jnp.where(in_range, length, 0).astype(jnp.int32), first.astype(jnp.int32))
+
+
+class ChunkSlots(NamedTuple):
+    """Where the chunks are: slots are numbered sequence by sequence (see `chunk_slots`)."""
+
+    start: jax.Array       # int32 [S]: first row of each chunk slot
+    length: jax.Array      # int32 [S]: rows in the slot, 0 for unused slots
+    first_slot: jax.Array  # int32 [N]: each sequence's first slot
+
+
+class ChunkTensors(NamedTuple):
+    """What the prep pass hands the scan, per padded row and head ([T + C, H, ...]).
+
+    W, U, Aqk, Qg, Kg are stored in the operand dtype (bf16 on the fast path, fp32 when
+    exact); G and G_last (at each chunk's first row) stay fp32.
+    """
+
+    w: jax.Array      # [T + C, H, K]
+    u: jax.Array      # [T + C, H, V]
+    aqk: jax.Array    # [T + C, H, C]
+    qg: jax.Array     # [T + C, H, K]
+    kg: jax.Array     # [T + C, H, K]
+    g_cum: jax.Array  # [T + C, H, K] fp32
+    g_last: jax.Array  # [T + C, H, K] fp32
+
+
+def pad_rows(x, chunk):
+    """Append one chunk of zero rows, so every chunk window [r0, r0 + C) is in bounds."""
+    return jnp.pad(x, [(0, chunk)] + [(0, 0)] * (x.ndim - 1))
+
+
+def chunk_slots(cu_seqlens, num_tokens, chunk) -> ChunkSlots:
+    """ceil(T / C) + N chunk slots: enough for any split of T rows into N sequences."""
+    num_slots = -(-num_tokens // chunk) + cu_seqlens.shape[0] - 1
+    return ChunkSlots(*_chunk_slots(cu_seqlens, num_slots, chunk))
+
+
+def _operand_dtype(exact):
+    # The fast path stores the matmul operands in bf16; states and accumulation stay fp32.
+    return jnp.float32 if exact else jnp.bfloat16
+
+
+def _precision(exact):
+    return lax.Precision.HIGHEST if exact else lax.Precision.DEFAULT
+
+
+def chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
+               config: KernelConfig, interpret: bool, exact: bool) -> ChunkTensors:
+    """Pass 1 over row-padded inputs ([T + C, H, ...], see `pad_rows`)."""
+    padded, num_heads, head_k = q_p.shape
+    head_v = v_p.shape[-1]
+    chunk = config.chunk_size
+    inter, f32 = _operand_dtype(exact), jnp.float32
+
+    def rows_of(width, dtype):
+        return jax.ShapeDtypeStruct((padded, num_heads, width), dtype)
+
+    num_slots = slots.start.shape[0]
+    diagonal_blocks = ()
+    if config.separate_diagonal:
+        diagonal = pl.pallas_call(
+            functools.partial(_diagonal_kernel, chunk=chunk),
+            out_shape=(rows_of(SUB_CHUNK, f32), rows_of(SUB_CHUNK, f32)),
+            grid=(num_slots * (chunk // SUB_CHUNK), num_heads),
+            compiler_params=plgpu.CompilerParams(num_warps=config.diagonal_num_warps,
+                                                 num_stages=1),
+            interpret=interpret,
+            name="kda_chunk_diagonal",
+        )
+        diagonal_blocks = diagonal(slots.start, slots.length, q_p, k_p, g_p)
+    prep = pl.pallas_call(
+        functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
+                          precision=_precision(exact),
+                          separate_diagonal=config.separate_diagonal),
+        out_shape=ChunkTensors(rows_of(head_k, inter), rows_of(head_v, inter),
+                               rows_of(chunk, inter), rows_of(head_k, inter),
+                               rows_of(head_k, inter), rows_of(head_k, f32),
+                               rows_of(head_k, f32)),
+        grid=(num_slots, num_heads),
+        compiler_params=plgpu.CompilerParams(num_warps=config.prep_num_warps,
+                                             num_stages=config.prep_num_stages),
+        interpret=interpret,
+        name="kda_chunk_prep",
+    )
+    return ChunkTensors(*prep(slots.start, slots.length, q_p, k_p, v_p, g_p, beta_p,
+                              *diagonal_blocks))
+
+
+def chunk_scan(tensors: ChunkTensors, k_p, slots: ChunkSlots, cu_seqlens, initial_states,
+               checkpoint_offsets, *, config: KernelConfig, interpret: bool, exact: bool):
+    """Pass 2: the recurrence.
+
+    Returns entry_states [S, H, K, V] (each chunk slot's entry state, operand dtype),
+    v_new [T + C, H, V] (operand dtype), final_states fp32 [N, H, K, V] and snapshots
+    fp32 [N, capacity, H, K, V].
+    """
+    padded, num_heads, head_k = k_p.shape
+    head_v = tensors.u.shape[-1]
+    num_seqs, capacity = checkpoint_offsets.shape
+    block_v = config.block_v
+    inter, f32 = _operand_dtype(exact), jnp.float32
+    scan = pl.pallas_call(
+        functools.partial(_recurrence_kernel, chunk=config.chunk_size, block_v=block_v,
+                          capacity=capacity, precision=_precision(exact)),
+        out_shape=(
+            jax.ShapeDtypeStruct((slots.start.shape[0], num_heads, head_k, head_v), inter),
+            jax.ShapeDtypeStruct((padded, num_heads, head_v), inter),
+            jax.ShapeDtypeStruct((num_seqs, num_heads, head_k, head_v), f32),
+            jax.ShapeDtypeStruct((num_seqs, capacity, num_heads, head_k, head_v), f32),
+        ),
+        grid=(num_seqs, num_heads, head_v // block_v),
+        compiler_params=plgpu.CompilerParams(num_warps=config.scan_num_warps,
+                                             num_stages=config.scan_num_stages),
+        interpret=interpret,
+        name="kda_chunk_scan",
+    )
+    return scan(cu_seqlens, slots.first_slot, checkpoint_offsets, initial_states, k_p,
+                tensors.w, tensors.u, tensors.kg, tensors.g_cum, tensors.g_last)
+
+
+def chunk_output(tensors: ChunkTensors, entry_states, v_new, slots: ChunkSlots, *, out_dtype,
+                 config: KernelConfig, interpret: bool, exact: bool):
+    """Pass 3, chunk-parallel: o [T + C, H, V] in out_dtype, zero on rows no chunk owns."""
+    padded, num_heads, head_v = v_new.shape
+    block_v = min(config.output_block_v, head_v)  # both powers of two
+    o_zero = jnp.zeros((padded, num_heads, head_v), out_dtype)
+    output = pl.pallas_call(
+        functools.partial(_output_kernel, chunk=config.chunk_size, block_v=block_v,
+                          precision=_precision(exact)),
+        out_shape=jax.ShapeDtypeStruct((padded, num_heads, head_v), out_dtype),
+        grid=(slots.start.shape[0], num_heads, head_v // block_v),
+        input_output_aliases={6: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=config.output_num_warps,
+                                             num_stages=config.output_num_stages),
+        interpret=interpret,
+        name="kda_chunk_output",
+    )
+    return output(slots.start, slots.length, tensors.qg, tensors.aqk, entry_states, v_new,
+                  o_zero)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "exact"))
@@ -249,63 +473,14 @@ def kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_
     """Pallas implementation of `kda_prefill` (arguments already validated).
 
     exact: fp32 (IEEE) matmuls everywhere, for fp32 inputs; otherwise the large matmuls
-    run as tf32 with fp32 accumulation.
+    run with bf16 operands and fp32 accumulation.
     """
-    num_tokens, num_heads, head_k = q.shape
-    head_v = v.shape[-1]
-    num_seqs, capacity = checkpoint_offsets.shape
-    chunk = config.chunk_size
-    precision = lax.Precision.HIGHEST if exact else lax.Precision.DEFAULT
-    # Every chunk window [r0, r0 + C) stays inside the padded arrays.
-    padded = num_tokens + chunk
-
-    def pad(x):
-        return jnp.pad(x, [(0, chunk)] + [(0, 0)] * (x.ndim - 1))
-
-    q_p, k_p, v_p, g_p, beta_p = (pad(x) for x in (q, k, v, g, beta))
-    num_slots = -(-num_tokens // chunk) + num_seqs
-    chunk_start, chunk_len = _chunk_slots(cu_seqlens, num_slots, chunk)
-
-    f32 = jnp.float32
-    # The fast path stores the matmul operands of the scan in bf16 (the state stays fp32).
-    inter = f32 if exact else jnp.bfloat16
-    prep_shapes = (
-        jax.ShapeDtypeStruct((padded, num_heads, head_k), inter),   # W
-        jax.ShapeDtypeStruct((padded, num_heads, head_v), inter),   # U
-        jax.ShapeDtypeStruct((padded, num_heads, chunk), inter),    # Aqk
-        jax.ShapeDtypeStruct((padded, num_heads, head_k), inter),   # Qg
-        jax.ShapeDtypeStruct((padded, num_heads, head_k), inter),   # Kg
-        jax.ShapeDtypeStruct((padded, num_heads, head_k), f32),   # G
-        jax.ShapeDtypeStruct((padded, num_heads, head_k), f32),   # G_last at chunk rows
-    )
-    prep = pl.pallas_call(
-        functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk, precision=precision),
-        out_shape=prep_shapes,
-        grid=(num_slots, num_heads),
-        compiler_params=plgpu.CompilerParams(num_warps=config.prep_num_warps,
-                                             num_stages=config.prep_num_stages),
-        interpret=interpret,
-        name="kda_chunk_prep",
-    )
-    w, u, aqk, qg, kg, gcum, glast = prep(chunk_start, chunk_len, q_p, k_p, v_p, g_p, beta_p)
-
-    block_v = config.block_v
-    o_zero = jnp.zeros((padded, num_heads, head_v), v.dtype)
-    scan = pl.pallas_call(
-        functools.partial(_recurrence_kernel, chunk=chunk, block_v=block_v, capacity=capacity,
-                          precision=precision),
-        out_shape=(
-            jax.ShapeDtypeStruct((padded, num_heads, head_v), v.dtype),
-            jax.ShapeDtypeStruct((num_seqs, num_heads, head_k, head_v), f32),
-            jax.ShapeDtypeStruct((num_seqs, capacity, num_heads, head_k, head_v), f32),
-        ),
-        grid=(num_seqs, num_heads, head_v // block_v),
-        input_output_aliases={11: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=config.scan_num_warps,
-                                             num_stages=config.scan_num_stages),
-        interpret=interpret,
-        name="kda_chunk_scan",
-    )
-    o, final_states, snapshots = scan(cu_seqlens, checkpoint_offsets, initial_states, k_p, w, u,
-                                      aqk, qg, kg, gcum, glast, o_zero)
+    chunk, num_tokens = config.chunk_size, q.shape[0]
+    flags = dict(config=config, interpret=interpret, exact=exact)
+    slots = chunk_slots(cu_seqlens, num_tokens, chunk)
+    q_p, k_p, v_p, g_p, beta_p = (pad_rows(x, chunk) for x in (q, k, v, g, beta))
+    tensors = chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots, scale=scale, **flags)
+    entry_states, v_new, final_states, snapshots = chunk_scan(
+        tensors, k_p, slots, cu_seqlens, initial_states, checkpoint_offsets, **flags)
+    o = chunk_output(tensors, entry_states, v_new, slots, out_dtype=v.dtype, **flags)
     return o[:num_tokens], final_states, snapshots

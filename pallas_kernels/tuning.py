@@ -41,6 +41,13 @@ class KernelConfig:
     scan_num_stages: int = 1
     prep_num_warps: int = 8
     prep_num_stages: int = 1
+    # Diagonal 16 x 16 blocks in their own small-program pass (not yet timed on a GPU:
+    # off until `bench.kda_kernel --sweep` shows it faster; see docs/KERNEL.md).
+    separate_diagonal: bool = False
+    diagonal_num_warps: int = 4
+    output_block_v: int = 128   # value columns per output program
+    output_num_warps: int = 4
+    output_num_stages: int = 1
 
 
 def device_spec(device: jax.Device | None = None) -> DeviceSpec:
@@ -70,11 +77,12 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
     Aqk [C, C], U [C, BV] in the operand dtype). Hopper and datacenter Blackwell (9.x,
     10.x) feed wgmma from shared memory and double-buffer those tiles; mma.sync targets
     (8.x, 12.x, GB10 among them) stage them once. Prep pass (fp32, no loop): T [C, C] and
-    one [C, K] operand.
+    one [C, K] operand. Output pass (no loop): its operands Qg [C, K], S [K, BV_out],
+    Aqk [C, C] and Vnew [C, BV_out].
 
     Calibrated against Triton 3.9 (`python -m pallas_kernels.aot`; the test suite checks
     that the estimate bounds what Triton allocates): e.g. block_v 32, 2 stages, bf16:
-    sm_90 159,744 B (estimate 172,032), sm_121 86,016 B (estimate 95,232).
+    sm_90 110,592 B (estimate 172,032), sm_121 61,440 B (estimate 95,232).
     """
     c, bv = config.chunk_size, config.block_v
     loop_tiles = operand_bytes * (3 * c * head_k + c * c + c * bv)
@@ -84,7 +92,9 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
         base, per_stage = 2 * c * head_k * operand_bytes + 1024, loop_tiles
     scan = base + max(0, config.scan_num_stages - 1) * per_stage
     prep = FP32_BYTES * (c * c + c * max(head_k, head_v))
-    return {"scan": scan, "prep": prep}
+    out_v = min(config.output_block_v, head_v)
+    output = operand_bytes * (c * head_k + head_k * out_v + c * c + c * out_v)
+    return {"scan": scan, "prep": prep, "output": output}
 
 
 def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: int,
@@ -94,17 +104,26 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
     The scan runs one program per (sequence, head, value block). Value blocks of 32 were
     fastest on the H200 at 32K tokens (bench/results/kda_kernel.json, sweep) and keep GB10
     free of register spills; 2 pipeline stages beat 1 there. Stages are dropped while the
-    shared-memory estimate exceeds the device's per-block limit.
+    shared-memory estimate exceeds the device's per-block limit; the output pass takes the
+    widest value block (128, 64, 32; 128 was fastest on the H200) that fits.
     """
     del num_seqs, num_heads  # the grid grows with them; the tiling does not need to
-    config = KernelConfig(block_v=min(32, head_v))
-    for stages in (2, 1):
-        candidate = dataclasses.replace(config, scan_num_stages=stages)
+
+    def fits(candidate, pass_name):
         estimate = estimate_shared_memory(candidate, head_k, head_v,
                                           compute_capability=spec.compute_capability,
                                           operand_bytes=operand_bytes)
-        if max(estimate.values()) <= spec.smem_per_block:
-            return candidate
+        return estimate[pass_name] <= spec.smem_per_block
+
+    base = KernelConfig(block_v=min(32, head_v))
+    for stages in (2, 1):
+        config = dataclasses.replace(base, scan_num_stages=stages)
+        if not (fits(config, "scan") and fits(config, "prep")):
+            continue
+        for out_v in (128, 64, 32):
+            candidate = dataclasses.replace(config, output_block_v=min(out_v, head_v))
+            if fits(candidate, "output"):
+                return candidate
     raise ValueError(
         f"no KDA kernel configuration fits {spec.smem_per_block} bytes of shared memory on "
         f"{spec.name} for head_k={head_k}, head_v={head_v}")

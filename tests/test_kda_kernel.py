@@ -149,6 +149,15 @@ class KdaKernelCases:
         o, _, _ = self.check_against_recurrence(inputs, 5e-3)
         assert o.dtype == jnp.bfloat16
 
+    @pytest.mark.parametrize("lens", [[1, 63, 64], [65, 0, 200, 3, 129], [300]])
+    def test_separate_diagonal_pass(self, rng, lens):
+        """The small-program diagonal pass gives the same results as the fused loop."""
+        config = KernelConfig(block_v=32, separate_diagonal=True)
+        inputs = make_inputs(rng, lens, padding=20, min_decay=-5.0)
+        self.check_against_recurrence(inputs, 1e-5, config=config)
+        inputs = make_inputs(rng, lens, dtype=jnp.bfloat16)
+        self.check_against_recurrence(inputs, 5e-3, config=config)
+
     def test_new_lengths_and_offsets_do_not_retrace(self, rng):
         traces = []
 
