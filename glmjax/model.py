@@ -7,7 +7,9 @@
     out = decode(model_state, out.caches, decode_batch)
 
 Both steps compile once per bucket (the static shapes of the batch and caches); lengths,
-offsets, slots, positions and block tables are runtime values. A step whose slot metadata
+offsets, slots, positions and block tables are runtime values. `prefill` and `decode` run
+on one device; `prefill_step` and `decode_step` are the same steps, unjitted, taking a
+`glmjax.sharding.ShardingPlan`, which jits them over a (tp, dcp) mesh. A step whose slot metadata
 is invalid (see `glmjax.state_pool.PoolStatus`) writes no cache at all, KDA pools and MLA
 blocks alike, and its logits are meaningless: check `status` before using them.
 
@@ -18,9 +20,8 @@ In decode, `positions[n]` is the new token's cache position.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,9 @@ from glmjax.state_pool import (
     prefill_status,
     read_states,
 )
+
+if TYPE_CHECKING:
+    from glmjax.sharding import ShardingPlan
 
 ModelState = tuple[nnx.GraphDef, nnx.State]  # nnx.split(model)
 
@@ -82,7 +86,7 @@ class HybridModel(nnx.Module):
 
     def forward(self, token_ids: jax.Array, batch: PackedBatch,
                 kda_states: Sequence[KDAState], mla_caches: Sequence[MLACache | None], *,
-                decode: bool = False) -> ForwardResult:
+                decode: bool = False, plan: ShardingPlan | None = None) -> ForwardResult:
         """All layers over a packed batch.
 
         Args:
@@ -90,6 +94,7 @@ class HybridModel(nnx.Module):
           kda_states: per KDA layer, the initial state of each sequence.
           mla_caches: per MLA layer, its paged cache (None: no cache, no prefix).
           decode: one token per sequence; MLA attends in absorbed form.
+          plan: the mesh the layers run on (None: one device).
         """
         x = self.embed_tokens(token_ids)
         if self.config.mhc_streams is not None:
@@ -98,7 +103,9 @@ class HybridModel(nnx.Module):
         kda_out, snapshots_out, mla_out = [], [], []
         for block, kind in zip(self.layers, self.config.layer_types):
             cache = next(kda_in) if kind == "kda" else next(mla_in)
-            x, cache, snapshots = block(x, batch, cache, decode=decode)
+            if plan is not None:
+                x = plan.constrain(x, plan.specs.tokens)
+            x, cache, snapshots = block(x, batch, cache, decode=decode, plan=plan)
             if kind == "kda":
                 kda_out.append(cache)
                 snapshots_out.append(snapshots)
@@ -158,9 +165,9 @@ def _next_token_logprobs(model: HybridModel, hidden, token_ids, cu_seqlens):
     return jnp.where(has_next, picked, 0.0)
 
 
-@functools.partial(jax.jit, donate_argnums=1, static_argnames="return_logprobs")
-def prefill(model_state: ModelState, caches: Caches, batch: PrefillBatch, *,
-            return_logprobs: bool = False) -> PrefillOutput:
+def prefill_step(model_state: ModelState, caches: Caches, batch: PrefillBatch, *,
+                 return_logprobs: bool = False, plan: ShardingPlan | None = None
+                 ) -> PrefillOutput:
     """One packed prefill step: run every span, update the caches, return last-token logits.
 
     Span n (rows cu_seqlens[n]:cu_seqlens[n + 1]) continues a request after
@@ -168,7 +175,7 @@ def prefill(model_state: ModelState, caches: Caches, batch: PrefillBatch, *,
     KDA running slot `state_slots[n]` if `has_initial[n]` (zeros otherwise). Its final KDA
     states go to `state_slots[n]`, the snapshot after `checkpoint_offsets[n, c]` tokens of
     the span to `checkpoint_slots[n, c]`, its latents to its MLA blocks.
-    `caches` is donated: use the returned one.
+    `caches` is donated by `prefill` and the sharded steps: use the returned one.
     """
     model = nnx.merge(*model_state)
     num_tokens = batch.token_ids.shape[0]
@@ -179,7 +186,7 @@ def prefill(model_state: ModelState, caches: Caches, batch: PrefillBatch, *,
     packed = PackedBatch(cu, batch.prefix_lens, jnp.where(ok, batch.block_tables, -1),
                          jnp.where(ok, batch.checkpoint_offsets, -1))
     initial = read_states(caches.kda, batch.state_slots, batch.has_initial)
-    out = model.forward(batch.token_ids, packed, initial, caches.mla)
+    out = model.forward(batch.token_ids, packed, initial, caches.mla, plan=plan)
     kda, status = commit_prefill(caches.kda, batch, out.kda_states, out.kda_snapshots)
     lengths = cu[1:] - cu[:-1]
     last = jnp.clip(cu[1:] - 1, 0, num_tokens - 1)
@@ -189,11 +196,12 @@ def prefill(model_state: ModelState, caches: Caches, batch: PrefillBatch, *,
     return PrefillOutput(logits, Caches(kda, tuple(out.mla_caches)), status, logprobs)
 
 
-@functools.partial(jax.jit, donate_argnums=1)
-def decode(model_state: ModelState, caches: Caches, batch: DecodeBatch) -> DecodeOutput:
+def decode_step(model_state: ModelState, caches: Caches, batch: DecodeBatch, *,
+                plan: ShardingPlan | None = None) -> DecodeOutput:
     """One token per row: row n appends `token_ids[n]` at cache position `positions[n]` of
     the request in KDA slot `state_slots[n]` (-1: padding row, nothing read or written) and
-    MLA blocks `block_tables[n]`. `caches` is donated: use the returned one."""
+    MLA blocks `block_tables[n]`. `caches` is donated by `decode` and the sharded steps:
+    use the returned one."""
     model = nnx.merge(*model_state)
     slots = batch.state_slots
     num_rows = slots.shape[0]
@@ -202,7 +210,12 @@ def decode(model_state: ModelState, caches: Caches, batch: DecodeBatch) -> Decod
                          jnp.where(active, batch.positions, -1), batch.block_tables,
                          jnp.full((num_rows, 1), -1, jnp.int32))
     initial = read_states(caches.kda, slots, slots >= 0)
-    out = model.forward(batch.token_ids, packed, initial, caches.mla, decode=True)
+    out = model.forward(batch.token_ids, packed, initial, caches.mla, decode=True, plan=plan)
     kda, status = commit_decode(caches.kda, slots, out.kda_states)
     logits = jnp.where(active[:, None], model.logits(out.hidden), 0.0)
     return DecodeOutput(logits, Caches(kda, tuple(out.mla_caches)), status)
+
+
+# One device; the mesh versions are `glmjax.sharding.ShardingPlan.steps()`.
+prefill = jax.jit(prefill_step, donate_argnums=1, static_argnames="return_logprobs")
+decode = jax.jit(decode_step, donate_argnums=1)

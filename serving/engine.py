@@ -13,9 +13,10 @@ to the scheduler, which registers what the step retained. A step the model refus
 non-OK pool status) raises ``StepRefusedError``: the batch builder validates every batch,
 so a refusal is a bug, and the engine must not be used afterwards.
 
-The model runs on one device. At dcp > 1 a block id names P * dcp tokens, which on one
-device live in one physical block, so the model's ``kv_block_size`` must be
-``block_size * dcp``.
+At dcp > 1 a block id names P * dcp tokens, so the model's ``kv_block_size`` must be
+``block_size * dcp``. By default the model runs on one device, where such a block is one
+physical block (dcp emulated); with ``steps`` from ``glmjax.sharding.ShardingPlan`` it runs
+on a (tp, dcp) mesh, where each dcp rank holds P tokens of every block id.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glmjax.caches import Caches, copy_kv_blocks, copy_state_slots
 from glmjax.config import ModelConfig
-from glmjax.model import HybridModel, ModelState, decode, prefill
+from glmjax.model import HybridModel, ModelState
+from glmjax.sharding import ModelSteps, single_device_steps
 from glmjax.state_pool import PoolStatus
 from serving.batch_builder import BatchBuckets, BatchBuilder
 from serving.block_allocator import BlockAllocator
@@ -176,6 +177,7 @@ class Engine:
         engine_config: EngineConfig,
         *,
         detokenize: Callable[[Sequence[int]], str] | None = None,
+        steps: ModelSteps | None = None,
     ):
         """Args:
           config: the model's config.
@@ -183,9 +185,11 @@ class Engine:
             ``nnx.State`` of the module ``HybridModel(config)``).
           engine_config: memory and scheduling.
           detokenize: token ids -> text; needed for stop strings and ``text``.
+          steps: where and how the model runs (default: one device).
 
         Raises:
-          ValueError: for a model whose config or KV block size does not match.
+          ValueError: for a model whose config or KV block size does not match, or steps
+            on a mesh whose dcp differs from the engine's.
         """
         if isinstance(model, HybridModel):
             if model.config != config:
@@ -202,10 +206,14 @@ class Engine:
                 f"model kv_block_size {config.kv_block_size} must equal block_size * dcp = "
                 f"{tokens_per_block} (one device holds a block id's tokens in one block)"
             )
+        steps = steps or single_device_steps(config)
+        if steps.dcp not in (None, engine_config.dcp):
+            raise ValueError(f"the mesh has dcp={steps.dcp}, the engine dcp={engine_config.dcp}")
         sched_config = engine_config.scheduler_config()
         self.config = engine_config
         self.model_config = config
-        self._model_state: ModelState = model
+        self.steps = steps
+        self._model_state: ModelState = steps.place(model)
         self._detokenize = detokenize
         self.prefix_cache = PrefixCache(
             BlockAllocator(
@@ -226,9 +234,7 @@ class Engine:
             buckets=buckets,
         )
         self._rows = buckets.seqs[-1]  # copies and sampled rows per step are at most this
-        self.caches = Caches.init(
-            config, engine_config.num_state_slots, engine_config.num_kv_blocks
-        )
+        self.caches = steps.init_caches(engine_config.num_state_slots, engine_config.num_kv_blocks)
         self._seeds = np.random.default_rng(engine_config.seed)
         self._tracked: dict[str, _Tracked] = {}
         self._aborted: list[RequestOutput] = []
@@ -311,18 +317,18 @@ class Engine:
         prefill_batch, decode_batch = self.builder.build(step)
         # Every call donates the caches: keep self.caches on the live buffers throughout.
         if step.block_copies:
-            self.caches = copy_kv_blocks(self.caches, *self._pairs(step.block_copies))
+            self.caches = self.steps.copy_kv_blocks(self.caches, *self._pairs(step.block_copies))
             self._counts["kv_block_copies"] += len(step.block_copies)
         if step.resume_state_copies:
             self._copy_slots(step, step.resume_state_copies, "resume copies")
         logits = []
         if prefill_batch is not None:
-            out = prefill(self._model_state, self.caches, jax.device_put(prefill_batch))
+            out = self.steps.prefill(self._model_state, self.caches, jax.device_put(prefill_batch))
             self.caches = out.caches
             self._check(out.status, step, "prefill")
             logits.append(out.logits)
         if decode_batch is not None:
-            out = decode(self._model_state, self.caches, jax.device_put(decode_batch))
+            out = self.steps.decode(self._model_state, self.caches, jax.device_put(decode_batch))
             self.caches = out.caches
             self._check(out.status, step, "decode")
             logits.append(out.logits)
@@ -389,7 +395,7 @@ class Engine:
         return pairs[0], pairs[1]
 
     def _copy_slots(self, step: ScheduledStep, copies, what: str) -> None:
-        self.caches, status = copy_state_slots(self.caches, *self._pairs(copies))
+        self.caches, status = self.steps.copy_state_slots(self.caches, *self._pairs(copies))
         self._check(status, step, what)
 
     def _check(self, status: jax.Array, step: ScheduledStep, what: str) -> None:

@@ -3,6 +3,7 @@
     python -m serving.server                          # tiny preset, random weights, bytes
     python -m serving.server --preset tiny --block-size 64 --max-num-batched-tokens 256 \\
         --max-model-len 1024 --single-bucket --port 8000
+    python -m serving.server --tp 4 --dcp 2          # a (2, 2) mesh of 4 devices
     curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\
         -d '{"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0}'
 
@@ -12,6 +13,10 @@ server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /healt
 byte tokenizer and the chat template in ``serving.tokenizer``. Requests in flight together
 share engine steps (``serving.async_engine``). A client that disconnects aborts its
 request; SIGINT / SIGTERM stop accepting connections, abort what is in flight and exit.
+
+``--tp N`` (N > 1) runs the model on a ``(N // dcp, dcp)`` mesh of N devices
+(``glmjax.sharding``); on a CPU the server asks JAX for N host devices. With ``--tp 1``,
+``--dcp 2`` or ``4`` is emulated on one device (a KV block of ``block_size * dcp`` tokens).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from glmjax.config import ModelConfig
 from glmjax.random_weights import random_model
+from glmjax.sharding import ShardingPlan, make_mesh, request_cpu_devices
 from serving import api
 from serving.async_engine import AsyncEngine, EngineDeadError, prometheus_text
 from serving.engine import Engine, EngineConfig, FinishReason, RequestOutput
@@ -431,13 +437,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--served-model-name", help="the model id clients name (default: preset)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (only 1 yet)")
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel devices: a (tp // dcp, dcp) mesh"
+    )
     p.add_argument(
         "--dcp",
         type=int,
         default=1,
         choices=(1, 2, 4),
-        help="decode-context-parallel grid (emulated on one device)",
+        help="decode-context-parallel ranks, dividing --tp (with --tp 1: emulated on one device)",
+    )
+    p.add_argument(
+        "--dcp-interleave",
+        type=int,
+        default=1,
+        help="consecutive tokens per dcp rank in the MLA latent cache (divides --block-size)",
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="step budget B")
     p.add_argument("--block-size", type=int, default=512, help="KV block / prefix unit P")
@@ -474,12 +488,14 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer, str]:
     Raises:
       ValueError: arguments the server cannot run (the message says which and why).
     """
-    if args.tp != 1:
-        raise ValueError(
-            f"--tp {args.tp}: the server runs on one device until sharding "
-            "lands in glmjax.shard; use --tp 1"
-        )
     config = build_config(args)
+    steps = None
+    if args.tp != 1:
+        try:
+            mesh = make_mesh(args.tp, args.dcp)
+            steps = ShardingPlan(config, mesh, interleave=args.dcp_interleave).steps()
+        except ValueError as error:
+            raise ValueError(f"--tp {args.tp} --dcp {args.dcp}: {error}") from None
     tokenizer = load_tokenizer(args.tokenizer, config.vocab_size)
     blocks_per_request = -(-args.max_model_len // (args.block_size * args.dcp))
     engine_config = EngineConfig(
@@ -497,7 +513,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer, str]:
         seed=args.seed,
     )
     model = load_model(args, config)
-    engine = Engine(config, model, engine_config, detokenize=tokenizer.decode)
+    engine = Engine(config, model, engine_config, detokenize=tokenizer.decode, steps=steps)
     return engine, tokenizer, args.served_model_name or args.preset
 
 
@@ -531,11 +547,18 @@ def log_features(engine: Engine, tokenizer: Tokenizer) -> None:
     c = engine.config
     logger.info("prefill coalescing: %s", "on" if c.coalesce else "off (reference ladder)")
     logger.info("prefix caching: %s", "on" if c.prefix_caching else "off")
-    logger.info(
-        "dcp: %d%s",
-        c.dcp,
-        " (emulated on one device: a block id names block_size * dcp tokens)" if c.dcp > 1 else "",
-    )
+    mesh = engine.steps.mesh
+    if mesh is None:
+        where = " (emulated on one device: a block id names block_size * dcp tokens)"
+        logger.info("devices: 1; dcp: %d%s", c.dcp, where if c.dcp > 1 else "")
+    else:
+        logger.info(
+            "devices: %d as a (tpo, dcp) = %s mesh (%s); dcp: %d, MLA latents split by token",
+            mesh.size,
+            tuple(mesh.shape.values()),
+            mesh.devices.flat[0].platform,
+            c.dcp,
+        )
     logger.info(
         "block size %d, budget %d tokens/step, max model len %d, %d KV blocks, "
         "%d state slots, max %d seqs/step%s",
@@ -561,6 +584,8 @@ def warm_up(engine: Engine) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.tp > 1:
+        request_cpu_devices(args.tp)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -5,6 +5,13 @@ import zlib
 import numpy as np
 import pytest
 
+from glmjax.sharding import request_cpu_devices
+
+# tests/test_sharding.py runs meshes of up to 8 devices. On a CPU those are host devices,
+# whose count JAX fixes when its first backend starts: ask for them before any test runs.
+NUM_CPU_DEVICES = 8
+request_cpu_devices(NUM_CPU_DEVICES)
+
 
 @pytest.fixture
 def rng(request) -> np.random.Generator:

@@ -226,9 +226,9 @@ def test_failed_step_fails_waiters_and_refuses_new_requests():
 # --- the server ---------------------------------------------------------------------------
 
 
-def test_unsupported_tensor_parallel_is_refused():
+def test_a_mesh_it_cannot_build_is_refused():
     result = subprocess.run(
-        [sys.executable, "-m", "serving.server", "--tp", "2"],
+        [sys.executable, "-m", "serving.server", "--tp", "2", "--dcp", "4"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -236,7 +236,7 @@ def test_unsupported_tensor_parallel_is_refused():
         env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert result.returncode != 0
-    assert "--tp 2" in result.stderr and "--tp 1" in result.stderr
+    assert "--tp 2 --dcp 4" in result.stderr and "dcp=4 must divide tp=2" in result.stderr
 
 
 def test_health_and_models(server):

@@ -3,6 +3,8 @@ residual (plain, or mHC streams when the config has them)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 from flax import nnx
 
@@ -14,6 +16,9 @@ from glmjax.layers.moe import MLP, MoE
 from glmjax.layers.norms import RMSNorm
 from glmjax.layers.packing import PackedBatch
 from glmjax.layers.paged_cache import MLACache
+
+if TYPE_CHECKING:
+    from glmjax.sharding import ShardingPlan
 
 LayerCache = KDAState | MLACache | None
 
@@ -54,27 +59,30 @@ class DecoderBlock(nnx.Module):
         self.mlp_residual = _residual(config, rngs)
 
     def __call__(self, residual: jax.Array, batch: PackedBatch, cache: LayerCache, *,
-                 decode: bool = False) -> tuple[jax.Array, LayerCache, KDAState | None]:
+                 decode: bool = False, plan: ShardingPlan | None = None
+                 ) -> tuple[jax.Array, LayerCache, KDAState | None]:
         """Returns the new residual, the mixer's new cache and (KDA) its snapshots.
 
         `cache` is a `KDAState` for KDA, an `MLACache` (or None: no cache) for MLA. With
         `decode`, every sequence has exactly one token and MLA attends in absorbed form.
+        `plan`: the mesh the mixers run on (None: one device).
         """
         with jax.named_scope("decoder_block"):
             x, mixing = self.mixer_residual.read(residual)
-            y, cache, snapshots = self._mix(self.input_layernorm(x), batch, cache, decode)
+            y, cache, snapshots = self._mix(self.input_layernorm(x), batch, cache, decode, plan)
             residual = self.mixer_residual.write(residual, y, mixing)
             x, mixing = self.mlp_residual.read(residual)
             y = self.mlp(self.post_attention_layernorm(x))
             return self.mlp_residual.write(residual, y, mixing), cache, snapshots
 
-    def _mix(self, x, batch: PackedBatch, cache, decode):
+    def _mix(self, x, batch: PackedBatch, cache, decode, plan):
         if isinstance(self.mixer, KDA):
-            out = self.mixer(x, batch.cu_seqlens, cache, batch.checkpoint_offsets)
+            out = self.mixer(x, batch.cu_seqlens, cache, batch.checkpoint_offsets, plan=plan)
             return out.y, out.state, out.snapshots
         if decode:
-            y, cache = self.mixer.decode(x, cache, batch.block_table, batch.prefix_lens)
+            y, cache = self.mixer.decode(x, cache, batch.block_table, batch.prefix_lens,
+                                         plan=plan)
         else:
             y, cache = self.mixer(x, batch.cu_seqlens, cache, batch.block_table,
-                                  batch.prefix_lens)
+                                  batch.prefix_lens, plan=plan)
         return y, cache, None

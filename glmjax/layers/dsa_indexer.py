@@ -46,9 +46,9 @@ class DSAIndexer(nnx.Module):
         """x [T, D] -> index keys [T, d_I] (what the index-key cache stores)."""
         return self.k_norm(self.wk(x))
 
-    def select(self, q: jax.Array, weights: jax.Array, keys: jax.Array,
-               visible: jax.Array) -> jax.Array:
-        """Narrow the visibility mask to each query's top-k keys.
+    def top_keys(self, q: jax.Array, weights: jax.Array, keys: jax.Array,
+                 visible: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Each query's `top_k` highest-scoring keys.
 
         Args:
           q [R, H_I, d_I], weights [R, H_I]: R queries.
@@ -56,7 +56,8 @@ class DSAIndexer(nnx.Module):
             (decode).
           visible: bool [R, S], the causal mask.
         Returns:
-          bool [R, S]: visible and among the query's `top_k` highest scores.
+          int32 [R, min(top_k, S)] key indices and bool [R, min(top_k, S)]: whether each is
+          visible (a query with fewer visible keys than top_k gets invisible fillers).
         """
         with jax.named_scope("dsa_indexer"):
             pattern = "rhd,sd->rhs" if keys.ndim == 2 else "rhd,rsd->rhs"
@@ -64,6 +65,15 @@ class DSAIndexer(nnx.Module):
             scores = jnp.einsum("rh,rhs->rs", weights, jax.nn.relu(dots))
             scores = jnp.where(visible, scores, -jnp.inf)
             _, top = jax.lax.top_k(scores, min(self.top_k, scores.shape[-1]))
-            rows = jnp.arange(scores.shape[0])[:, None]
-            chosen = jnp.zeros(scores.shape, bool).at[rows, top].set(True)
-            return chosen & visible
+            return top.astype(jnp.int32), jnp.take_along_axis(visible, top, axis=-1)
+
+    def select(self, q: jax.Array, weights: jax.Array, keys: jax.Array,
+               visible: jax.Array) -> jax.Array:
+        """Narrow the visibility mask to each query's top-k keys (arguments as `top_keys`).
+
+        Returns:
+          bool [R, S]: visible and among the query's `top_k` highest scores.
+        """
+        top, keep = self.top_keys(q, weights, keys, visible)
+        rows = jnp.arange(visible.shape[0])[:, None]
+        return jnp.zeros(visible.shape, bool).at[rows, top].set(keep)

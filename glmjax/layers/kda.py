@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,9 @@ from glmjax.layers.conv import ShortConvolution
 from glmjax.layers.norms import GatedRMSNorm, l2_normalize
 from glmjax.layers.projection import projection
 from pallas_kernels import kda_prefill
+
+if TYPE_CHECKING:
+    from glmjax.sharding import ShardingPlan
 
 
 class KDAState(NamedTuple):
@@ -88,9 +91,12 @@ class KDA(nnx.Module):
         return self.gate_bound * jax.nn.sigmoid(a * f)
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array, state: KDAState,
-                 checkpoint_offsets: jax.Array) -> KDAResult:
+                 checkpoint_offsets: jax.Array, *, plan: ShardingPlan | None = None
+                 ) -> KDAResult:
         """Args: x [T, D]; cu_seqlens int32 [N + 1]; state (initial, zeros for a cold start);
-        checkpoint_offsets int32 [N, capacity] (1..len, -1 inactive; DESIGN section 3)."""
+        checkpoint_offsets int32 [N, capacity] (1..len, -1 inactive; DESIGN section 3);
+        plan: the mesh (None: one device). On a mesh the scan runs per device on its own
+        heads (shard_map), so a Pallas kernel sees the per-device head count."""
         with jax.named_scope("kda"):
             tokens, shape = x.shape[0], (x.shape[0], self.num_heads, self.head_dim)
             qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
@@ -99,8 +105,17 @@ class KDA(nnx.Module):
             q, k = l2_normalize(q), l2_normalize(k)
             g = self.decay(x)
             beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [T, H]
-            o, final, snapshots = kda_prefill(q, k, v, g, beta, cu_seqlens, state.recurrent,
-                                              checkpoint_offsets, backend=self.backend)
+            scan = functools.partial(kda_prefill, backend=self.backend)
+            if plan is not None:
+                s = plan.specs
+                # check_vma off: a pallas_call does not declare how its outputs vary.
+                scan = jax.shard_map(
+                    scan, mesh=plan.mesh,
+                    in_specs=(s.heads, s.heads, s.heads, s.heads, s.head_scalars, s.replicated,
+                              s.kda_states, s.replicated),
+                    out_specs=(s.heads, s.kda_states, s.kda_snapshots), check_vma=False)
+            o, final, snapshots = scan(q, k, v, g, beta, cu_seqlens, state.recurrent,
+                                       checkpoint_offsets)
             gate = self.g_b_proj(self.g_a_proj(x)).reshape(shape)
             y = self.o_proj(self.o_norm(o, gate).reshape(tokens, -1))
             return KDAResult(y, KDAState(final, conv.history),

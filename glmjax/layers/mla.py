@@ -8,24 +8,45 @@ one unrotated key part shared by all heads). With W_uk, W_uv the two halves of k
 
 Prefill expands every key's latent through kv_b_proj (non-absorbed); decode folds W_uk into
 the query and W_uv after the weighted sum (absorbed), so it reads only latents. Both are the
-same function of the cache, up to rounding.
+same function of the cache, up to rounding. Prefill attends `query_block` queries at a time,
+so its [H, T, S] scores stay bounded at long prompts.
+
+Under a `glmjax.sharding.ShardingPlan` the latent cache is split by token over the dcp
+ranks (`DCPLayout`). Prefill all-gathers the cached prefix over dcp and attends as on one
+device, heads split over all tp devices; each rank writes only the tokens it owns. Decode
+gathers the queries over dcp (each rank then holds the heads of its tpo group), attends to
+its own shard returning output and log-sum-exp, and merges the ranks' partial results with
+LSE weights, scattered back to each rank's own heads (`merge_partial_attention`).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from glmjax.config import ModelConfig
 from glmjax.layers.dsa_indexer import DSAIndexer
 from glmjax.layers.norms import RMSNorm
 from glmjax.layers.packing import sequence_ids
-from glmjax.layers.paged_cache import MLACache, read_paged, write_paged
+from glmjax.layers.paged_cache import (
+    DCPLayout,
+    MLACache,
+    gather_paged,
+    read_paged,
+    write_paged,
+    write_paged_local,
+)
 from glmjax.layers.projection import projection
+
+if TYPE_CHECKING:
+    from glmjax.sharding import ShardingPlan
+
+PREFILL_QUERY_BLOCK = 1024  # queries per attention block in prefill
 
 
 class _Keys(NamedTuple):
@@ -38,13 +59,83 @@ class _Keys(NamedTuple):
     valid: jax.Array  # bool [S]
 
 
-def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax over the last axis restricted to `mask`; fully masked rows give zeros."""
+def softmax_with_lse(scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Softmax over the last axis restricted to `mask`, and its log-sum-exp (the last axis
+    dropped). Fully masked rows give zeros and an LSE of -inf."""
     scores = jnp.where(mask, scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
-    weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0))
+    peak = jnp.where(jnp.isfinite(peak), peak, 0)
+    weights = jnp.exp(scores - peak)
     total = jnp.sum(weights, axis=-1, keepdims=True)
-    return weights / jnp.where(total > 0, total, 1)
+    lse = jnp.where(total > 0, peak + jnp.log(jnp.where(total > 0, total, 1)), -jnp.inf)
+    return weights / jnp.where(total > 0, total, 1), lse[..., 0]
+
+
+def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax over the last axis restricted to `mask`; fully masked rows give zeros."""
+    return softmax_with_lse(scores, mask)[0]
+
+
+def latent_attention(q_abs: jax.Array, q_pe: jax.Array | None, latent: jax.Array,
+                     mask: jax.Array, *, kv_lora: int, scale: float
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Absorbed attention over latents: q_abs [N, H, C] (q_nope W_uk), q_pe [N, H, R] (None
+    when R = 0), latent [N, S, C + R], mask [N, S] -> output latent fp32 [N, H, C] (before
+    W_uv) and its log-sum-exp fp32 [N, H] (-inf where no key is visible)."""
+    c_kv = latent[..., :kv_lora].astype(q_abs.dtype)
+    scores = jnp.einsum("nhc,nsc->nhs", q_abs, c_kv, preferred_element_type=jnp.float32)
+    if q_pe is not None:
+        k_pe = latent[..., kv_lora:].astype(q_pe.dtype)
+        scores = scores + jnp.einsum("nhr,nsr->nhs", q_pe, k_pe,
+                                     preferred_element_type=jnp.float32)
+    probs, lse = softmax_with_lse(scores * scale, mask[:, None])
+    out = jnp.einsum("nhs,nsc->nhc", probs.astype(c_kv.dtype), c_kv,
+                     preferred_element_type=jnp.float32)
+    return out, lse
+
+
+def merge_partial_attention(out: jax.Array, lse: jax.Array, axis_name: str) -> jax.Array:
+    """Inside a shard_map: exact attention from each rank's attention over its own keys.
+
+    Args:
+      out: fp32 [N, H, C], this rank's softmax-weighted output over its keys.
+      lse: fp32 [N, H], their log-sum-exp (-inf: no visible key on this rank).
+    Returns:
+      fp32 [N, H / ranks, C]: sum_r exp(lse_r) out_r / sum_r exp(lse_r) for this rank's
+      slice of the heads (reduce-scattered over `axis_name`).
+    """
+    peak = lax.pmax(lse, axis_name)
+    weight = jnp.exp(lse - jnp.where(jnp.isfinite(peak), peak, 0))  # 0 where lse = -inf
+    num = lax.psum_scatter(out * weight[..., None], axis_name, scatter_dimension=1, tiled=True)
+    den = lax.psum_scatter(weight, axis_name, scatter_dimension=1, tiled=True)
+    return num / jnp.where(den > 0, den, 1)[..., None]
+
+
+def owned_top_k_mask(top: jax.Array, keep: jax.Array, *, layout: DCPLayout, rank: jax.Array,
+                     local_len: int) -> jax.Array:
+    """The DSA selection as this rank sees it: bool [R, local_len], True at the local
+    position of every selected global position `top` [R, k] that `keep` and the rank owns.
+    Positions owned by other ranks are dropped, never read as local rows."""
+    mine = keep & (top >= 0) & (layout.owner(top) == rank)
+    local = jnp.where(mine, layout.local_position(top), local_len)  # local_len: dropped
+    rows = jnp.arange(top.shape[0])[:, None]
+    return jnp.zeros((top.shape[0], local_len), bool).at[rows, local].set(True, mode="drop")
+
+
+def _in_query_blocks(fn, block: int, *rows):
+    """``fn(*rows)`` over the leading (query) axis of every array in `rows`, `block` rows at
+    a time (rows padded with zeros past the end; fn must treat them as invalid)."""
+    num = jax.tree.leaves(rows)[0].shape[0]
+    if num <= block:
+        return fn(*rows)
+    pad = -num % block
+
+    def blocks(x):  # explicit sizes: x may have a zero-width axis (no rope part)
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(x.shape[0] // block, block, *x.shape[1:])
+
+    out = lax.map(lambda args: fn(*args), jax.tree.map(blocks, rows))
+    return out.reshape(out.shape[0] * block, *out.shape[2:])[:num]
 
 
 class MLA(nnx.Module):
@@ -72,10 +163,11 @@ class MLA(nnx.Module):
         self.kv_b_proj = linear(self.kv_lora, heads * (self.nope + self.v_dim))
         self.o_proj = linear(heads * self.v_dim, hidden)
         self.indexer = None if config.dsa_top_k is None else DSAIndexer(config, rngs=rngs)
+        self.query_block = PREFILL_QUERY_BLOCK
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array, cache: MLACache | None = None,
-                 block_table: jax.Array | None = None, prefix_lens: jax.Array | None = None
-                 ) -> tuple[jax.Array, MLACache | None]:
+                 block_table: jax.Array | None = None, prefix_lens: jax.Array | None = None,
+                 *, plan: ShardingPlan | None = None) -> tuple[jax.Array, MLACache | None]:
         """Prefill a packed batch, causal within each sequence.
 
         Args:
@@ -98,29 +190,35 @@ class MLA(nnx.Module):
             keys = _Keys(latent, index_keys, seq, pos, valid)
             if cache is not None:
                 self._check_cache(cache)
-                keys = _concat(self._cached_prefix(cache, block_table, prefix_lens), keys)
-                cache = self._write(cache, block_table, seq, pos, valid, latent, index_keys)
-            mask = ((keys.seq[None] == seq[:, None]) & (keys.pos[None] <= pos[:, None])
-                    & keys.valid[None] & valid[:, None])  # [T, S]
-            if self.indexer is not None:
-                mask = self.indexer.select(*self.indexer.queries(x, q_latent), keys.index, mask)
-            out = self._attend_expanded(q_nope, q_pe, keys.latent, mask)
+                prefix = self._cached_prefix(cache, block_table, prefix_lens, plan)
+                keys = _concat(prefix, keys)
+                cache = self._write(cache, block_table, seq, pos, valid, latent, index_keys,
+                                    plan)
+            index_queries = (None if self.indexer is None
+                             else self.indexer.queries(x, q_latent))
+            out = self._attend_expanded(q_nope, q_pe, index_queries, keys, seq, pos, valid)
             return self.o_proj(out.reshape(tokens, -1)), cache
 
     def decode(self, x: jax.Array, cache: MLACache, block_table: jax.Array,
-               context_lens: jax.Array) -> tuple[jax.Array, MLACache]:
+               context_lens: jax.Array, *, plan: ShardingPlan | None = None
+               ) -> tuple[jax.Array, MLACache]:
         """One new token per sequence, at position context_lens[n] (-1: inactive row).
 
-        Args: x [N, D]; cache; block_table int32 [N, M]; context_lens int32 [N].
+        Args: x [N, D]; cache; block_table int32 [N, M]; context_lens int32 [N]; plan: the
+          mesh (None: one device).
         Returns: y [N, D] (zero on inactive rows) and the cache with the new latents.
         """
         with jax.named_scope("mla_decode"):
             self._check_cache(cache)
             num_seqs = x.shape[0]
             q_nope, q_pe, q_latent = self._queries(x)
+            latent = self._latent(x)
+            if plan is not None:
+                return self._decode_dcp(x, q_nope, q_pe, q_latent, latent, cache, block_table,
+                                        context_lens, plan)
             cache = self._write(cache, block_table, jnp.arange(num_seqs, dtype=jnp.int32),
-                                context_lens, context_lens >= 0, self._latent(x),
-                                self._index_keys(x))
+                                context_lens, context_lens >= 0, latent, self._index_keys(x),
+                                None)
             latent = read_paged(cache.latent, block_table)  # [N, S, L]
             mask = jnp.arange(latent.shape[1])[None] <= context_lens[:, None]  # [N, S]
             if self.indexer is not None:
@@ -128,6 +226,54 @@ class MLA(nnx.Module):
                                            read_paged(cache.index_keys, block_table), mask)
             out = self._attend_absorbed(q_nope, q_pe, latent, mask)
             return self.o_proj(out.reshape(num_seqs, -1)), cache
+
+    def _decode_dcp(self, x, q_nope, q_pe, q_latent, latent, cache, block_table, context_lens,
+                    plan: ShardingPlan):
+        """`decode` on a mesh: partial attention per dcp rank, merged by LSE."""
+        num_seqs, specs, dcp_axis = x.shape[0], plan.specs, plan.dcp_axis
+        index_keys, top = cache.index_keys, ()
+        if self.indexer is not None:  # replicated: every rank selects the same positions
+            seqs = jnp.arange(num_seqs, dtype=jnp.int32)
+            index_keys = write_paged(index_keys, block_table, seqs, context_lens,
+                                     self._index_keys(x), context_lens >= 0)
+            keys = read_paged(index_keys, block_table)  # [N, S, d_I], global order
+            visible = jnp.arange(keys.shape[1])[None] <= context_lens[:, None]
+            top = self.indexer.top_keys(*self.indexer.queries(x, q_latent), keys, visible)
+        w_uk, w_uv = self._absorption(q_nope.dtype)
+        q_abs = jnp.einsum("nhd,chd->nhc", q_nope, w_uk,
+                           preferred_element_type=jnp.float32).astype(q_nope.dtype)
+
+        # Zero-width arrays (no rope part) crash XLA's CPU compiler inside a shard_map.
+        q_pe = (q_pe,) if self.rope else ()
+
+        def on_rank(pages, block_table, context_lens, latent, q_abs, q_pe, top):
+            rank = lax.axis_index(dcp_axis)
+            seqs = jnp.arange(num_seqs, dtype=jnp.int32)
+            pages = write_paged_local(pages, block_table, seqs, context_lens, latent,
+                                      context_lens >= 0, layout=plan.layout, rank=rank)
+            local = read_paged(pages, block_table)  # [N, M * P, L], local order
+            local_len = local.shape[1]
+            if top:
+                mask = owned_top_k_mask(*top, layout=plan.layout, rank=rank,
+                                        local_len=local_len)
+            else:
+                positions = plan.layout.global_position(jnp.arange(local_len), rank)
+                mask = positions[None] <= context_lens[:, None]
+            # Gather the queries of my tpo group's heads over dcp.
+            q_abs, q_pe = lax.all_gather((q_abs, q_pe), dcp_axis, axis=1, tiled=True)
+            out, lse = latent_attention(q_abs, q_pe[0] if q_pe else None, local, mask,
+                                        kv_lora=self.kv_lora, scale=self.scale)
+            return pages, merge_partial_attention(out, lse, dcp_axis)
+
+        pages, out_latent = jax.shard_map(
+            on_rank, mesh=plan.mesh,
+            in_specs=(specs.mla_latent, *[specs.replicated] * 3, specs.heads, specs.heads,
+                      specs.replicated),
+            out_specs=(specs.mla_latent, specs.heads),
+        )(cache.latent, block_table, context_lens, latent, q_abs, q_pe, top)
+        out = jnp.einsum("nhc,chv->nhv", out_latent.astype(w_uv.dtype), w_uv,
+                         preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        return self.o_proj(out.reshape(num_seqs, -1)), MLACache(pages, index_keys)
 
     def _queries(self, x):
         """x [T, D] -> q_nope [T, H, nope], q_pe [T, H, rope], q latent [T, q_lora] or None."""
@@ -153,9 +299,20 @@ class MLA(nnx.Module):
             raise ValueError("an MLA layer with a DSA indexer needs cache.index_keys, and one "
                              "without must not have them")
 
-    def _cached_prefix(self, cache, block_table, prefix_lens) -> _Keys:
+    def _cached_prefix(self, cache, block_table, prefix_lens, plan) -> _Keys:
         """The cached prefix of every sequence as packed keys, [N * M * P]."""
-        latent = read_paged(cache.latent, block_table)  # [N, M * P, L]
+        if plan is None:
+            latent = read_paged(cache.latent, block_table)  # [N, M * P, L]
+        else:
+            gather = functools.partial(gather_paged, layout=plan.layout,
+                                       axis_name=plan.dcp_axis)
+            # check_vma off: lax.all_gather types its result as varying, though every rank
+            # ends with the same whole prefix.
+            latent = jax.shard_map(
+                gather, mesh=plan.mesh,
+                in_specs=(plan.specs.mla_latent, plan.specs.replicated),
+                out_specs=plan.specs.replicated, check_vma=False,
+            )(cache.latent, block_table)
         num_seqs, span = latent.shape[:2]
         seq = jnp.repeat(jnp.arange(num_seqs, dtype=jnp.int32), span)
         pos = jnp.tile(jnp.arange(span, dtype=jnp.int32), num_seqs)
@@ -164,38 +321,63 @@ class MLA(nnx.Module):
         return _Keys(latent.reshape(num_seqs * span, -1), index, seq, pos,
                      pos < prefix_lens[seq])
 
-    def _write(self, cache, block_table, seq, pos, valid, latent, index_keys) -> MLACache:
-        return MLACache(
-            write_paged(cache.latent, block_table, seq, pos, latent, valid),
-            None if index_keys is None
-            else write_paged(cache.index_keys, block_table, seq, pos, index_keys, valid))
+    def _write(self, cache, block_table, seq, pos, valid, latent, index_keys, plan
+               ) -> MLACache:
+        """New latents (and index keys) into the cache; on a mesh each dcp rank writes the
+        latents it owns into its shard, and the replicated index keys go everywhere."""
+        index = (None if index_keys is None
+                 else write_paged(cache.index_keys, block_table, seq, pos, index_keys, valid))
+        if plan is None:
+            return MLACache(write_paged(cache.latent, block_table, seq, pos, latent, valid),
+                            index)
 
-    def _attend_expanded(self, q_nope, q_pe, latent, mask):
-        """Non-absorbed: q [T, H, *], latent [S, L], mask [T, S] -> [T, H, v]."""
-        kv = self.kv_b_proj(latent[:, :self.kv_lora].astype(q_nope.dtype))
-        kv = kv.reshape(latent.shape[0], self.num_heads, self.nope + self.v_dim)
+        def on_rank(pages, block_table, seq, pos, latent, valid):
+            return write_paged_local(pages, block_table, seq, pos, latent, valid,
+                                     layout=plan.layout, rank=lax.axis_index(plan.dcp_axis))
+
+        specs = plan.specs
+        pages = jax.shard_map(
+            on_rank, mesh=plan.mesh,
+            in_specs=(specs.mla_latent, *[specs.replicated] * 5), out_specs=specs.mla_latent,
+        )(cache.latent, block_table, seq, pos, latent, valid)
+        return MLACache(pages, index)
+
+    def _attend_expanded(self, q_nope, q_pe, index_queries, keys: _Keys, seq, pos, valid):
+        """Non-absorbed, causal within each sequence: q [T, H, *] over the packed keys
+        (narrowed by the DSA indexer when there is one) -> [T, H, v]."""
+        kv = self.kv_b_proj(keys.latent[:, :self.kv_lora].astype(q_nope.dtype))
+        kv = kv.reshape(keys.latent.shape[0], self.num_heads, self.nope + self.v_dim)
         k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
-        scores = (jnp.einsum("thd,shd->hts", q_nope, k_nope, preferred_element_type=jnp.float32)
-                  + jnp.einsum("thr,sr->hts", q_pe, latent[:, self.kv_lora:].astype(q_pe.dtype),
-                               preferred_element_type=jnp.float32))
-        probs = masked_softmax(scores * self.scale, mask[None])
-        return jnp.einsum("hts,shv->thv", probs.astype(v.dtype), v,
-                          preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        k_pe = keys.latent[:, self.kv_lora:].astype(q_pe.dtype)
+
+        def attend(q_nope, q_pe, index_queries, seq, pos, valid):
+            mask = ((keys.seq[None] == seq[:, None]) & (keys.pos[None] <= pos[:, None])
+                    & keys.valid[None] & valid[:, None])  # [T, S]
+            if self.indexer is not None:
+                mask = self.indexer.select(*index_queries, keys.index, mask)
+            scores = (jnp.einsum("thd,shd->hts", q_nope, k_nope,
+                                 preferred_element_type=jnp.float32)
+                      + jnp.einsum("thr,sr->hts", q_pe, k_pe,
+                                   preferred_element_type=jnp.float32))
+            probs = masked_softmax(scores * self.scale, mask[None])
+            return jnp.einsum("hts,shv->thv", probs.astype(v.dtype), v,
+                              preferred_element_type=jnp.float32).astype(q_nope.dtype)
+
+        return _in_query_blocks(attend, self.query_block, q_nope, q_pe, index_queries, seq,
+                                pos, valid)
+
+    def _absorption(self, dtype) -> tuple[jax.Array, jax.Array]:
+        """W_uk [C, H, nope] and W_uv [C, H, v], the two halves of kv_b_proj."""
+        w = self.kv_b_proj.kernel[...].astype(dtype).reshape(
+            self.kv_lora, self.num_heads, self.nope + self.v_dim)
+        return w[..., :self.nope], w[..., self.nope:]
 
     def _attend_absorbed(self, q_nope, q_pe, latent, mask):
         """Absorbed: q [N, H, *], latent [N, S, L], mask [N, S] -> [N, H, v]."""
-        w = self.kv_b_proj.kernel[...].astype(q_nope.dtype).reshape(
-            self.kv_lora, self.num_heads, self.nope + self.v_dim)
-        w_uk, w_uv = w[..., :self.nope], w[..., self.nope:]
-        c_kv = latent[..., :self.kv_lora].astype(q_nope.dtype)
-        k_pe = latent[..., self.kv_lora:].astype(q_pe.dtype)
-        q_latent = jnp.einsum("nhd,chd->nhc", q_nope, w_uk, preferred_element_type=jnp.float32)
-        scores = (jnp.einsum("nhc,nsc->nhs", q_latent.astype(c_kv.dtype), c_kv,
-                             preferred_element_type=jnp.float32)
-                  + jnp.einsum("nhr,nsr->nhs", q_pe, k_pe, preferred_element_type=jnp.float32))
-        probs = masked_softmax(scores * self.scale, mask[:, None])
-        out_latent = jnp.einsum("nhs,nsc->nhc", probs.astype(c_kv.dtype), c_kv,
-                                preferred_element_type=jnp.float32)
+        w_uk, w_uv = self._absorption(q_nope.dtype)
+        q_abs = jnp.einsum("nhd,chd->nhc", q_nope, w_uk, preferred_element_type=jnp.float32)
+        out_latent, _ = latent_attention(q_abs.astype(q_nope.dtype), q_pe if self.rope else None,
+                                         latent, mask, kv_lora=self.kv_lora, scale=self.scale)
         return jnp.einsum("nhc,chv->nhv", out_latent.astype(w_uv.dtype), w_uv,
                           preferred_element_type=jnp.float32).astype(q_nope.dtype)
 

@@ -1,0 +1,594 @@
+"""End-to-end prefill through the serving engine: coalesced spans against the ladder.
+
+    python -m bench.prefill --quick                                    # CPU smoke run
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m bench.prefill        # H200
+
+Model: `--preset` (glm5.3-flash) cut to `--num-layers` (4: 3 KDA + 1 MLA) and
+`--num-experts` (16), seeded random bf16 weights (`glmjax.random_weights.random_model`).
+At 16 experts that is 3.23 B parameters, 6.0 GiB: embedding and LM head 2.4 GiB, the three
+KDA layers with their dense MLPs 1.5, the MLA + MoE layer 1.0, the MTP head (held, not run)
+1.1; each expert adds 48 MiB to the MoE layer and to the MTP head. All 288 experts (31.5 GiB)
+would fit too, but the host draws only ~50-100 M random values a second. Caches are small
+beside that (a 32K request holds 40 MiB of MLA latents and index keys, a KDA state slot
+4 MiB per layer): free memory goes to the prefill's temporaries.
+
+Two engines share the weights and the buckets: coalescing on and off (the ladder), prefix
+caching on. Each case feeds both the same requests, sample by sample, alternating which
+goes first; the first `--warmup` samples of a case are not timed.
+- cold: a fresh random prompt of each `--lengths` and `--unaligned` length (no prefix-cache
+  hit: checked), one greedy token; median time to first token (TTFT), prompt tokens / TTFT,
+  and the ratio ladder TTFT / coalesced TTFT.
+- beside: the same beside `--decoders` requests decoding at `--decode-context` tokens; also
+  their decode tokens/s while the prompt prefills.
+- decode: `--concurrency` requests decoding at `--decode-context` tokens, tokens/s over
+  samples of `--decode-steps` steps; ratio coalesced / ladder.
+The two engines' greedy tokens are compared request by request (`greedy` in the JSON).
+
+Compiles: a dry run of the same requests through the scheduler and batch builder alone
+lists every prefill and decode batch shape (bucket) the run builds. Each is compiled ahead
+in `--compile-workers` threads while the host draws the weights (`buckets`: seconds and
+XLA's temporary bytes), so timed samples never compile (`compiles_during_timing` counts any
+that did). A case needing a bucket whose memory exceeds what is free is skipped, with the
+reason. Writes JSON to bench/results/prefill_<preset>.json (`--json`) after every case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import dataclasses
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from flax import nnx
+
+from glmjax.batch import DecodeBatch, PrefillBatch
+from glmjax.config import ModelConfig
+from glmjax.model import HybridModel
+from glmjax.random_weights import random_model
+from serving.batch_builder import BatchBuckets, BatchBuilder
+from serving.block_allocator import BlockAllocator
+from serving.engine import Engine, EngineConfig
+from serving.prefix_cache import PrefixCache
+from serving.request import SamplingParams
+from serving.scheduler import Scheduler
+from serving.state_slots import StateSlotAllocator
+
+RESULTS = Path(__file__).parent / "results"
+MODES = {"coalesced": True, "ladder": False}
+TARGET_RATIOS = {8192: 1.51, 16384: 1.24, 32768: 1.12}  # upstream cold-prefill speedups
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+MAX_STEPS = 100_000  # per request: a scheduler that stops making progress is a bug
+FULL = dict(
+    preset="glm5.3-flash", num_layers=4, num_experts=16, block_size=512, budget=8192,
+    lengths="8192,16384,32768", unaligned=16228, beside_lengths="8192,16228", decoders=3,
+    decode_context=8192, concurrency="1,4", samples=5, decode_steps=16, compile_workers=4,
+    single_bucket=False,
+)  # fmt: skip
+QUICK = dict(
+    preset="tiny", num_layers=None, num_experts=None, block_size=32, budget=128,
+    lengths="256,512", unaligned=350, beside_lengths="350", decoders=1, decode_context=128,
+    concurrency="1,2", samples=2, decode_steps=4, compile_workers=2, single_bucket=True,
+)  # fmt: skip
+
+
+def _log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class CompileLog:
+    """Backend compiles reported by jax.monitoring while active: (function name, seconds)."""
+
+    def __init__(self):
+        self.events: list[tuple[str, float]] = []
+
+    def _listen(self, event: str, seconds: float, **kwargs) -> None:
+        if event == COMPILE_EVENT:
+            self.events.append((str(kwargs.get("fun_name", "?")), seconds))
+
+    def __enter__(self) -> CompileLog:
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+    def by_function(self) -> dict[str, dict]:
+        table = collections.defaultdict(lambda: {"count": 0, "seconds": 0.0})
+        for name, seconds in self.events:
+            table[name]["count"] += 1
+            table[name]["seconds"] += seconds
+        return dict(sorted(table.items()))
+
+
+def bucket_key(batch: PrefillBatch | DecodeBatch) -> tuple:
+    """("prefill", T, N, M) or ("decode", N, M): the static shape a batch compiles for."""
+    if isinstance(batch, PrefillBatch):
+        return ("prefill", batch.token_ids.shape[0], *batch.block_tables.shape)
+    return ("decode", *batch.block_tables.shape)
+
+
+class Output(NamedTuple):
+    """What the cases read of a `RequestOutput`."""
+
+    request_id: str
+    output_token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    num_cached_tokens: int
+
+
+class DryRun:
+    """An engine's scheduler and batch builder without the model: the buckets a sequence of
+    requests uses. Every sampled token is 0 (shapes do not depend on token values)."""
+
+    def __init__(self, config: EngineConfig, buckets: BatchBuckets):
+        sched = config.scheduler_config()
+        blocks = BlockAllocator(config.num_kv_blocks, block_size=config.block_size, dcp=config.dcp)
+        self.scheduler = Scheduler(
+            sched, PrefixCache(blocks, StateSlotAllocator(config.num_state_slots)))
+        self.builder = BatchBuilder(sched, num_blocks=config.num_kv_blocks,
+                                    num_slots=config.num_state_slots, buckets=buckets)
+        self.batches: dict[tuple, PrefillBatch | DecodeBatch] = {}  # one per bucket
+        self.used: set[tuple] = set()  # buckets since the caller last cleared it
+        self._generated = collections.Counter()
+
+    def add_request(self, request_id, prompt_token_ids, sampling) -> None:
+        self.scheduler.add_request(request_id, prompt_token_ids, sampling)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def step(self) -> list[Output]:
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            return []
+        for batch in filter(None, self.builder.build(step)):
+            self.batches.setdefault(bucket_key(batch), batch)
+            self.used.add(bucket_key(batch))
+        sampled = step.sampling_request_ids
+        self.scheduler.update_from_step(step, dict.fromkeys(sampled, 0))
+        self._generated.update(sampled)
+        return [Output(r, (0,) * self._generated[r], (0.0,) * self._generated[r], 0)
+                for r in sampled]
+
+
+class Session:
+    """One engine (or `DryRun`); the latest output of each of its requests in `outputs`."""
+
+    def __init__(self, engine: Engine | DryRun, outputs: dict[str, Output]):
+        self.engine = engine
+        self.outputs = outputs
+
+    def step(self) -> None:
+        for out in self.engine.step():
+            self.outputs[out.request_id] = Output(out.request_id, tuple(out.output_token_ids),
+                                                  tuple(out.logprobs), out.num_cached_tokens)
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+        """Adds a greedy request, steps until its first token: (seconds, steps) since added."""
+        start = time.perf_counter()
+        self.engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens))
+        for steps in range(1, MAX_STEPS):
+            self.step()
+            if request_id in self.outputs:
+                return time.perf_counter() - start, steps
+        raise RuntimeError(f"request {request_id!r} got no token in {MAX_STEPS} steps")
+
+    def generated(self, request_ids: Sequence[str]) -> int:
+        return sum(len(self.outputs[r].output_token_ids) for r in request_ids)
+
+
+@dataclasses.dataclass
+class Run:
+    """Both sessions of a run, its prompts, and the compiles seen while timing."""
+
+    sessions: dict[str, Session]  # keyed like MODES
+    args: argparse.Namespace
+    vocab_size: int
+    compile_log: CompileLog
+    rng: np.random.Generator
+    compiles_during_timing: int = 0
+
+    def prompt(self, length: int) -> list[int]:
+        """A fresh random prompt: none of its blocks is in a prefix cache."""
+        return self.rng.integers(0, self.vocab_size, length).tolist()
+
+    def samples(self, measure: Callable, length: int = 0) -> dict[str, dict[str, list]]:
+        """`measure(tag, session, prompt)` for each sample (one fresh prompt of `length` each)
+        and each session, alternating which goes first; lists of what timed samples return."""
+        modes = {mode: collections.defaultdict(list) for mode in MODES}
+        for i in range(self.args.warmup + self.args.samples):
+            warm = i < self.args.warmup
+            tag, prompt = f"{'w' if warm else 's'}{i}", self.prompt(length)
+            for mode, session in list(self.sessions.items())[:: 1 if i % 2 == 0 else -1]:
+                compiles = len(self.compile_log.events)
+                values = measure(tag, session, prompt)
+                if not warm:
+                    self.compiles_during_timing += len(self.compile_log.events) - compiles
+                    for key, value in values.items():
+                        modes[mode][key].append(value)
+        return {mode: dict(values) for mode, values in modes.items()}
+
+    def add_decoders(self, name: str, count: int) -> list[str]:
+        """`count` requests decoding at `--decode-context` tokens in both sessions, added one
+        at a time (no prefill step packs two of them)."""
+        block = self.args.block_size * self.args.dcp
+        ids = [f"{name}-d{k}" for k in range(count)]
+        for request_id in ids:
+            prompt = self.prompt(self.args.decode_context - block)
+            for session in self.sessions.values():
+                session.add(request_id, prompt, block)
+        return ids
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        for session in self.sessions.values():
+            for request_id in request_ids:
+                session.engine.abort(request_id)
+            session.step()  # reports the aborts
+
+
+def _with_medians(modes: dict, *keys: str) -> dict:
+    for values in modes.values():
+        for key in keys:
+            values[f"median_{key}"] = statistics.median(values[key]) if values.get(key) else None
+    return modes
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator and denominator else None
+
+
+def cold_case(run: Run, length: int) -> dict:
+    """Cold prompts of `length` tokens, one greedy token each."""
+
+    def measure(tag, session, prompt):
+        request_id = f"cold-{length}-{tag}"
+        seconds, steps = session.add(request_id, prompt, 1)
+        return dict(ttft_s=seconds, steps=steps,
+                    cached_tokens=session.outputs[request_id].num_cached_tokens)
+
+    modes = _with_medians(run.samples(measure, length), "ttft_s")
+    for values in modes.values():
+        values["tokens_per_s"] = _ratio(length, values["median_ttft_s"])
+    ladder, coalesced = (modes[m]["median_ttft_s"] for m in ("ladder", "coalesced"))
+    return dict(tokens=length, **modes, ratio=_ratio(ladder, coalesced),
+                target_ratio=TARGET_RATIOS.get(length))
+
+
+def beside_case(run: Run, length: int) -> dict:
+    """Cold prompts of `length` tokens while `--decoders` requests decode."""
+    decoders = run.add_decoders(f"beside-{length}", run.args.decoders)
+
+    def measure(tag, session, prompt):
+        before = session.generated(decoders)
+        seconds, _ = session.add(f"beside-{length}-{tag}", prompt, 1)
+        return dict(ttft_s=seconds,
+                    decode_tokens_per_s=(session.generated(decoders) - before) / seconds)
+
+    modes = _with_medians(run.samples(measure, length), "ttft_s", "decode_tokens_per_s")
+    run.abort(decoders)
+    ladder, coalesced = (modes[m]["median_ttft_s"] for m in ("ladder", "coalesced"))
+    return dict(tokens=length, decoders=run.args.decoders,
+                decode_context=run.args.decode_context, **modes,
+                ttft_ratio=_ratio(ladder, coalesced))
+
+
+def decode_case(run: Run, concurrency: int) -> dict:
+    """`concurrency` requests decoding: tokens/s over `--decode-steps` steps a sample."""
+    decoders = run.add_decoders(f"decode-c{concurrency}", concurrency)
+
+    def measure(tag, session, prompt):
+        before, start = session.generated(decoders), time.perf_counter()
+        for _ in range(run.args.decode_steps):
+            session.step()
+        return dict(tokens_per_s=(session.generated(decoders) - before)
+                    / (time.perf_counter() - start))
+
+    modes = _with_medians(run.samples(measure), "tokens_per_s")
+    run.abort(decoders)
+    coalesced, ladder = (modes[m]["median_tokens_per_s"] for m in ("coalesced", "ladder"))
+    return dict(concurrency=concurrency, context=run.args.decode_context, **modes,
+                ratio=_ratio(coalesced, ladder))
+
+
+CASES = {"decode": decode_case, "beside": beside_case, "cold": cold_case}
+
+
+def case_list(args) -> list[tuple[str, int]]:
+    """Cheapest first, so that a run cut short keeps most; the longest cold prompt last."""
+    cold = sorted(set(_ints(args.lengths) + [args.unaligned]) - {0})
+    return ([("decode", c) for c in _ints(args.concurrency)]
+            + [("beside", n) for n in _ints(args.beside_lengths)] + [("cold", n) for n in cold])
+
+
+def model_config(args) -> ModelConfig:
+    config = ModelConfig.preset(args.preset)
+    if args.num_layers or args.num_experts:
+        config = config.replace_depth(args.num_layers or config.num_layers, args.num_experts)
+    return dataclasses.replace(config, kv_block_size=args.block_size * args.dcp)
+
+
+def engine_config(args, coalesce: bool) -> EngineConfig:
+    """Room for the largest case: a cold prompt, or decoders beside one."""
+    blocks = lambda tokens: -(-tokens // (args.block_size * args.dcp))  # noqa: E731
+    cold = max(_ints(args.lengths) + _ints(args.beside_lengths) + [args.unaligned])
+    concurrency = max(_ints(args.concurrency))
+    num_blocks = max(concurrency * blocks(args.decode_context),
+                     args.decoders * blocks(args.decode_context) + blocks(cold + 1))
+    return EngineConfig(
+        max_model_len=max(cold + 1, args.decode_context), block_size=args.block_size,
+        dcp=args.dcp, budget=args.budget, coalesce=coalesce, prefix_caching=True,
+        max_num_seqs=max(concurrency, args.decoders + 1), num_kv_blocks=num_blocks + 8,
+        num_state_slots=32, single_bucket=args.single_bucket,
+    )  # fmt: skip
+
+
+def dry_run(args, buckets: BatchBuckets, vocab_size: int, compile_log: CompileLog):
+    """Every case through the schedulers and batch builders alone: (a batch per bucket, the
+    buckets of each case)."""
+    dry = {mode: DryRun(engine_config(args, on), buckets) for mode, on in MODES.items()}
+    run = Run({mode: Session(d, {}) for mode, d in dry.items()}, args, vocab_size, compile_log,
+              np.random.default_rng(args.seed))
+    case_buckets = {}
+    for kind, size in case_list(args):
+        for d in dry.values():
+            d.used.clear()
+        CASES[kind](run, size)
+        case_buckets[kind, size] = set().union(*(d.used for d in dry.values()))
+    return {key: batch for d in dry.values() for key, batch in d.batches.items()}, case_buckets
+
+
+def step_functions(engine: Engine) -> dict[str, Callable]:
+    """The jitted prefill and decode steps `engine` calls."""
+    return {"prefill": engine.steps.prefill, "decode": engine.steps.decode}
+
+
+def precompile(steps: dict, batches: dict, model_state, caches, workers: int) -> list[dict]:
+    """Compiles every bucket ahead of its first call; seconds and memory of each. Abstract
+    weights suffice: the jitted step finds the executable again for the real ones."""
+
+    def compile_bucket(item):
+        key, batch = item
+        start = time.perf_counter()
+        compiled = steps[key[0]].lower(model_state, caches, jax.device_put(batch)).compile()
+        seconds = time.perf_counter() - start
+        memory = compiled.memory_analysis()
+        _log(f"compiled {key} in {seconds:.1f} s")
+        return dict(
+            kind=key[0], shape=list(key[1:]), compile_s=seconds,
+            temp_bytes=None if memory is None else memory.temp_size_in_bytes,
+            need_bytes=None if memory is None else (memory.temp_size_in_bytes
+                       + memory.output_size_in_bytes - memory.alias_size_in_bytes),
+        )  # fmt: skip
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        return list(pool.map(compile_bucket, sorted(batches.items())))
+
+
+def compare_greedy(on: dict[str, Output], off: dict[str, Output]) -> dict:
+    """Paired requests' tokens up to the first difference, logprobs where the tokens agree
+    (DESIGN section 6: |on - off| <= 0.1 + 0.02 |off|)."""
+    tokens, compared, differing, max_diff, within = {}, 0, [], 0.0, True
+    for request_id in sorted(on.keys() & off.keys()):
+        a, b = on[request_id], off[request_id]
+        length = min(len(a.output_token_ids), len(b.output_token_ids))
+        same = next((k for k in range(length)
+                     if a.output_token_ids[k] != b.output_token_ids[k]), length)
+        compared += min(same + 1, length)
+        if same < length:
+            differing.append(request_id)
+        if same:
+            diff = np.abs(np.subtract(a.logprobs[:same], b.logprobs[:same]))
+            max_diff = max(max_diff, float(diff.max()))
+            within &= bool(np.all(diff <= 0.1 + 0.02 * np.abs(b.logprobs[:same])))
+        tokens[request_id] = {"coalesced": list(a.output_token_ids),
+                              "ladder": list(b.output_token_ids)}
+    return dict(requests=len(tokens), compared_tokens=compared, identical=not differing,
+                differing_requests=differing, max_abs_logprob_diff=max_diff,
+                logprobs_within_design_bound=within, tokens=tokens)
+
+
+def run_benchmark(args) -> dict:
+    start = time.perf_counter()
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    config = model_config(args)
+    abstract = nnx.split(nnx.eval_shape(lambda: HybridModel(config, nnx.Rngs(0))))
+    leaves = jax.tree.leaves(abstract[1])
+    result = dict(
+        device=jax.devices()[0].device_kind, platform=platform.platform(), jax=jax.__version__,
+        args=vars(args), complete=False,
+        model=dict(name=config.name, layer_types=list(config.layer_types),
+                   num_experts=config.num_experts, hidden_size=config.hidden_size,
+                   vocab_size=config.vocab_size, kda_backend=config.resolved_kda_backend(),
+                   params=sum(math.prod(x.shape) for x in leaves),
+                   param_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)),
+    )  # fmt: skip
+    _log(f"{config.name}: {result['model']['params'] / 1e9:.2f} B parameters, "
+         f"{result['model']['param_bytes'] / 2**30:.2f} GiB; drawing them while compiling")
+    with CompileLog() as compile_log, concurrent.futures.ThreadPoolExecutor(1) as host:
+        weights = host.submit(lambda: (random_model(config, args.seed), time.perf_counter()))
+        probe = Engine(config, abstract, engine_config(args, coalesce=True))
+        result["engine"] = dataclasses.asdict(probe.config) | {"coalesce": "both"}
+        batches, case_buckets = dry_run(args, probe.builder.buckets, config.vocab_size,
+                                        compile_log)
+        _log(f"dry run: {len(batches)} buckets {sorted(batches)}")
+        mark = time.perf_counter()
+        steps = step_functions(probe)
+        buckets = precompile(steps, batches, abstract, probe.caches, args.compile_workers)
+        del probe
+        result["setup_s"] = {"precompile": time.perf_counter() - mark}
+        model, drawn = weights.result()
+        result["setup_s"]["weights_ready"] = drawn - start  # the draw overlaps the compiles
+        model_state = nnx.split(model)
+
+        def fresh_sessions():
+            return {mode: Session(Engine(config, model_state, engine_config(args, on)),
+                                  outputs[mode]) for mode, on in MODES.items()}
+
+        outputs = {mode: {} for mode in MODES}
+        run = Run(fresh_sessions(), args, config.vocab_size, compile_log,
+                  np.random.default_rng(args.seed + 1))
+        stats = jax.devices()[0].memory_stats()
+        free = None if stats is None else stats["bytes_limit"] - stats["bytes_in_use"]
+        for bucket in buckets:
+            bucket["predicted_oom"] = bool(free and bucket["need_bytes"]
+                                           and bucket["need_bytes"] > free)
+        result.update(buckets=buckets, free_bytes=free)
+        too_big = {(b["kind"], *b["shape"]) for b in buckets if b["predicted_oom"]}
+
+        for kind, size in case_list(args):
+            if needed := sorted(case_buckets[kind, size] & too_big):
+                entry = {"skipped": f"buckets {needed} need more than the {free / 2**30:.1f} "
+                         "GiB free (raise XLA_PYTHON_CLIENT_MEM_FRACTION or shrink the step)"}
+            else:
+                _log(f"{kind} {size}")
+                try:
+                    entry = CASES[kind](run, size)
+                except jax.errors.JaxRuntimeError as error:
+                    if "RESOURCE_EXHAUSTED" not in str(error):
+                        raise
+                    entry = {"error": str(error).splitlines()[0]}
+                    run.sessions = fresh_sessions()  # a failed step leaves the caches unusable
+            entry.setdefault("concurrency" if kind == "decode" else "tokens", size)
+            _log(f"{kind} {size}: {_summary(kind, entry)}")
+            result.setdefault(kind, []).append(entry)
+            _update_totals(result, run, outputs, steps, start)
+            write_json(result, args.json)
+    result["complete"] = True
+    write_json(result, args.json)
+    return result
+
+
+def _update_totals(result: dict, run: Run, outputs: dict, steps: dict, start: float) -> None:
+    """The run-wide fields, refreshed after every case."""
+    stats = jax.devices()[0].memory_stats() or {}
+    compiles = run.compile_log.by_function()
+    programs = {kind: compiles.get(f"jit({step.__name__})", {}).get("count", 0)
+                for kind, step in steps.items()}
+    programs["other"] = sum(c["count"] for c in compiles.values()) - sum(programs.values())
+    result.update(
+        compiles=compiles, programs=programs,
+        # > 0: a step compiled again after precompile (the executable was not reused).
+        recompiles={kind: max(0, programs[kind] - sum(b["kind"] == kind
+                                                      for b in result["buckets"]))
+                    for kind in steps},
+        compiles_during_timing=run.compiles_during_timing,
+        peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_limit=stats.get("bytes_limit"),
+        greedy=compare_greedy(outputs["coalesced"], outputs["ladder"]),
+        wall_s=time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def _summary(kind: str, entry: dict) -> str:
+    if "skipped" in entry or "error" in entry:
+        return entry.get("skipped") or entry["error"]
+    if kind == "decode":
+        return "tokens/s " + ", ".join(
+            f"{m} {entry[m]['median_tokens_per_s']:.1f}" for m in MODES)
+    return "TTFT " + ", ".join(f"{m} {entry[m]['median_ttft_s'] * 1e3:.0f} ms" for m in MODES)
+
+
+def write_json(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str))
+
+
+def _fmt(value, spec: str, scale: float = 1) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def print_table(result: dict) -> None:
+    def get(entry, mode, key):
+        return entry.get(mode, {}).get(key)
+
+    print("\ncold prefill: median TTFT (ms), prompt tokens/s, ratio ladder / coalesced")
+    print(f"{'tokens':>7} {'ladder':>8} {'coal.':>8} {'ladder/s':>9} {'coal./s':>9} "
+          f"{'ratio':>6} {'target':>6}")
+    for e in result.get("cold", []):
+        print(f"{e['tokens']:>7} {_fmt(get(e, 'ladder', 'median_ttft_s'), '.0f', 1e3):>8} "
+              f"{_fmt(get(e, 'coalesced', 'median_ttft_s'), '.0f', 1e3):>8} "
+              f"{_fmt(get(e, 'ladder', 'tokens_per_s'), '.0f'):>9} "
+              f"{_fmt(get(e, 'coalesced', 'tokens_per_s'), '.0f'):>9} "
+              f"{_fmt(e.get('ratio'), '.2f'):>6} {_fmt(e.get('target_ratio'), '.2f'):>6} "
+              f"{e.get('skipped') or e.get('error') or ''}")
+    print(f"\nbeside {result['args']['decoders']} decoding requests: TTFT (ms), ratio, their "
+          "decode tokens/s")
+    for e in result.get("beside", []):
+        print(f"{e['tokens']:>7} {_fmt(get(e, 'ladder', 'median_ttft_s'), '.0f', 1e3):>8} "
+              f"{_fmt(get(e, 'coalesced', 'median_ttft_s'), '.0f', 1e3):>8} "
+              f"{_fmt(e.get('ttft_ratio'), '.2f'):>6}  decode: ladder "
+              f"{_fmt(get(e, 'ladder', 'median_decode_tokens_per_s'), '.1f')}, coalesced "
+              f"{_fmt(get(e, 'coalesced', 'median_decode_tokens_per_s'), '.1f')}")
+    print(f"\ndecode tokens/s at {result['args']['decode_context']} tokens: ladder, coalesced, "
+          "ratio coalesced / ladder")
+    for e in result.get("decode", []):
+        print(f"{e['concurrency']:>7} {_fmt(get(e, 'ladder', 'median_tokens_per_s'), '.1f'):>8} "
+              f"{_fmt(get(e, 'coalesced', 'median_tokens_per_s'), '.1f'):>8} "
+              f"{_fmt(e.get('ratio'), '.3f'):>6}")
+    greedy, peak = result["greedy"], result["peak_bytes_in_use"]
+    print(f"\n{len(result['buckets'])} buckets compiled ahead in "
+          f"{result['setup_s']['precompile']:.0f} s; compiles {result['programs']}, "
+          f"{result['compiles_during_timing']} while timing; peak device memory "
+          + ("n/a" if peak is None else f"{peak / 2**30:.1f} GiB"))
+    print(f"greedy tokens identical: {greedy['identical']} ({greedy['compared_tokens']} tokens "
+          f"of {greedy['requests']} requests; max |logprob diff| "
+          f"{greedy['max_abs_logprob_diff']:.2e})")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in str(text).split(",") if x]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.prefill",
+                                     description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--quick", action="store_true", help="CPU smoke run: tiny preset, short prompts")
+    add("--preset", help="model preset (glm5.3-flash)")
+    add("--num-layers", type=int, help="layers kept (4)")
+    add("--num-experts", type=int, help="routed experts kept (16)")
+    add("--lengths", help="cold prompt lengths, comma-separated (8192,16384,32768)")
+    add("--unaligned", type=int, help="one more cold length, off the block grid (16228; 0: none)")
+    add("--beside-lengths", help="cold lengths prefilled beside decoding requests")
+    add("--decoders", type=int, help="requests decoding beside a cold prefill (3)")
+    add("--decode-context", type=int, help="tokens of each decoding request (8192)")
+    add("--concurrency", help="decoding requests of the decode cases (1,4)")
+    add("--samples", type=int, help="timed samples per case and schedule (5)")
+    add("--warmup", type=int, default=1, help="untimed samples first, per case")
+    add("--decode-steps", type=int, help="steps per decode sample (16)")
+    add("--budget", type=int, help="tokens per step (8192)")
+    add("--block-size", type=int, help="P, tokens per KV block (512)")
+    add("--dcp", type=int, default=1, choices=(1, 2, 4), help="single-device dcp mode")
+    add("--single-bucket", action="store_true", default=None, help="pad to the largest bucket")
+    add("--compile-workers", type=int, help="threads compiling buckets ahead (4)")
+    add("--compilation-cache", help="persistent XLA compilation cache folder")
+    add("--seed", type=int, default=0)
+    add("--json", type=Path, help="output (bench/results/prefill_<preset>.json)")
+    args = parser.parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.json = args.json or RESULTS / f"prefill_{args.preset}.json"
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    result = run_benchmark(parse_args(argv))
+    print_table(result)
+    print(f"wrote {result['args']['json']}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

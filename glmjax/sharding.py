@@ -1,0 +1,338 @@
+"""The model on a (tp, dcp) device mesh (DESIGN section 5): the mesh, the PartitionSpec of
+every parameter, activation, state pool and cache, and the jitted steps over them.
+
+    mesh = make_mesh(tp=4, dcp=2)                 # 4 devices as (tpo=2, dcp=2)
+    plan = ShardingPlan(config, mesh, interleave=1)
+    steps = plan.steps()                          # or single_device_steps(config)
+    model_state = steps.place(nnx.split(model))
+    caches = steps.init_caches(num_state_slots, num_kv_blocks)
+    out = steps.prefill(model_state, caches, batch)   # caches donated, as on one device
+
+Tensor parallelism runs over both mesh axes together (``TP = ("tpo", "dcp")``): KDA and MLA
+heads, the MLP and MoE intermediate, the vocabulary, and the KDA state pools by head. Token
+activations are replicated. Decode context parallelism splits the MLA latent cache by
+token over "dcp" (`glmjax.layers.paged_cache.DCPLayout`), so it is replicated only over
+"tpo" and its bytes per device shrink by dcp; the DSA index-key cache stays replicated.
+
+| kind | arrays | spec |
+| --- | --- | --- |
+| column-parallel kernel [in, out] | q/k/v/f_b/g_b/b projections, q_b_proj, kv_b_proj, gate/up, lm_head | (None, TP) |
+| row-parallel kernel [in, out] | o_proj, down_proj | (TP, None) |
+| vocabulary rows [V, D] | embed_tokens | (TP, None) |
+| per head / per channel | KDA A_log, dt_bias | (TP,) |
+| conv taps [C, W] | KDA conv | (TP, None) |
+| experts [E, D, I] / [E, I, D] | w_gate, w_up / w_down | (None, None, TP) / (None, TP, None) |
+| everything else | norms, mHC, router, q_a / kv_a / f_a / g_a, DSA indexer, eh_proj | replicated |
+| token activations [T, ...] | residual stream, batch metadata, logits | replicated |
+| head activations [T, H, ...] | KDA q, k, v, g, o; MLA absorbed queries | (None, TP, None) |
+| KDA recurrent pool / states [S, H, K, V] | | (None, TP, None, None) |
+| KDA conv pool [S, C, W - 1] | | (None, TP, None) |
+| MLA latent cache [B, P * dcp, L] | | (None, "dcp", None) |
+| DSA index keys [B, P * dcp, d] | | replicated |
+
+Explicit collectives (shard_map) are used where the pattern matters: the KDA scan runs per
+device on its own heads (a Pallas kernel must see the per-device head count), and MLA
+writes, gathers and attends to the latent cache per dcp rank (see `glmjax.layers.mla`).
+Everything else is left to XLA's partitioner through the NamedShardings of the jitted steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from glmjax.caches import Caches, copy_kv_blocks, copy_state_slots
+from glmjax.config import ModelConfig
+from glmjax.layers.paged_cache import DCPLayout, MLACache
+from glmjax.model import (
+    DecodeOutput,
+    HybridModel,
+    ModelState,
+    PrefillOutput,
+    decode,
+    decode_step,
+    prefill,
+    prefill_step,
+)
+from glmjax.state_pool import StatePool
+
+AXES = ("tpo", "dcp")
+DCP_AXIS = "dcp"
+TP = AXES  # tensor parallelism spans both axes
+SUPPORTED_DCP = (1, 2, 4)
+
+
+def make_mesh(tp: int, dcp: int = 1, devices=None) -> Mesh:
+    """`tp` devices (the first of `devices`, default ``jax.devices()``) as a
+    ``(tp // dcp, dcp)`` mesh with axes ``("tpo", "dcp")``.
+
+    Raises:
+      ValueError: naming tp or dcp when dcp is not 1, 2 or 4, does not divide tp, or there
+        are fewer than tp devices.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be an int >= 1, got tp={tp!r}")
+    if isinstance(dcp, bool) or dcp not in SUPPORTED_DCP:
+        raise ValueError(f"dcp must be one of {SUPPORTED_DCP}, got dcp={dcp!r}")
+    if tp % dcp:
+        raise ValueError(f"dcp={dcp} must divide tp={tp}")
+    devices = jax.devices() if devices is None else list(devices)
+    if len(devices) < tp:
+        platform = devices[0].platform if devices else "none"
+        raise ValueError(
+            f"tp={tp} needs {tp} devices; JAX has {len(devices)} ({platform}). On a CPU, set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={tp} before JAX starts")
+    return Mesh(np.asarray(devices[:tp]).reshape(tp // dcp, dcp), AXES)
+
+
+def request_cpu_devices(count: int) -> None:
+    """Ask JAX for `count` host (CPU) devices, so that a mesh can be tried on a CPU. Only
+    takes effect before JAX starts its backends (else `make_mesh` reports the shortfall);
+    harmless on a GPU machine, where the CPU devices go unused."""
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    if jax.config.jax_num_cpu_devices >= count:
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # backends already started: their device count stands
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Specs:
+    """The PartitionSpec of every kind of array (see the module's table), named once."""
+
+    replicated: P = P()
+    # Parameters; kernels are [in, out].
+    column: P = P(None, TP)
+    row: P = P(TP, None)
+    vocab_rows: P = P(TP, None)
+    per_head: P = P(TP)
+    conv_weight: P = P(TP, None)
+    expert_column: P = P(None, None, TP)
+    expert_row: P = P(None, TP, None)
+    # Activations.
+    tokens: P = P()
+    heads: P = P(None, TP, None)
+    head_scalars: P = P(None, TP)
+    # States and caches.
+    kda_states: P = P(None, TP, None, None)
+    kda_snapshots: P = P(None, None, TP, None, None)
+    conv_states: P = P(None, TP, None)
+    mla_latent: P = P(None, DCP_AXIS, None)
+    mla_index_keys: P = P()
+
+
+SPECS = Specs()
+
+# The module or parameter name at the end of a parameter's path -> its `Specs` field.
+# Names not listed are replicated (the DSA indexer's `wq_b` and `weights_proj` among them:
+# every rank computes the same top-k selection).
+PARAM_SPECS = {
+    "embed_tokens": "vocab_rows",
+    "lm_head": "column",
+    # KDA
+    "q_proj": "column",
+    "k_proj": "column",
+    "v_proj": "column",
+    "f_b_proj": "column",
+    "g_b_proj": "column",
+    "b_proj": "column",
+    "A_log": "per_head",
+    "dt_bias": "per_head",
+    "conv": "conv_weight",
+    "o_proj": "row",
+    # MLA
+    "q_b_proj": "column",
+    "kv_b_proj": "column",
+    # MLP, shared experts, routed experts
+    "gate_proj": "column",
+    "up_proj": "column",
+    "down_proj": "row",
+    "w_gate": "expert_column",
+    "w_up": "expert_column",
+    "w_down": "expert_row",
+}
+
+
+def param_spec(path: tuple, specs: Specs = SPECS) -> P:
+    """The PartitionSpec of the parameter at `path` (a JAX key path into ``nnx.State``)."""
+    names = [str(getattr(key, "key", getattr(key, "name", ""))) for key in path]
+    for name in reversed(names):
+        if name in PARAM_SPECS:
+            return getattr(specs, PARAM_SPECS[name])
+    return specs.replicated
+
+
+def cache_specs(caches: Caches, specs: Specs = SPECS) -> Caches:
+    """`caches` with every array replaced by its PartitionSpec."""
+    return Caches(
+        tuple(StatePool(specs.kda_states, specs.conv_states) for _ in caches.kda),
+        tuple(MLACache(specs.mla_latent, None if c.index_keys is None else specs.mla_index_keys)
+              for c in caches.mla))
+
+
+def device_bytes(tree) -> dict[Any, int]:
+    """Bytes each device holds of the arrays in `tree` (its addressable shards)."""
+    held: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held
+
+
+class ModelSteps(NamedTuple):
+    """What a serving loop runs: the jitted steps (caches donated, as `glmjax.model.prefill`
+    and friends) and how to place the parameters and make the caches they expect."""
+
+    prefill: Callable  # (model_state, caches, batch, *, return_logprobs=False) -> PrefillOutput
+    decode: Callable  # (model_state, caches, batch) -> DecodeOutput
+    copy_state_slots: Callable  # (caches, sources, destinations) -> (caches, status)
+    copy_kv_blocks: Callable  # (caches, sources, destinations) -> caches
+    init_caches: Callable[[int, int], Caches]  # (num_state_slots, num_kv_blocks) -> Caches
+    place: Callable[[ModelState], ModelState]  # put the parameters where the steps want them
+    mesh: Mesh | None  # None: JAX's default device (dcp emulated, see serving.engine)
+    layout: DCPLayout  # where the MLA latent cache keeps each token (DCPLayout() on one device)
+
+    @property
+    def dcp(self) -> int | None:
+        """The mesh's dcp ranks; None on one device."""
+        return None if self.mesh is None else self.mesh.shape[DCP_AXIS]
+
+
+def single_device_steps(config: ModelConfig) -> ModelSteps:
+    """The steps of `glmjax.model` on JAX's default device."""
+    return ModelSteps(prefill, decode, copy_state_slots, copy_kv_blocks,
+                      lambda slots, blocks: Caches.init(config, slots, blocks),
+                      lambda model_state: model_state, None, DCPLayout())
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """How `config`'s model runs on `mesh` (from `make_mesh`): the specs, the DCP layout of
+    the MLA latent cache (`interleave` tokens per run, dividing ``kv_block_size / dcp``)
+    and the jitted steps. The layers read `mesh`, `specs`, `layout` and `dcp_axis`.
+
+    Raises:
+      ValueError: if tp does not divide a head count or width the specs split, or the
+        interleave does not tile the KV block.
+    """
+
+    config: ModelConfig
+    mesh: Mesh
+    interleave: int = 1
+    specs: Specs = SPECS
+
+    def __post_init__(self):
+        if self.mesh.axis_names != AXES:
+            raise ValueError(f"mesh axes must be {AXES}, got {self.mesh.axis_names}")
+        c, tp = self.config, self.tp
+        split = {"kda_num_heads": c.kda_num_heads, "mla_num_heads": c.mla_num_heads,
+                 "moe_intermediate_size": c.moe_intermediate_size,
+                 "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size}
+        for name, size in split.items():
+            if size % tp:
+                raise ValueError(f"tp={tp} must divide {name}={size}")
+        self.layout.check_block(c.kv_block_size)
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.size
+
+    @property
+    def dcp(self) -> int:
+        return self.mesh.shape[DCP_AXIS]
+
+    @property
+    def dcp_axis(self) -> str:
+        return DCP_AXIS
+
+    @property
+    def layout(self) -> DCPLayout:
+        return DCPLayout(self.dcp, self.interleave)
+
+    def sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def constrain(self, x: jax.Array, spec: P) -> jax.Array:
+        """Inside the jitted steps: pin `x` to `spec` on the mesh."""
+        return jax.lax.with_sharding_constraint(x, self.sharding(spec))
+
+    def param_shardings(self, params: nnx.State):
+        """`params` (``nnx.split(model)[1]``) with every array replaced by its sharding."""
+        def sharding(path, leaf):
+            spec = param_spec(path, self.specs)
+            for dim, axes in enumerate(spec):
+                if axes is not None and leaf.shape[dim] % self.tp:
+                    raise ValueError(f"parameter {jax.tree_util.keystr(path)} of shape "
+                                     f"{leaf.shape}: dim {dim} does not split over tp={self.tp}")
+            return self.sharding(spec)
+
+        return jax.tree_util.tree_map_with_path(sharding, params)
+
+    def cache_shardings(self, caches: Caches) -> Caches:
+        return jax.tree.map(self.sharding, cache_specs(caches, self.specs))
+
+    def place(self, model_state: ModelState) -> ModelState:
+        """``nnx.split(model)`` with its parameters sharded over the mesh."""
+        graphdef, params = model_state
+        return graphdef, jax.device_put(params, self.param_shardings(params))
+
+    def init_caches(self, num_state_slots: int, num_kv_blocks: int) -> Caches:
+        """Zeroed caches, made in place on the mesh (no device holds them whole)."""
+        def make():
+            return Caches.init(self.config, num_state_slots, num_kv_blocks)
+
+        return jax.jit(make, out_shardings=self.cache_shardings(jax.eval_shape(make)))()
+
+    def steps(self) -> ModelSteps:
+        """The model's steps jitted over the mesh: in and out shardings from the specs,
+        caches donated. Batches may be host arrays; they are replicated."""
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: HybridModel(self.config,
+                                                                         nnx.Rngs(0))))
+        state_sh = (graphdef, self.param_shardings(params))
+        rep = self.sharding(self.specs.replicated)
+        shapes = jax.eval_shape(lambda: Caches.init(self.config, 1, 1))
+        caches_sh = self.cache_shardings(shapes)
+        jitted_prefill = {
+            logprobs: jax.jit(
+                lambda state, caches, batch, logprobs=logprobs: prefill_step(
+                    state, caches, batch, return_logprobs=logprobs, plan=self),
+                in_shardings=(state_sh, caches_sh, rep),
+                out_shardings=PrefillOutput(rep, caches_sh, rep, rep if logprobs else None),
+                donate_argnums=1)
+            for logprobs in (False, True)}
+        jitted_decode = jax.jit(
+            lambda state, caches, batch: decode_step(state, caches, batch, plan=self),
+            in_shardings=(state_sh, caches_sh, rep),
+            out_shardings=DecodeOutput(rep, caches_sh, rep),
+            donate_argnums=1)
+        jitted_copy_slots = jax.jit(copy_state_slots, in_shardings=(caches_sh, rep, rep),
+                                    out_shardings=(caches_sh, rep), donate_argnums=0)
+        jitted_copy_blocks = jax.jit(copy_kv_blocks, in_shardings=(caches_sh, rep, rep),
+                                     out_shardings=caches_sh, donate_argnums=0)
+
+        def run_prefill(model_state, caches, batch, *, return_logprobs=False):
+            return jitted_prefill[return_logprobs](model_state, caches,
+                                                   jax.device_put(batch, rep))
+
+        def run_decode(model_state, caches, batch):
+            return jitted_decode(model_state, caches, jax.device_put(batch, rep))
+
+        def run_copy_slots(caches, sources, destinations):
+            return jitted_copy_slots(caches, *jax.device_put((sources, destinations), rep))
+
+        def run_copy_blocks(caches, sources, destinations):
+            return jitted_copy_blocks(caches, *jax.device_put((sources, destinations), rep))
+
+        return ModelSteps(run_prefill, run_decode, run_copy_slots, run_copy_blocks,
+                          self.init_caches, self.place, self.mesh, self.layout)

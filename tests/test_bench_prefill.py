@@ -1,0 +1,63 @@
+"""`python -m bench.prefill --quick` on the CPU, scaled down further: every case runs through
+both engines, timed samples never compile, and the coalesced and ladder engines produce
+the same greedy tokens for every request (the tiny preset is fp32).
+
+Blocks of 32 tokens and a budget of 64, so a 128-token prompt takes 2 coalesced steps (the
+second with a kernel checkpoint at 96) and 3 ladder steps (64, 32, then the final block);
+one bucket (``single_bucket``), so the module compiles the prefill and decode steps once
+each.
+"""
+
+import json
+
+import pytest
+
+from bench.prefill import main
+
+ARGS = [
+    "--quick", "--budget", "64", "--lengths", "128", "--unaligned", "100",
+    "--beside-lengths", "100", "--decoders", "1", "--concurrency", "1", "--decode-context", "64",
+    "--samples", "1", "--decode-steps", "2",
+]  # fmt: skip
+
+
+@pytest.mark.slow  # ~20-40 s on two busy cores, most of it compiling
+def test_quick_run_writes_every_field_and_both_schedules_agree(tmp_path):
+    path = tmp_path / "prefill.json"
+    main([*ARGS, "--json", str(path)])
+    result = json.loads(path.read_text())
+
+    assert result["complete"]
+    assert result["model"]["param_bytes"] > 0 and result["model"]["layer_types"].count("mla") == 1
+    assert result["engine"]["block_size"] == 32 and result["engine"]["single_bucket"]
+    assert {b["kind"] for b in result["buckets"]} == {"prefill", "decode"}
+    assert all(b["compile_s"] > 0 and not b["predicted_oom"] for b in result["buckets"])
+    # One program per step (none if this process compiled the same bucket before), reused
+    # by the engine after the ahead-of-time compile.
+    assert result["programs"]["prefill"] <= 1 and result["programs"]["decode"] <= 1
+    assert result["recompiles"] == {"prefill": 0, "decode": 0}
+    assert result["compiles_during_timing"] == 0
+    assert "peak_bytes_in_use" in result
+
+    (cold_100, cold_128) = result["cold"]
+    for entry in (cold_100, cold_128):
+        for mode in ("coalesced", "ladder"):
+            assert entry[mode]["median_ttft_s"] > 0 and entry[mode]["tokens_per_s"] > 0
+            assert entry[mode]["cached_tokens"] == [0]  # cold: no prefix-cache hit
+        assert entry["ratio"] > 0
+        assert entry["coalesced"]["steps"] == [2] and entry["ladder"]["steps"] == [3]
+    (beside,) = result["beside"]
+    assert beside["decoders"] == 1 and beside["ttft_ratio"] > 0
+    assert all(beside[m]["median_decode_tokens_per_s"] > 0 for m in ("coalesced", "ladder"))
+    (decode,) = result["decode"]
+    assert decode["concurrency"] == 1 and decode["ratio"] > 0
+
+    # Greedy tokens: the same for every request in both engines (decoders generate a
+    # different number of tokens in each, so their common prefix is compared).
+    tokens = result["greedy"]["tokens"]
+    assert len(tokens) == 4 + 2 + 1 + 1  # cold (2 lengths x 2), beside cold + decoder, decoder
+    for request_id, pair in tokens.items():
+        common = min(len(pair["coalesced"]), len(pair["ladder"]))
+        assert common >= 1, request_id
+        assert pair["coalesced"][:common] == pair["ladder"][:common], request_id
+    assert result["greedy"]["identical"] and result["greedy"]["logprobs_within_design_bound"]
