@@ -82,10 +82,11 @@ def _invert_unit_lower(l_blk):
     return _dot(inv, eye + l8, hi)
 
 
-def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref, l_ref, *,
-                     chunk):
-    """One 16-row sub-chunk of one head: its diagonal [16, 16] blocks of Aqk (inclusive,
-    before scale) and L (strict, before beta), stored at the sub-chunk's rows ([T_pad, H, 16]).
+def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, a_ref,
+                     inv_ref, *, chunk):
+    """One 16-row sub-chunk of one head: its diagonal [16, 16] block of Aqk (inclusive,
+    before scale) and the inverse (I + diag(beta) L_bb)^-1 of its block of I + L, both
+    stored at the sub-chunk's rows ([T_pad, H, 16], fp32).
 
     Formed column by column from register tiles, every exponent <= 0 (exact for any
     decay); small programs, so many share an SM and hide each other's latency.
@@ -107,6 +108,7 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref,
 
         q, k = load(q_ref), load(k_ref)
         g_blk = lax.cumsum(load(g_ref), axis=0)  # G relative to the sub-chunk's start
+        beta = plgpu.load(beta_ref.at[rows, pl.ds(h, 1)], mask=valid, other=0).astype(f32)
         cols = _iota((1, SUB_CHUNK), 1)
         a_blk = l_blk = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
         for j in range(SUB_CHUNK):
@@ -119,7 +121,7 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref,
             a_blk = jnp.where(cols == j, jnp.where(sub_row >= j, a_col, 0.0), a_blk)
             l_blk = jnp.where(cols == j, jnp.where(sub_row > j, l_col, 0.0), l_blk)
         plgpu.store(a_ref.at[rows, h, :], a_blk, mask=valid)
-        plgpu.store(l_ref.at[rows, h, :], l_blk, mask=valid)
+        plgpu.store(inv_ref.at[rows, h, :], _invert_unit_lower(beta * l_blk), mask=valid)
 
 
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
@@ -127,11 +129,12 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_re
     """One chunk of one head. Refs are whole arrays [T_pad, H, ...]; rows past the chunk's
     length load as zeros (g = 0 keeps G flat there, k = beta = 0 adds nothing).
 
-    separate_diagonal: the diagonal blocks come from `_diagonal_kernel` (two more input
-    refs, [T_pad, H, 16]) instead of a loop over their columns here.
+    separate_diagonal: the diagonal blocks of Aqk and the inverses of the diagonal blocks of
+    I + L come from `_diagonal_kernel` (two more input refs, [T_pad, H, 16]) instead of a
+    loop over their columns here.
     """
     if separate_diagonal:
-        diag_a_ref, diag_l_ref, *refs = refs
+        diag_a_ref, diag_inv_ref, *refs = refs
     w_ref, u_ref, aqk_ref, qg_ref, kg_ref, gcum_ref, glast_ref = refs
     slot, h = pl.program_id(0), pl.program_id(1)
     r0 = chunk_start_ref[slot]
@@ -205,19 +208,19 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_re
                         jnp.where(cols_s == j, l_col, l_diag))
 
             identity_rows = (cols_c == sub_row + first).astype(f32)        # [16, C]: E_b
+            # Block forward substitution: (I + L_bb) T_b = E_b - L_b,<b T_<b (the columns of
+            # l_rows at and past block b meet rows of t_rows not solved yet: zeros).
             if separate_diagonal:
-                a_diag, l_diag = load(diag_a_ref, first, SUB_CHUNK), load(diag_l_ref, first,
-                                                                          SUB_CHUNK)
-                a_rows = a_rows + _dot(a_diag, identity_rows, hi)  # into columns of block b
-                l_rows = l_rows + _dot(l_diag, identity_rows, hi)
+                a_rows = a_rows + _dot(load(diag_a_ref, first, SUB_CHUNK), identity_rows, hi)
+                diagonal_inverse = load(diag_inv_ref, first, SUB_CHUNK)
             else:
                 a_rows, l_rows, l_diag = lax.fori_loop(
                     0, SUB_CHUNK, diagonal_column,
                     (a_rows, l_rows, jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)))
+                diagonal_inverse = _invert_unit_lower(beta_blk * l_diag)
             store(aqk_ref, first, scale * a_rows)
-            # Block forward substitution: (I + L_bb) T_b = E_b - L_b,<b T_<b.
             rhs = identity_rows - _dot(beta_blk * l_rows, t_rows, hi)
-            t_blk = _dot(_invert_unit_lower(beta_blk * l_diag), rhs, hi)   # [16, C]
+            t_blk = _dot(diagonal_inverse, rhs, hi)   # [16, C]
             t_rows = t_rows + _dot_tn(identity_rows, t_blk, hi)
 
         beta = load(beta_ref, 0, chunk)  # [C, 1]
@@ -395,7 +398,7 @@ def chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
             interpret=interpret,
             name="kda_chunk_diagonal",
         )
-        diagonal_blocks = diagonal(slots.start, slots.length, q_p, k_p, g_p)
+        diagonal_blocks = diagonal(slots.start, slots.length, q_p, k_p, g_p, beta_p)
     prep = pl.pallas_call(
         functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
                           precision=_precision(exact),
