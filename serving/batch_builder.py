@@ -23,7 +23,7 @@ import numpy as np
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from pallas_kernels.validation import validate_checkpoint_metadata
 from serving.plan import retention_capacity
-from serving.scheduler import ScheduledDecode, ScheduledPrefill, ScheduledStep, SchedulerConfig
+from serving.step import ScheduledDecode, ScheduledPrefill, ScheduledStep, SchedulerConfig
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:

@@ -40,8 +40,9 @@ from serving.block_allocator import BlockAllocator
 from serving.prefix_cache import PrefixCache
 from serving.request import Request, SamplingParams
 from serving.sampling import SEED_LIMIT, Sampled, SamplingTensors, sample
-from serving.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from serving.scheduler import Scheduler
 from serving.state_slots import StateSlotAllocator
+from serving.step import ScheduledStep, SchedulerConfig
 
 
 class StepRefusedError(RuntimeError):

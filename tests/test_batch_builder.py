@@ -9,7 +9,7 @@ from hypothesis import given, settings
 
 from serving.batch_builder import BatchBuckets, BatchBuilder, power_of_two_buckets
 from serving.plan import PrefillSpan, retention_capacity
-from serving.scheduler import ScheduledDecode, ScheduledPrefill, ScheduledStep, SchedulerConfig
+from serving.step import ScheduledDecode, ScheduledPrefill, ScheduledStep, SchedulerConfig
 
 P = 512
 CONFIG = SchedulerConfig(max_model_len=1 << 16, max_num_seqs=100)

@@ -22,8 +22,9 @@ from serving.block_hash import chained_block_hashes
 from serving.plan import cut_span_to_budget, plan_prefill, retention_capacity
 from serving.prefix_cache import PrefixCache
 from serving.request import RequestStatus, SamplingParams
-from serving.scheduler import Scheduler, SchedulerConfig
+from serving.scheduler import Scheduler
 from serving.state_slots import StateKey, StateSlotAllocator
+from serving.step import SchedulerConfig
 
 P = 512
 VOCAB = 97
