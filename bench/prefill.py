@@ -45,28 +45,22 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
 
 import jax
 import numpy as np
 from flax import nnx
 
-from glmjax.batch import DecodeBatch, PrefillBatch
+from bench.buckets import CompileLog, DryRun, Output, log, precompile, step_functions
 from glmjax.config import ModelConfig
 from glmjax.model import HybridModel
 from glmjax.random_weights import random_model
-from serving.batch_builder import BatchBuckets, BatchBuilder
-from serving.block_allocator import BlockAllocator
+from serving.batch_builder import BatchBuckets
 from serving.engine import Engine, EngineConfig
-from serving.prefix_cache import PrefixCache
 from serving.request import SamplingParams
-from serving.scheduler import Scheduler
-from serving.state_slots import StateSlotAllocator
 
 RESULTS = Path(__file__).parent / "results"
 MODES = {"coalesced": True, "ladder": False}
 TARGET_RATIOS = {8192: 1.51, 16384: 1.24, 32768: 1.12}  # upstream cold-prefill speedups
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 MAX_STEPS = 100_000  # per request: a scheduler that stops making progress is a bug
 FULL = dict(
     preset="glm5.3-flash", num_layers=4, num_experts=16, block_size=512, budget=8192,
@@ -79,86 +73,6 @@ QUICK = dict(
     lengths="256,512", unaligned=350, beside_lengths="350", decoders=1, decode_context=128,
     concurrency="1,2", samples=2, decode_steps=4, compile_workers=2, single_bucket=True,
 )  # fmt: skip
-
-
-def _log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-class CompileLog:
-    """Backend compiles reported by jax.monitoring while active: (function name, seconds)."""
-
-    def __init__(self):
-        self.events: list[tuple[str, float]] = []
-
-    def _listen(self, event: str, seconds: float, **kwargs) -> None:
-        if event == COMPILE_EVENT:
-            self.events.append((str(kwargs.get("fun_name", "?")), seconds))
-
-    def __enter__(self) -> CompileLog:
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        jax.monitoring.unregister_event_duration_listener(self._listen)
-
-    def by_function(self) -> dict[str, dict]:
-        table = collections.defaultdict(lambda: {"count": 0, "seconds": 0.0})
-        for name, seconds in self.events:
-            table[name]["count"] += 1
-            table[name]["seconds"] += seconds
-        return dict(sorted(table.items()))
-
-
-def bucket_key(batch: PrefillBatch | DecodeBatch) -> tuple:
-    """("prefill", T, N, M) or ("decode", N, M): the static shape a batch compiles for."""
-    if isinstance(batch, PrefillBatch):
-        return ("prefill", batch.token_ids.shape[0], *batch.block_tables.shape)
-    return ("decode", *batch.block_tables.shape)
-
-
-class Output(NamedTuple):
-    """What the cases read of a `RequestOutput`."""
-
-    request_id: str
-    output_token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    num_cached_tokens: int
-
-
-class DryRun:
-    """An engine's scheduler and batch builder without the model: the buckets a sequence of
-    requests uses. Every sampled token is 0 (shapes do not depend on token values)."""
-
-    def __init__(self, config: EngineConfig, buckets: BatchBuckets):
-        sched = config.scheduler_config()
-        blocks = BlockAllocator(config.num_kv_blocks, block_size=config.block_size, dcp=config.dcp)
-        self.scheduler = Scheduler(
-            sched, PrefixCache(blocks, StateSlotAllocator(config.num_state_slots)))
-        self.builder = BatchBuilder(sched, num_blocks=config.num_kv_blocks,
-                                    num_slots=config.num_state_slots, buckets=buckets)
-        self.batches: dict[tuple, PrefillBatch | DecodeBatch] = {}  # one per bucket
-        self.used: set[tuple] = set()  # buckets since the caller last cleared it
-        self._generated = collections.Counter()
-
-    def add_request(self, request_id, prompt_token_ids, sampling) -> None:
-        self.scheduler.add_request(request_id, prompt_token_ids, sampling)
-
-    def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
-
-    def step(self) -> list[Output]:
-        step = self.scheduler.schedule()
-        if step.is_empty:
-            return []
-        for batch in filter(None, self.builder.build(step)):
-            self.batches.setdefault(bucket_key(batch), batch)
-            self.used.add(bucket_key(batch))
-        sampled = step.sampling_request_ids
-        self.scheduler.update_from_step(step, dict.fromkeys(sampled, 0))
-        self._generated.update(sampled)
-        return [Output(r, (0,) * self._generated[r], (0.0,) * self._generated[r], 0)
-                for r in sampled]
 
 
 class Session:
@@ -347,33 +261,6 @@ def dry_run(args, buckets: BatchBuckets, vocab_size: int, compile_log: CompileLo
     return {key: batch for d in dry.values() for key, batch in d.batches.items()}, case_buckets
 
 
-def step_functions(engine: Engine) -> dict[str, Callable]:
-    """The jitted prefill and decode steps `engine` calls."""
-    return {"prefill": engine.steps.prefill, "decode": engine.steps.decode}
-
-
-def precompile(steps: dict, batches: dict, model_state, caches, workers: int) -> list[dict]:
-    """Compiles every bucket ahead of its first call; seconds and memory of each. Abstract
-    weights suffice: the jitted step finds the executable again for the real ones."""
-
-    def compile_bucket(item):
-        key, batch = item
-        start = time.perf_counter()
-        compiled = steps[key[0]].lower(model_state, caches, jax.device_put(batch)).compile()
-        seconds = time.perf_counter() - start
-        memory = compiled.memory_analysis()
-        _log(f"compiled {key} in {seconds:.1f} s")
-        return dict(
-            kind=key[0], shape=list(key[1:]), compile_s=seconds,
-            temp_bytes=None if memory is None else memory.temp_size_in_bytes,
-            need_bytes=None if memory is None else (memory.temp_size_in_bytes
-                       + memory.output_size_in_bytes - memory.alias_size_in_bytes),
-        )  # fmt: skip
-
-    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-        return list(pool.map(compile_bucket, sorted(batches.items())))
-
-
 def compare_greedy(on: dict[str, Output], off: dict[str, Output]) -> dict:
     """Paired requests' tokens up to the first difference, logprobs where the tokens agree
     (DESIGN section 6: |on - off| <= 0.1 + 0.02 |off|)."""
@@ -414,7 +301,7 @@ def run_benchmark(args) -> dict:
                    params=sum(math.prod(x.shape) for x in leaves),
                    param_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)),
     )  # fmt: skip
-    _log(f"{config.name}: {result['model']['params'] / 1e9:.2f} B parameters, "
+    log(f"{config.name}: {result['model']['params'] / 1e9:.2f} B parameters, "
          f"{result['model']['param_bytes'] / 2**30:.2f} GiB; drawing them while compiling")
     with CompileLog() as compile_log, concurrent.futures.ThreadPoolExecutor(1) as host:
         weights = host.submit(lambda: (random_model(config, args.seed), time.perf_counter()))
@@ -422,7 +309,7 @@ def run_benchmark(args) -> dict:
         result["engine"] = dataclasses.asdict(probe.config) | {"coalesce": "both"}
         batches, case_buckets = dry_run(args, probe.builder.buckets, config.vocab_size,
                                         compile_log)
-        _log(f"dry run: {len(batches)} buckets {sorted(batches)}")
+        log(f"dry run: {len(batches)} buckets {sorted(batches)}")
         mark = time.perf_counter()
         steps = step_functions(probe)
         buckets = precompile(steps, batches, abstract, probe.caches, args.compile_workers)
@@ -452,7 +339,7 @@ def run_benchmark(args) -> dict:
                 entry = {"skipped": f"buckets {needed} need more than the {free / 2**30:.1f} "
                          "GiB free (raise XLA_PYTHON_CLIENT_MEM_FRACTION or shrink the step)"}
             else:
-                _log(f"{kind} {size}")
+                log(f"{kind} {size}")
                 try:
                     entry = CASES[kind](run, size)
                 except jax.errors.JaxRuntimeError as error:
@@ -461,7 +348,7 @@ def run_benchmark(args) -> dict:
                     entry = {"error": str(error).splitlines()[0]}
                     run.sessions = fresh_sessions()  # a failed step leaves the caches unusable
             entry.setdefault("concurrency" if kind == "decode" else "tokens", size)
-            _log(f"{kind} {size}: {_summary(kind, entry)}")
+            log(f"{kind} {size}: {_summary(kind, entry)}")
             result.setdefault(kind, []).append(entry)
             _update_totals(result, run, outputs, steps, start)
             write_json(result, args.json)

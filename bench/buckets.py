@@ -1,0 +1,135 @@
+"""Which batch shapes (buckets) an engine workload uses, and compiling them ahead of time.
+
+`DryRun` drives an engine's scheduler and batch builder without the model and records one
+batch per bucket; `precompile` compiles each bucket's jitted step ahead of its first call
+(seconds and XLA's memory estimate of each); `CompileLog` counts the backend compiles that
+happen while it is active, so a benchmark can prove its timed samples never compiled.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+
+from glmjax.batch import DecodeBatch, PrefillBatch
+from serving.batch_builder import BatchBuckets, BatchBuilder
+from serving.block_allocator import BlockAllocator
+from serving.engine import Engine, EngineConfig
+from serving.prefix_cache import PrefixCache
+from serving.scheduler import Scheduler
+from serving.state_slots import StateSlotAllocator
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def log(message: str) -> None:
+    """A timestamped progress line, flushed at once (long device runs are watched live)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class CompileLog:
+    """Backend compiles reported by jax.monitoring while active: (function name, seconds)."""
+
+    def __init__(self):
+        self.events: list[tuple[str, float]] = []
+
+    def _listen(self, event: str, seconds: float, **kwargs) -> None:
+        if event == COMPILE_EVENT:
+            self.events.append((str(kwargs.get("fun_name", "?")), seconds))
+
+    def __enter__(self) -> CompileLog:
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+    def by_function(self) -> dict[str, dict]:
+        table = collections.defaultdict(lambda: {"count": 0, "seconds": 0.0})
+        for name, seconds in self.events:
+            table[name]["count"] += 1
+            table[name]["seconds"] += seconds
+        return dict(sorted(table.items()))
+
+
+def bucket_key(batch: PrefillBatch | DecodeBatch) -> tuple:
+    """("prefill", T, N, M) or ("decode", N, M): the static shape a batch compiles for."""
+    if isinstance(batch, PrefillBatch):
+        return ("prefill", batch.token_ids.shape[0], *batch.block_tables.shape)
+    return ("decode", *batch.block_tables.shape)
+
+
+class Output(NamedTuple):
+    """What the cases read of a `RequestOutput`."""
+
+    request_id: str
+    output_token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    num_cached_tokens: int
+
+
+class DryRun:
+    """An engine's scheduler and batch builder without the model: the buckets a sequence of
+    requests uses. Every sampled token is 0 (shapes do not depend on token values)."""
+
+    def __init__(self, config: EngineConfig, buckets: BatchBuckets):
+        sched = config.scheduler_config()
+        blocks = BlockAllocator(config.num_kv_blocks, block_size=config.block_size, dcp=config.dcp)
+        self.scheduler = Scheduler(
+            sched, PrefixCache(blocks, StateSlotAllocator(config.num_state_slots)))
+        self.builder = BatchBuilder(sched, num_blocks=config.num_kv_blocks,
+                                    num_slots=config.num_state_slots, buckets=buckets)
+        self.batches: dict[tuple, PrefillBatch | DecodeBatch] = {}  # one per bucket
+        self.used: set[tuple] = set()  # buckets since the caller last cleared it
+        self._generated = collections.Counter()
+
+    def add_request(self, request_id, prompt_token_ids, sampling) -> None:
+        self.scheduler.add_request(request_id, prompt_token_ids, sampling)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def step(self) -> list[Output]:
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            return []
+        for batch in filter(None, self.builder.build(step)):
+            self.batches.setdefault(bucket_key(batch), batch)
+            self.used.add(bucket_key(batch))
+        sampled = step.sampling_request_ids
+        self.scheduler.update_from_step(step, dict.fromkeys(sampled, 0))
+        self._generated.update(sampled)
+        return [Output(r, (0,) * self._generated[r], (0.0,) * self._generated[r], 0)
+                for r in sampled]
+
+
+def step_functions(engine: Engine) -> dict[str, Callable]:
+    """The jitted prefill and decode steps `engine` calls."""
+    return {"prefill": engine.steps.prefill, "decode": engine.steps.decode}
+
+
+def precompile(steps: dict, batches: dict, model_state, caches, workers: int) -> list[dict]:
+    """Compiles every bucket ahead of its first call; seconds and memory of each. Abstract
+    weights suffice: the jitted step finds the executable again for the real ones."""
+
+    def compile_bucket(item):
+        key, batch = item
+        start = time.perf_counter()
+        compiled = steps[key[0]].lower(model_state, caches, jax.device_put(batch)).compile()
+        seconds = time.perf_counter() - start
+        memory = compiled.memory_analysis()
+        log(f"compiled {key} in {seconds:.1f} s")
+        return dict(
+            kind=key[0], shape=list(key[1:]), compile_s=seconds,
+            temp_bytes=None if memory is None else memory.temp_size_in_bytes,
+            need_bytes=None if memory is None else (memory.temp_size_in_bytes
+                       + memory.output_size_in_bytes - memory.alias_size_in_bytes),
+        )  # fmt: skip
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        return list(pool.map(compile_bucket, sorted(batches.items())))
