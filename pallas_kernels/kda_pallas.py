@@ -166,7 +166,7 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_re
         k = load(k_ref, 0, chunk)
         store(kg_ref, 0, k * jnp.exp(g_last - g_cum))
         store(gcum_ref, 0, g_cum)
-        glast_ref[pl.ds(r0, 1), h, :] = g_last
+        glast_ref[pl.ds(slot, 1), h, :] = g_last
 
         sub_row = _iota((SUB_CHUNK, 1), 0)
         cols_c = _iota((1, chunk), 1)
@@ -280,7 +280,7 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_r
                 snap = jnp.exp(g_at)[:, None] * state + _dot_tn(k_dec, v_new, precision)
                 snap_ref[n, c, h, :, vcols] = snap
 
-        g_last = glast_ref[r0, h, :]  # [K]
+        g_last = glast_ref[first_slot + i, h, :]  # [K]
         kg = load(kg_ref, slice(None)).astype(operand)
         return jnp.exp(g_last)[:, None] * state + _dot_tn(kg, v_new.astype(operand), precision)
 
@@ -343,7 +343,7 @@ class ChunkTensors(NamedTuple):
     """What the prep pass hands the scan, per padded row and head ([T + C, H, ...]).
 
     W, U, Aqk, Qg, Kg are stored in the operand dtype (bf16 on the fast path, fp32 when
-    exact); G and G_last (at each chunk's first row) stay fp32.
+    exact); G and G_last stay fp32.
     """
 
     w: jax.Array      # [T + C, H, K]
@@ -352,7 +352,7 @@ class ChunkTensors(NamedTuple):
     qg: jax.Array     # [T + C, H, K]
     kg: jax.Array     # [T + C, H, K]
     g_cum: jax.Array  # [T + C, H, K] fp32
-    g_last: jax.Array  # [T + C, H, K] fp32
+    g_last: jax.Array  # [S, H, K] fp32: G at each chunk slot's last row
 
 
 def pad_rows(x, chunk):
@@ -406,7 +406,7 @@ def chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
         out_shape=ChunkTensors(rows_of(head_k, inter), rows_of(head_v, inter),
                                rows_of(chunk, inter), rows_of(head_k, inter),
                                rows_of(head_k, inter), rows_of(head_k, f32),
-                               rows_of(head_k, f32)),
+                               jax.ShapeDtypeStruct((num_slots, num_heads, head_k), f32)),
         grid=(num_slots, num_heads),
         compiler_params=plgpu.CompilerParams(num_warps=config.prep_num_warps,
                                              num_stages=config.prep_num_stages),
