@@ -202,6 +202,7 @@ def sweep_configs(base: KernelConfig):
     yield base
     yield dataclasses.replace(base, separate_diagonal=True)
     yield dataclasses.replace(base, separate_diagonal=True, diagonal_num_warps=2)
+    yield dataclasses.replace(base, separate_diagonal=True, diagonal_num_warps=1)
     yield dataclasses.replace(base, separate_diagonal=True, prep_num_warps=4)
     yield dataclasses.replace(base, prep_num_warps=4)
     yield dataclasses.replace(base, block_v=64)
