@@ -11,5 +11,6 @@
   registering what each step retained; ``serving.step``: what a scheduled step holds.
 - ``serving.batch_builder``: a scheduled step packed into the model's bucketed batches.
 - ``serving.sampling``: greedy / temperature / top-k / top-p sampling with per-request seeds.
-- ``serving.engine``: the step loop over scheduler, model and sampler; outputs and metrics.
+- ``serving.engine``: the step loop over scheduler, model and sampler;
+  ``serving.outputs``: the request outputs and metrics it reports.
 """

@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serving.engine import RequestOutput
+from serving.outputs import RequestOutput
 from serving.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16

@@ -22,7 +22,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from serving.engine import Engine, EngineMetrics, RequestOutput
+from serving.engine import Engine
+from serving.outputs import EngineMetrics, RequestOutput
 from serving.request import SamplingParams
 
 logger = logging.getLogger(__name__)

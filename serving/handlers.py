@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from serving import api
 from serving.async_engine import AsyncEngine, EngineDeadError, prometheus_text
-from serving.engine import FinishReason, RequestOutput
+from serving.outputs import FinishReason, RequestOutput
 from serving.request import SamplingParams
 from serving.tokenizer import Tokenizer, apply_chat_template
 

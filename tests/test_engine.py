@@ -22,7 +22,8 @@ from glmjax.layers.kda import KDAState
 from glmjax.layers.packing import PackedBatch
 from glmjax.model import HybridModel
 from serving.block_hash import chained_block_hashes
-from serving.engine import Engine, EngineConfig, FinishReason, StepRefusedError
+from serving.engine import Engine, EngineConfig, StepRefusedError
+from serving.outputs import FinishReason
 from serving.request import SamplingParams
 from serving.sampling import SamplingTensors, sample, top_k_top_p_mask
 from serving.state_slots import StateKey

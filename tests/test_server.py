@@ -22,7 +22,8 @@ import pytest
 
 from serving.api import Generation
 from serving.async_engine import AsyncEngine, EngineDeadError
-from serving.engine import FinishReason, RequestOutput, StepRefusedError
+from serving.engine import StepRefusedError
+from serving.outputs import FinishReason, RequestOutput
 from serving.request import SamplingParams
 from serving.tokenizer import BYTE_EOS_ID, ByteTokenizer, apply_chat_template, load_tokenizer
 

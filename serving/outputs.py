@@ -1,0 +1,79 @@
+"""What the engine reports: a request's output after each step, and the engine's metrics
+(plain data, read by ``serving.async_engine``, the HTTP handlers and the benchmarks)."""
+
+import dataclasses
+import enum
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # a stop token (or end of sequence) or a stop string
+    LENGTH = "length"  # max_tokens
+    ABORT = "abort"
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """A request's state after a step: everything generated so far.
+
+    Attributes:
+      output_token_ids: generated tokens, all of them (a stop token or the token that
+        completed a stop string included).
+      logprobs: log p of each generated token under the model's raw distribution.
+      top_logprobs: per generated token, the ``MAX_TOP_LOGPROBS`` most likely
+        (token id, log p) pairs under the same distribution, most likely first.
+      text: the detokenized output, cut before a stop string (None without a detokenizer).
+      finish_reason: None while the request runs.
+      stop_reason: the stop token id or stop string that finished it, if any.
+      num_prompt_tokens: prompt length.
+      num_cached_tokens: prompt tokens its first admission took from the prefix cache.
+      num_preemptions: times it was preempted (and recomputed through the prefix cache).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    text: str | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineMetrics:
+    """Counters and gauges for ``/metrics``: a snapshot, plain data.
+
+    Counters (since start): requests added / finished / aborted, prompt tokens added,
+    prompt tokens served by the prefix cache at first admission, tokens generated,
+    preemptions, copy-on-write block copies, steps, prefix-cache lookups and hits, evictions. Gauges (now): requests
+    running and waiting, KV blocks and state slots total / referenced / cached.
+    """
+
+    requests_added: int
+    requests_finished: int
+    requests_aborted: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    generated_tokens: int
+    preemptions: int
+    kv_block_copies: int
+    steps: int
+    prefix_cache_lookups: int
+    prefix_cache_hits: int
+    kv_block_evictions: int
+    state_slot_evictions: int
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    state_slots_total: int
+    state_slots_used: int
+    state_slots_retained: int
