@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import kda_pallas, kda_prefill
+from pallas_kernels import kda_pallas, kda_prefill, kda_prep
 from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 
 HEADS, HEAD_K, HEAD_V = 32, 128, 128
@@ -138,10 +138,10 @@ def time_passes(inputs, lens, config, timing):
     chunk = config.chunk_size
     flags = dict(config=config, interpret=False, exact=False)
     cu = inputs["cu_seqlens"]
-    slots = kda_pallas.chunk_slots(cu, sum(lens), chunk)
-    padded = [kda_pallas.pad_rows(inputs[n], chunk) for n in ("q", "k", "v", "g", "beta")]
+    slots = kda_prep.chunk_slots(cu, sum(lens), chunk)
+    padded = [kda_prep.pad_rows(inputs[n], chunk) for n in ("q", "k", "v", "g", "beta")]
     offsets = snapshot_offsets(lens, 4)
-    prep = jax.jit(lambda p, s: kda_pallas.chunk_prep(*p, s, scale=HEAD_K ** -0.5, **flags))
+    prep = jax.jit(lambda p, s: kda_prep.chunk_prep(*p, s, scale=HEAD_K ** -0.5, **flags))
     scan = jax.jit(lambda t, s: kda_pallas.chunk_scan(t, padded[1], s, cu,
                                                       inputs["initial_states"], offsets,
                                                       **flags))

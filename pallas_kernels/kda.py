@@ -7,7 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda_pallas import SUB_CHUNK, kda_prefill_pallas
+from pallas_kernels.kda_pallas import kda_prefill_pallas
+from pallas_kernels.kda_prep import SUB_CHUNK
 from pallas_kernels.reference import kda_chunked_reference
 from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 

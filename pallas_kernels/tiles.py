@@ -1,0 +1,39 @@
+"""Tile-level helpers shared by the KDA Pallas kernels (fp32 accumulation everywhere)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def dot(a, b, precision):
+    """a @ b, accumulated in fp32."""
+    return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
+
+
+def dot_tn(a, b, precision):
+    """a^T @ b without materialising the transpose."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def dot_nt(a, b, precision):
+    """a @ b^T."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def iota(shape, dim):
+    """int32 indices along `dim` of an array of `shape` (rows / columns of a tile)."""
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def operand_dtype(exact):
+    """The stored dtype of matmul operands: bf16 on the fast path; fp32 when exact (states
+    and accumulation are fp32 either way)."""
+    return jnp.float32 if exact else jnp.bfloat16
+
+
+def matmul_precision(exact):
+    """IEEE fp32 matmuls when exact, the default (bf16 / tf32 operands) otherwise."""
+    return lax.Precision.HIGHEST if exact else lax.Precision.DEFAULT
