@@ -164,8 +164,10 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_re
                 a_rows = l_rows = jnp.zeros((SUB_CHUNK, chunk), f32)
 
             def diagonal_column(j, acc, first=first, g_blk=g_blk, q_blk=q_blk, k_blk=k_blk):
-                """Column j of the diagonal block, formed elementwise (exact for any decay)."""
-                a_acc, l_acc, l_diag = acc
+                """Column j of the diagonal block, formed elementwise (exact for any decay):
+                into Aqk's rows in place, into L's diagonal block apart (l_rows needs none
+                of it: those columns meet rows of t_rows not solved yet)."""
+                a_acc, l_diag = acc
                 row_ok = jnp.full((1, head_k), first + j < clen)
                 k_j = plgpu.load(k_ref.at[pl.ds(r0 + first + j, 1), h, :], mask=row_ok,
                                  other=0).astype(f32)
@@ -176,8 +178,7 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_re
                 a_acc = jnp.where(cols_c == first + j, jnp.where(sub_row >= j, a_col, 0.0),
                                   a_acc)
                 l_col = jnp.where(sub_row > j, l_col, 0.0)
-                return (a_acc, jnp.where(cols_c == first + j, l_col, l_acc),
-                        jnp.where(cols_s == j, l_col, l_diag))
+                return a_acc, jnp.where(cols_s == j, l_col, l_diag)
 
             identity_rows = (cols_c == sub_row + first).astype(f32)        # [16, C]: E_b
             # Block forward substitution: (I + L_bb) T_b = E_b - L_b,<b T_<b (the columns of
@@ -186,9 +187,9 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_re
                 a_rows = a_rows + dot(load(diag_a_ref, first, SUB_CHUNK), identity_rows, hi)
                 diagonal_inverse = load(diag_inv_ref, first, SUB_CHUNK)
             else:
-                a_rows, l_rows, l_diag = lax.fori_loop(
+                a_rows, l_diag = lax.fori_loop(
                     0, SUB_CHUNK, diagonal_column,
-                    (a_rows, l_rows, jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)))
+                    (a_rows, jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)))
                 diagonal_inverse = _invert_unit_lower(beta_blk * l_diag)
             store(aqk_ref, first, scale * a_rows)
             rhs = identity_rows - dot(beta_blk * l_rows, t_rows, hi)
