@@ -4,9 +4,12 @@
     python -m bench.kda_kernel --sweep              # also time every tiling at 32K tokens
 
 Cases (H = 32, K = V = 128, bf16 q/k/v/beta, fp32 decay): one sequence of 8192 and of
-32768 tokens, a packed batch of 4 x 8192. Rows: our kernel with no snapshot (capacity 1,
-inactive) and with 4 snapshots at unaligned offsets, the jitted jax.numpy chunked oracle,
-and fla-core `chunk_kda` (output_final_state=True) on identical inputs when fla imports.
+32768 tokens, a packed batch of 4 x 8192. Rows: our kernel on its bounded-gate path
+(`gate_lower_bound=-5`, GLM's gate; the benchmark's decays are inside it) with no snapshot
+(capacity 1, inactive) and with 4 snapshots at unaligned offsets; our kernel on its
+any-decay path with 4 snapshots; the jitted jax.numpy chunked oracle; fla-core `chunk_kda`
+(output_final_state=True) on identical inputs when fla imports, by default (any decay) and
+with `safe_gate=True, lower_bound=-5` (its bounded-gate path).
 
 Timing: warm-up, then `--samples` samples of `--iters` back-to-back launches closed by one
 device synchronisation (the launches queue on the device, so a sample measures device
@@ -31,6 +34,7 @@ from pallas_kernels import kda_pallas, kda_prefill, kda_prep
 from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 
 HEADS, HEAD_K, HEAD_V = 32, 128, 128
+GATE_LOWER_BOUND = -5.0
 CASES = {"8K": [8192], "32K": [32768], "4x8K": [8192] * 4}
 RESULTS = Path(__file__).parent / "results"
 
@@ -102,8 +106,9 @@ def measure_copy_bandwidth():
     return 2 * x.nbytes / (ms * 1e-3)
 
 
-def fla_runner(inputs, lens):
-    """fla chunk_kda on the same values, or None when fla / torch cannot run here."""
+def fla_runner(inputs, lens, **options):
+    """fla chunk_kda on the same values (extra keyword options passed through), or None
+    when fla / torch cannot run here."""
     try:
         import torch
         from fla.ops.kda import chunk_kda
@@ -122,7 +127,7 @@ def fla_runner(inputs, lens):
 
     def call():
         return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                         cu_seqlens=cu if len(lens) > 1 else None)
+                         cu_seqlens=cu if len(lens) > 1 else None, **options)
 
     return call, lambda out: torch.cuda.synchronize()
 
@@ -137,11 +142,13 @@ def time_passes(inputs, lens, config, timing):
     """Milliseconds of each pass alone (prep, scan with 4 snapshots, output)."""
     chunk = config.chunk_size
     flags = dict(config=config, interpret=False, exact=False)
+    bound = dict(gate_lower_bound=GATE_LOWER_BOUND)
     cu = inputs["cu_seqlens"]
     slots = kda_prep.chunk_slots(cu, sum(lens), chunk)
     padded = [kda_prep.pad_rows(inputs[n], chunk) for n in ("q", "k", "v", "g", "beta")]
     offsets = snapshot_offsets(lens, 4)
-    prep = jax.jit(lambda p, s: kda_prep.chunk_prep(*p, s, scale=HEAD_K ** -0.5, **flags))
+    prep = jax.jit(lambda p, s: kda_prep.chunk_prep(*p, s, scale=HEAD_K ** -0.5, **bound,
+                                                    **flags))
     scan = jax.jit(lambda t, s: kda_pallas.chunk_scan(t, padded[1], s, cu,
                                                       inputs["initial_states"], offsets,
                                                       **flags))
@@ -162,27 +169,34 @@ def run_case(name, lens, config, args, bandwidth):
     inputs = make_inputs(lens)
     rows = {}
 
-    def ours(capacity):
+    def ours(capacity, bound=GATE_LOWER_BOUND):
         offsets = snapshot_offsets(lens, capacity)
-        fn = jax.jit(lambda i, off: kda_prefill(**i, checkpoint_offsets=off, config=config))
+        fn = jax.jit(lambda i, off: kda_prefill(**i, checkpoint_offsets=off, config=config,
+                                                gate_lower_bound=bound))
         return lambda: fn(inputs, offsets)
 
     timing = dict(iters=args.iters, samples=args.samples)
     rows["pallas, 0 snapshots"] = time_calls(ours(1), jax.block_until_ready, **timing)[0]
     rows["pallas, 4 snapshots"] = time_calls(ours(4), jax.block_until_ready, **timing)[0]
+    rows["pallas any decay, 4 snap"] = time_calls(ours(4, None), jax.block_until_ready,
+                                                  **timing)[0]
     ref = jax.jit(lambda i, off: kda_prefill(**i, checkpoint_offsets=off, backend="reference"))
     offsets4 = snapshot_offsets(lens, 4)
     rows["jax.numpy reference"] = time_calls(lambda: ref(inputs, offsets4),
                                              jax.block_until_ready, iters=2,
                                              samples=max(3, args.samples // 2))[0]
-    fla_call, fla_sync = (None, None) if args.no_fla else fla_runner(inputs, lens)
-    if fla_call is not None:
-        rows["fla chunk_kda"] = time_calls(fla_call, fla_sync, **timing)[0]
+    fla_options = {"fla chunk_kda": {},
+                   "fla chunk_kda safe_gate": dict(safe_gate=True, lower_bound=GATE_LOWER_BOUND)}
+    for row, options in fla_options.items():
+        fla_call, fla_sync = (None, None) if args.no_fla else fla_runner(inputs, lens, **options)
+        if fla_call is not None:
+            rows[row] = time_calls(fla_call, fla_sync, **timing)[0]
 
-    ours_out = ours(4)()
     ref_out = ref(inputs, offsets4)
-    errors = {name: relative_error(a, b) for name, a, b in
-              zip(("o", "final_states", "snapshots"), ours_out, ref_out)}
+    errors = {}
+    for path, bound in (("bounded", GATE_LOWER_BOUND), ("any decay", None)):
+        for out_name, a, b in zip(("o", "final_states", "snapshots"), ours(4, bound)(), ref_out):
+            errors[f"{path} {out_name}"] = relative_error(a, b)
     floor_ms = floor_bytes(lens, 4) / bandwidth * 1e3
     ours4 = rows["pallas, 4 snapshots"]
     return dict(
@@ -191,6 +205,8 @@ def run_case(name, lens, config, args, bandwidth):
         snapshot_overhead=ours4 / rows["pallas, 0 snapshots"] - 1.0,
         speedup_vs_reference=rows["jax.numpy reference"] / ours4,
         speedup_vs_fla=(rows["fla chunk_kda"] / ours4) if "fla chunk_kda" in rows else None,
+        speedup_vs_fla_safe_gate=(rows["fla chunk_kda safe_gate"] / ours4
+                                  if "fla chunk_kda safe_gate" in rows else None),
         floor_ms=floor_ms,
         achieved_bandwidth_gbs=floor_bytes(lens, 4) / (ours4 * 1e-3) / 1e9,
         achieved_tflops=chunked_flops(lens) / (ours4 * 1e-3) / 1e12,
@@ -198,24 +214,22 @@ def run_case(name, lens, config, args, bandwidth):
 
 
 def sweep_configs(base: KernelConfig):
-    """The selected tiling, then one change at a time (the prep pass dominates: mostly there)."""
+    """The selected tiling, then the prep pass's warps one change at a time."""
     yield base
-    yield dataclasses.replace(base, separate_diagonal=True)
-    yield dataclasses.replace(base, separate_diagonal=True, diagonal_num_warps=2)
-    yield dataclasses.replace(base, separate_diagonal=True, diagonal_num_warps=1)
-    yield dataclasses.replace(base, separate_diagonal=True, prep_num_warps=4)
-    yield dataclasses.replace(base, prep_num_warps=4)
-    yield dataclasses.replace(base, block_v=64)
+    yield dataclasses.replace(base, intra_num_warps=8)
+    yield dataclasses.replace(base, intra_num_warps=2)
+    yield dataclasses.replace(base, solve_num_warps=8)
+    yield dataclasses.replace(base, solve_num_warps=2)
 
 
 def print_table(results):
     """Milliseconds per row, ratios to ours with 4 snapshots, passes, errors, ceilings."""
-    header = f"{'case':6} {'rows':22} {'ms':>9} {'vs ours(4)':>11}"
+    header = f"{'case':6} {'rows':26} {'ms':>9} {'vs ours(4)':>11}"
     print(header)
     for result in results:
         ours4 = result["ms"]["pallas, 4 snapshots"]
         for row, ms in result["ms"].items():
-            print(f"{result['case']:6} {row:22} {ms:9.3f} {ms / ours4:10.2f}x")
+            print(f"{result['case']:6} {row:26} {ms:9.3f} {ms / ours4:10.2f}x")
         passes = ", ".join(f"{k} {v:.3f}" for k, v in result["pass_ms"].items())
         print(f"{'':6} passes alone (ms): {passes}")
         errors = ", ".join(f"{k} {v:.1e}" for k, v in
@@ -260,8 +274,8 @@ def main():
         offsets = snapshot_offsets(lens, 4)
         base = select_config(spec, num_seqs=1, num_heads=HEADS, head_k=HEAD_K, head_v=HEAD_V)
         for config in sweep_configs(base):
-            fn = jax.jit(lambda i, off, c=config: kda_prefill(**i, checkpoint_offsets=off,
-                                                               config=c))
+            fn = jax.jit(lambda i, off, c=config: kda_prefill(
+                **i, checkpoint_offsets=off, config=c, gate_lower_bound=GATE_LOWER_BOUND))
             try:
                 ms = time_calls(lambda fn=fn: fn(inputs, offsets), jax.block_until_ready,
                                 iters=5, samples=3)[0]

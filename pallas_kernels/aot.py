@@ -4,7 +4,7 @@
 
 No GPU is needed. For each device the KDA prefill is lowered under an abstract mesh whose
 device kind is that GPU, with exactly the `KernelConfig` the runtime picks for it, at the
-real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs). Each Triton module the
+real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs), for both gate paths. Each Triton module the
 Pallas lowering embeds is then compiled by the official Triton compiler for that target,
 and ptxas reports registers and spills. The table shows shared memory against the
 device's per-block limit; the exit status is non-zero when a kernel fails to compile or
@@ -38,6 +38,7 @@ HEAD_DIM = 128
 NUM_TOKENS = 8192
 CAPACITY = 4
 MAX_REGISTERS = 255  # per thread, every NVIDIA target since sm_50
+GATE_PATHS = (-5.0, None)  # bounded gates (GLM) and any decay (Kimi): see `kda_prefill`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +86,10 @@ def _custom_calls(op) -> list:
     return found
 
 
-def lower_kda_prefill(spec: DeviceSpec, heads: int,
-                      config: KernelConfig | None = None) -> list[TritonModule]:
+def lower_kda_prefill(spec: DeviceSpec, heads: int, config: KernelConfig | None = None, *,
+                      gate_lower_bound: float | None = None) -> list[TritonModule]:
     """The Triton modules of the bf16 KDA prefill for `spec`, by default with the config
-    the runtime picks for that device."""
+    the runtime picks for that device (gate_lower_bound: see `kda_prefill`)."""
     config = config or select_config(spec, num_seqs=1, num_heads=heads, head_k=HEAD_DIM,
                                      head_v=HEAD_DIM)
     shape = jax.ShapeDtypeStruct
@@ -100,7 +101,8 @@ def lower_kda_prefill(spec: DeviceSpec, heads: int,
             shape((1, CAPACITY), jnp.int32))
 
     def prefill(*arrays):
-        return kda_prefill_pallas(*arrays, scale=HEAD_DIM ** -0.5, config=config,
+        return kda_prefill_pallas(*arrays, scale=HEAD_DIM ** -0.5,
+                                  gate_lower_bound=gate_lower_bound, config=config,
                                   interpret=False, exact=False)
 
     with jax.sharding.use_abstract_mesh(_abstract_mesh(spec)):
@@ -162,8 +164,11 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
     for name in names:
         spec = KNOWN_DEVICES[name]
         for num_heads in heads:
-            for module in lower_kda_prefill(spec, num_heads):
-                reports.append(compile_module(module, spec, num_heads))
+            modules = {}  # by name: the two gate paths share the scan and output kernels
+            for bound in GATE_PATHS:
+                for module in lower_kda_prefill(spec, num_heads, gate_lower_bound=bound):
+                    modules.setdefault(module.name, module)
+            reports.extend(compile_module(module, spec, num_heads) for module in modules.values())
     return reports
 
 

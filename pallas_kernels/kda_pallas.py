@@ -1,8 +1,8 @@
 """The KDA checkpointing scan as three Pallas passes lowered through Triton: the scan and
 output passes here, the prep pass in `pallas_kernels.kda_prep`.
 
-Pass 1, `pallas_kernels.kda_prep.chunk_prep` (grid: chunk slots x heads, fully parallel),
-turns each chunk of C tokens into W, U, Aqk, Qg, Kg and G (see that module).
+Pass 1, `pallas_kernels.kda_prep.chunk_prep` (small fully parallel programs per chunk slot
+and head), turns each chunk of C tokens into W, U, Aqk, Qg, Kg and G (see that module).
 
 Pass 2, `_recurrence_kernel` (grid: sequences x heads x value blocks), runs the
 chunk-to-chunk recurrence in one program's `fori_loop`, with only the two matmuls the
@@ -172,9 +172,11 @@ def chunk_output(tensors: ChunkTensors, entry_states, v_new, slots: ChunkSlots, 
                   o_zero)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "exact"))
+@functools.partial(jax.jit, static_argnames=("scale", "gate_lower_bound", "config", "interpret",
+                                             "exact"))
 def kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets, *,
-                       scale: float, config: KernelConfig, interpret: bool, exact: bool):
+                       scale: float, gate_lower_bound: float | None, config: KernelConfig,
+                       interpret: bool, exact: bool):
     """Pallas implementation of `kda_prefill` (arguments already validated).
 
     exact: fp32 (IEEE) matmuls everywhere, for fp32 inputs; otherwise the large matmuls
@@ -184,7 +186,8 @@ def kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_
     flags = dict(config=config, interpret=interpret, exact=exact)
     slots = chunk_slots(cu_seqlens, num_tokens, chunk)
     q_p, k_p, v_p, g_p, beta_p = (pad_rows(x, chunk) for x in (q, k, v, g, beta))
-    tensors = chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots, scale=scale, **flags)
+    tensors = chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots, scale=scale,
+                         gate_lower_bound=gate_lower_bound, **flags)
     entry_states, v_new, final_states, snapshots = chunk_scan(
         tensors, k_p, slots, cu_seqlens, initial_states, checkpoint_offsets, **flags)
     o = chunk_output(tensors, entry_states, v_new, slots, out_dtype=v.dtype, **flags)

@@ -4,8 +4,9 @@ Chunks: a packed batch is cut into chunks of C tokens, sequence by sequence; chu
 are numbered on the device from `cu_seqlens` (`chunk_slots`), so lengths are runtime
 values. Inputs carry one chunk of zero rows at the end (`pad_rows`).
 
-Pass 1, `_chunk_prep_kernel` (grid: chunk slots x heads, fully parallel), turns each
-chunk of C tokens into the matrices the recurrence needs (DESIGN section 2):
+Pass 1 turns each chunk of C tokens into the matrices the recurrence needs (DESIGN
+section 2), as small fully parallel programs (many share an SM and hide each other's
+latency):
 
     G   = in-chunk inclusive cumsum of g                         [C, K]
     Aqk = scale * tril_incl(q_i k_j exp(G_i - G_j))              [C, C]
@@ -14,12 +15,18 @@ chunk of C tokens into the matrices the recurrence needs (DESIGN section 2):
     U   = T diag(beta) v                                         [C, V]
     Qg  = scale * q * exp(G),  Kg = k * exp(G_last - G)          [C, K]
 
-exp(G_i - G_j) is never formed as exp(G_i) * exp(-G_j) over a whole chunk: the chunk is
-cut into sub-chunks of 16 rows; blocks below the diagonal use the sub-chunk boundary as the
-reference point (both factors <= 1) and diagonal blocks are formed elementwise.
-
-`KernelConfig.separate_diagonal` moves the diagonal blocks (and the inverses of the
-diagonal blocks of I + L) into their own small-program pass, `_diagonal_kernel`.
+1. `_intra_kernel` (grid: chunk slots x heads x 16-row blocks): G, Qg, Kg and the block's
+   rows of Aqk and L. exp(G_i - G_j) is never formed as exp(G_i) * exp(-G_j) over a whole
+   chunk: it is exp(G_i - R) * exp(R - G_j) with R = G just before the row block, so the
+   columns left of the diagonal block are one [16, K] x [K, C] matmul with both factors
+   <= 1. The diagonal 16 x 16 block:
+   - bounded gates (`gate_lower_bound` b >= -5: g >= b everywhere): one more matmul, with
+     R = G at the block's middle row, so both factors stay within exp(8 |b|) ~ e^40
+     (products of factors near fp32's range ends would lose precision);
+   - any decay (`gate_lower_bound=None`): from `_diagonal_kernel`, which forms the block
+     elementwise with every exponent <= 0.
+2. `_solve_kernel` (grid: chunk slots x heads): T by blocks, T_bb = (I + L_bb)^-1 and
+   T_bc = -T_bb sum_{c <= m < b} L_bm T_mc, then W and U block row by block row.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.tiles import dot, dot_nt, dot_tn, iota, matmul_precision, operand_dtype
+from pallas_kernels.tiles import dot, dot_nt, iota, matmul_precision, operand_dtype
 from pallas_kernels.tuning import KernelConfig
 
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tile a Triton dot accepts
@@ -96,109 +103,134 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
         plgpu.store(inv_ref.at[rows, h, :], _invert_unit_lower(beta * l_blk), mask=valid)
 
 
-def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-                       *refs, scale, chunk, precision, separate_diagonal):
-    """One chunk of one head. Refs are whole arrays [T_pad, H, ...]; rows past the chunk's
-    length load as zeros (g = 0 keeps G flat there, k = beta = 0 adds nothing).
+def _intra_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, *refs,
+                  scale, chunk, precision, bounded):
+    """Rows [16 b, 16 b + 16) of one chunk and head (b = program_id(2)): G, Qg, Kg, and
+    the block's rows of Aqk (operand dtype, scaled) and L (fp32, beta folded in).
 
-    separate_diagonal: the diagonal blocks of Aqk and the inverses of the diagonal blocks of
-    I + L come from `_diagonal_kernel` (two more input refs, [T_pad, H, 16]) instead of a
-    loop over their columns here.
+    Refs are whole arrays [T_pad, H, ...]; rows past the chunk's length load as zeros
+    (g = 0 keeps G flat there, k = beta = 0 adds nothing). bounded: gates are bounded
+    (diagonal blocks by matmul here); otherwise the diagonal blocks of Aqk come from
+    `_diagonal_kernel` (one more input ref, [T_pad, H, 16]).
     """
-    if separate_diagonal:
-        diag_a_ref, diag_inv_ref, *refs = refs
-    w_ref, u_ref, aqk_ref, qg_ref, kg_ref, gcum_ref, glast_ref = refs
+    if not bounded:
+        diag_a_ref, *refs = refs
+    aqk_ref, l_ref, qg_ref, kg_ref, gcum_ref, glast_ref = refs
+    slot, h, blk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r0 = chunk_start_ref[slot]
+    clen = chunk_len_ref[slot]
+    first = blk * SUB_CHUNK
+    f32 = jnp.float32
+
+    @pl.when(first < clen)
+    def _():
+        def load(ref, start, rows):
+            """Rows [start, start + rows) of the chunk for this head, as fp32."""
+            valid = (iota((rows, 1), 0) + start) < clen
+            index = (pl.ds(r0 + start, rows), h, slice(None))
+            if len(ref.shape) == 2:  # beta [T, H]: a [rows, 1] column
+                index = (pl.ds(r0 + start, rows), pl.ds(h, 1))
+            return plgpu.load(ref.at[index], mask=valid, other=0).astype(f32)
+
+        def store(ref, value):
+            valid = (iota((SUB_CHUNK, 1), 0) + first) < clen
+            plgpu.store(ref.at[pl.ds(r0 + first, SUB_CHUNK), h, :], value.astype(ref.dtype),
+                        mask=valid)
+
+        rows_c = iota((chunk, 1), 0)
+        g_chunk = load(g_ref, 0, chunk)                                     # [C, K]
+        g_before = jnp.sum(jnp.where(rows_c < first, g_chunk, 0.0), axis=0, keepdims=True)
+        g_last = jnp.sum(g_chunk, axis=0, keepdims=True)                    # [1, K]
+        g_rise = lax.cumsum(load(g_ref, first, SUB_CHUNK), axis=0)         # G - g_before
+        g_blk = g_before + g_rise                                           # [16, K]
+        q_blk, k_blk = load(q_ref, first, SUB_CHUNK), load(k_ref, first, SUB_CHUNK)
+        store(qg_ref, scale * q_blk * jnp.exp(g_blk))
+        store(kg_ref, k_blk * jnp.exp(g_last - g_blk))
+        store(gcum_ref, g_blk)
+
+        @pl.when(blk == 0)
+        def _():
+            glast_ref[pl.ds(slot, 1), h, :] = g_last
+
+        # Left of the diagonal block: exp(G_i - G_j) = exp(G_i - R) exp(R - G_j) with R = G
+        # just before the block, both factors <= 1.
+        g_chunk = lax.cumsum(g_chunk, axis=0)                               # G [C, K]
+        keys_before = jnp.where(rows_c < first,
+                                load(k_ref, 0, chunk) * jnp.exp(g_before - g_chunk), 0.0)
+        q_dec, k_dec = q_blk * jnp.exp(g_rise), k_blk * jnp.exp(g_rise)
+        a_rows = dot_nt(q_dec, keys_before, precision)                      # [16, C]
+        l_rows = dot_nt(k_dec, keys_before, precision)
+        position = iota((SUB_CHUNK, 1), 0) + first
+        cols_c = iota((1, chunk), 1)
+        placement = (cols_c == position).astype(f32)    # [16, C]: block column j -> first + j
+        if bounded:
+            # The diagonal block: R = G at the block's middle row, so both factors stay
+            # within exp(8 |b|) (~e^40 at b = -5): no overflow, and no subnormal factor.
+            sub_row = iota((SUB_CHUNK, 1), 0)
+            g_mid = jnp.sum(jnp.where(sub_row == SUB_CHUNK // 2 - 1, g_rise, 0.0), axis=0,
+                            keepdims=True)
+            fall = jnp.exp(g_rise - g_mid)
+            k_rise = k_blk * jnp.exp(g_mid - g_rise)
+            a_diag = dot_nt(q_blk * fall, k_rise, precision)                # [16, 16]
+            l_rows = l_rows + dot(dot_nt(k_blk * fall, k_rise, precision), placement,
+                                  lax.Precision.HIGHEST)
+        else:
+            a_diag = load(diag_a_ref, first, SUB_CHUNK)
+        a_rows = a_rows + dot(a_diag, placement, lax.Precision.HIGHEST)
+        store(aqk_ref, jnp.where(cols_c <= position, scale * a_rows, 0.0))
+        beta_blk = load(beta_ref, first, SUB_CHUNK)                         # [16, 1]
+        store(l_ref, jnp.where(cols_c < position, beta_blk * l_rows, 0.0))
+
+
+def _solve_kernel(chunk_start_ref, chunk_len_ref, k_ref, v_ref, beta_ref, gcum_ref, l_ref,
+                  *refs, chunk, precision, exact_diagonal):
+    """One chunk of one head: T = (I + L)^-1 by 16 x 16 blocks, then W and U.
+
+    exact_diagonal: the inverses of the diagonal blocks come from `_diagonal_kernel` (one
+    more input ref, [T_pad, H, 16]) instead of being formed here from L's diagonal blocks.
+    """
+    if exact_diagonal:
+        diag_inv_ref, *refs = refs
+    w_ref, u_ref = refs
     slot, h = pl.program_id(0), pl.program_id(1)
     r0 = chunk_start_ref[slot]
     clen = chunk_len_ref[slot]
-    head_k = q_ref.shape[-1]
     hi = lax.Precision.HIGHEST
     f32 = jnp.float32
+    blocks = chunk // SUB_CHUNK
 
     @pl.when(clen > 0)
     def _():
-        def load(ref, first, rows):
-            """Rows [first, first + rows) of the chunk for this head, as fp32."""
-            valid = (iota((rows, 1), 0) + first) < clen
-            index = (pl.ds(r0 + first, rows), h, slice(None))
-            if len(ref.shape) == 2:  # beta [T, H]: a [rows, 1] column
-                index = (pl.ds(r0 + first, rows), pl.ds(h, 1))
-            return plgpu.load(ref.at[index], mask=valid, other=0).astype(f32)
+        def rows(b):
+            valid = (iota((SUB_CHUNK, 1), 0) + b * SUB_CHUNK) < clen
+            return pl.ds(r0 + b * SUB_CHUNK, SUB_CHUNK), valid
 
-        def store(ref, first, value):
-            rows = value.shape[0]
-            valid = (iota((rows, 1), 0) + first) < clen
-            plgpu.store(ref.at[pl.ds(r0 + first, rows), h, :], value.astype(ref.dtype),
-                        mask=valid)
+        def load(ref, b, cols=slice(None)):
+            """Row block b of this head, as fp32; beta [T, H] loads as a [16, 1] column."""
+            index, valid = rows(b)
+            at = ref.at[index, pl.ds(h, 1)] if len(ref.shape) == 2 else ref.at[index, h, cols]
+            return plgpu.load(at, mask=valid, other=0).astype(f32)
 
-        g_cum = lax.cumsum(load(g_ref, 0, chunk), axis=0)  # [C, K]
-        rows_c = iota((chunk, 1), 0)
-        g_last = jnp.sum(jnp.where(rows_c == chunk - 1, g_cum, 0.0), axis=0, keepdims=True)
-        store(qg_ref, 0, scale * load(q_ref, 0, chunk) * jnp.exp(g_cum))
-        k = load(k_ref, 0, chunk)
-        store(kg_ref, 0, k * jnp.exp(g_last - g_cum))
-        store(gcum_ref, 0, g_cum)
-        glast_ref[pl.ds(slot, 1), h, :] = g_last
+        def l_block(b, c):
+            return load(l_ref, b, pl.ds(c * SUB_CHUNK, SUB_CHUNK))
 
-        sub_row = iota((SUB_CHUNK, 1), 0)
-        cols_c = iota((1, chunk), 1)
-        cols_s = iota((1, SUB_CHUNK), 1)
-        t_rows = jnp.zeros((chunk, chunk), f32)  # rows of T = (I + L)^-1 solved so far
-        for blk in range(chunk // SUB_CHUNK):
-            first = blk * SUB_CHUNK
-            # The reference point is G just before this sub-chunk: both factors below are
-            # <= 1 whatever the decay.
-            g_ref_pt = jnp.sum(jnp.where(rows_c == first - 1, g_cum, 0.0), axis=0,
-                               keepdims=True)
-            g_blk = g_ref_pt + lax.cumsum(load(g_ref, first, SUB_CHUNK), axis=0)  # [16, K]
-            q_blk = load(q_ref, first, SUB_CHUNK)
-            k_blk = load(k_ref, first, SUB_CHUNK)
-            beta_blk = load(beta_ref, first, SUB_CHUNK)  # [16, 1]
-            if blk:
-                k_rise = jnp.where(rows_c < first,
-                                   k * jnp.exp(jnp.minimum(g_ref_pt - g_cum, 0.0)), 0.0)
-                fall = jnp.exp(g_blk - g_ref_pt)
-                a_rows = dot_nt(q_blk * fall, k_rise, precision)   # [16, C]
-                l_rows = dot_nt(k_blk * fall, k_rise, precision)
-            else:
-                a_rows = l_rows = jnp.zeros((SUB_CHUNK, chunk), f32)
-
-            def diagonal_column(j, acc, first=first, g_blk=g_blk, q_blk=q_blk, k_blk=k_blk):
-                """Column j of the diagonal block, formed elementwise (exact for any decay):
-                into Aqk's rows in place, into L's diagonal block apart (l_rows needs none
-                of it: those columns meet rows of t_rows not solved yet)."""
-                a_acc, l_diag = acc
-                row_ok = jnp.full((1, head_k), first + j < clen)
-                k_j = plgpu.load(k_ref.at[pl.ds(r0 + first + j, 1), h, :], mask=row_ok,
-                                 other=0).astype(f32)
-                g_j = jnp.sum(jnp.where(sub_row == j, g_blk, 0.0), axis=0, keepdims=True)
-                decay = jnp.exp(jnp.minimum(g_blk - g_j, 0.0))
-                a_col = jnp.sum(q_blk * k_j * decay, axis=1, keepdims=True)  # [16, 1]
-                l_col = jnp.sum(k_blk * k_j * decay, axis=1, keepdims=True)
-                a_acc = jnp.where(cols_c == first + j, jnp.where(sub_row >= j, a_col, 0.0),
-                                  a_acc)
-                l_col = jnp.where(sub_row > j, l_col, 0.0)
-                return a_acc, jnp.where(cols_s == j, l_col, l_diag)
-
-            identity_rows = (cols_c == sub_row + first).astype(f32)        # [16, C]: E_b
-            # Block forward substitution: (I + L_bb) T_b = E_b - L_b,<b T_<b (the columns of
-            # l_rows at and past block b meet rows of t_rows not solved yet: zeros).
-            if separate_diagonal:
-                a_rows = a_rows + dot(load(diag_a_ref, first, SUB_CHUNK), identity_rows, hi)
-                diagonal_inverse = load(diag_inv_ref, first, SUB_CHUNK)
-            else:
-                a_rows, l_diag = lax.fori_loop(
-                    0, SUB_CHUNK, diagonal_column,
-                    (a_rows, jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)))
-                diagonal_inverse = _invert_unit_lower(beta_blk * l_diag)
-            store(aqk_ref, first, scale * a_rows)
-            rhs = identity_rows - dot(beta_blk * l_rows, t_rows, hi)
-            t_blk = dot(diagonal_inverse, rhs, hi)   # [16, C]
-            t_rows = t_rows + dot_tn(identity_rows, t_blk, hi)
-
-        beta = load(beta_ref, 0, chunk)  # [C, 1]
-        store(w_ref, 0, dot(t_rows, beta * k * jnp.exp(g_cum), precision))
-        store(u_ref, 0, dot(t_rows, beta * load(v_ref, 0, chunk), precision))
+        t = {}
+        for b in range(blocks):
+            t[b, b] = (load(diag_inv_ref, b) if exact_diagonal
+                       else _invert_unit_lower(l_block(b, b)))
+            for c in range(b - 1, -1, -1):
+                coupled = sum(dot(l_block(b, m), t[m, c], hi) for m in range(c, b))
+                t[b, c] = -dot(t[b, b], coupled, hi)
+        for b in range(blocks):
+            w = u = 0.0
+            for c in range(b + 1):
+                beta = load(beta_ref, c)
+                w = w + dot(t[b, c], beta * load(k_ref, c) * jnp.exp(load(gcum_ref, c)),
+                            precision)
+                u = u + dot(t[b, c], beta * load(v_ref, c), precision)
+            index, valid = rows(b)
+            plgpu.store(w_ref.at[index, h, :], w.astype(w_ref.dtype), mask=valid)
+            plgpu.store(u_ref.at[index, h, :], u.astype(u_ref.dtype), mask=valid)
 
 
 def _chunk_slots(cu_seqlens, num_slots, chunk):
@@ -257,42 +289,61 @@ def chunk_slots(cu_seqlens, num_tokens, chunk) -> ChunkSlots:
 
 
 def chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
-               config: KernelConfig, interpret: bool, exact: bool) -> ChunkTensors:
-    """Pass 1 over row-padded inputs ([T + C, H, ...], see `pad_rows`)."""
+               gate_lower_bound: float | None, config: KernelConfig, interpret: bool,
+               exact: bool) -> ChunkTensors:
+    """Pass 1 over row-padded inputs ([T + C, H, ...], see `pad_rows`).
+
+    gate_lower_bound: None for any decay (diagonal blocks elementwise, `_diagonal_kernel`),
+    or the bound b in [-5, 0) the caller guarantees for every g (diagonal blocks on the
+    tensor cores).
+    """
     padded, num_heads, head_k = q_p.shape
     head_v = v_p.shape[-1]
     chunk = config.chunk_size
     inter, f32 = operand_dtype(exact), jnp.float32
+    precision = matmul_precision(exact)
+    exact_diagonal = gate_lower_bound is None
+    num_slots = slots.start.shape[0]
 
     def rows_of(width, dtype):
         return jax.ShapeDtypeStruct((padded, num_heads, width), dtype)
 
-    num_slots = slots.start.shape[0]
-    diagonal_blocks = ()
-    if config.separate_diagonal:
+    def params(num_warps):
+        return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+
+    diagonal_a, diagonal_inv = (), ()
+    if exact_diagonal:
         diagonal = pl.pallas_call(
             functools.partial(_diagonal_kernel, chunk=chunk),
             out_shape=(rows_of(SUB_CHUNK, f32), rows_of(SUB_CHUNK, f32)),
             grid=(num_slots * (chunk // SUB_CHUNK), num_heads),
-            compiler_params=plgpu.CompilerParams(num_warps=config.diagonal_num_warps,
-                                                 num_stages=1),
+            compiler_params=params(config.diagonal_num_warps),
             interpret=interpret,
             name="kda_chunk_diagonal",
         )
-        diagonal_blocks = diagonal(slots.start, slots.length, q_p, k_p, g_p, beta_p)
-    prep = pl.pallas_call(
-        functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
-                          precision=matmul_precision(exact),
-                          separate_diagonal=config.separate_diagonal),
-        out_shape=ChunkTensors(rows_of(head_k, inter), rows_of(head_v, inter),
-                               rows_of(chunk, inter), rows_of(head_k, inter),
-                               rows_of(head_k, inter), rows_of(head_k, f32),
-                               jax.ShapeDtypeStruct((num_slots, num_heads, head_k), f32)),
-        grid=(num_slots, num_heads),
-        compiler_params=plgpu.CompilerParams(num_warps=config.prep_num_warps,
-                                             num_stages=config.prep_num_stages),
+        a, inv = diagonal(slots.start, slots.length, q_p, k_p, g_p, beta_p)
+        diagonal_a, diagonal_inv = (a,), (inv,)
+    intra = pl.pallas_call(
+        functools.partial(_intra_kernel, scale=scale, chunk=chunk, precision=precision,
+                          bounded=not exact_diagonal),
+        out_shape=(rows_of(chunk, inter), rows_of(chunk, f32), rows_of(head_k, inter),
+                   rows_of(head_k, inter), rows_of(head_k, f32),
+                   jax.ShapeDtypeStruct((num_slots, num_heads, head_k), f32)),
+        grid=(num_slots, num_heads, chunk // SUB_CHUNK),
+        compiler_params=params(config.intra_num_warps),
         interpret=interpret,
-        name="kda_chunk_prep",
+        name="kda_chunk_intra",
     )
-    return ChunkTensors(*prep(slots.start, slots.length, q_p, k_p, v_p, g_p, beta_p,
-                              *diagonal_blocks))
+    aqk, l_mat, qg, kg, g_cum, g_last = intra(slots.start, slots.length, q_p, k_p, g_p,
+                                              beta_p, *diagonal_a)
+    solve = pl.pallas_call(
+        functools.partial(_solve_kernel, chunk=chunk, precision=precision,
+                          exact_diagonal=exact_diagonal),
+        out_shape=(rows_of(head_k, inter), rows_of(head_v, inter)),
+        grid=(num_slots, num_heads),
+        compiler_params=params(config.solve_num_warps),
+        interpret=interpret,
+        name="kda_chunk_solve",
+    )
+    w, u = solve(slots.start, slots.length, k_p, v_p, beta_p, g_cum, l_mat, *diagonal_inv)
+    return ChunkTensors(w, u, aqk, qg, kg, g_cum, g_last)

@@ -39,12 +39,9 @@ class KernelConfig:
     block_v: int = 64           # value columns per scan program
     scan_num_warps: int = 8
     scan_num_stages: int = 1
-    prep_num_warps: int = 8
-    prep_num_stages: int = 1
-    # Diagonal 16 x 16 blocks in their own small-program pass (not yet timed on a GPU:
-    # off until `bench.kda_kernel --sweep` shows it faster; see docs/KERNEL.md).
-    separate_diagonal: bool = False
-    diagonal_num_warps: int = 4
+    intra_num_warps: int = 4    # prep: G, Qg, Kg, Aqk and L per 16-row block
+    solve_num_warps: int = 4    # prep: T = (I + L)^-1, W and U per chunk
+    diagonal_num_warps: int = 4  # prep, any-decay path: the diagonal blocks elementwise
     output_block_v: int = 128   # value columns per output program
     output_num_warps: int = 4
     output_num_stages: int = 1

@@ -150,13 +150,14 @@ class KdaKernelCases:
         assert o.dtype == jnp.bfloat16
 
     @pytest.mark.parametrize("lens", [[1, 63, 64], [65, 0, 200, 3, 129], [300]])
-    def test_separate_diagonal_pass(self, rng, lens):
-        """The small-program diagonal pass gives the same results as the fused loop."""
-        config = KernelConfig(block_v=32, separate_diagonal=True)
+    def test_bounded_gate_path(self, rng, lens):
+        """gate_lower_bound=-5: diagonal blocks on the tensor cores, decays at the bound."""
         inputs = make_inputs(rng, lens, padding=20, min_decay=-5.0)
-        self.check_against_recurrence(inputs, 1e-5, config=config)
+        if lens == [300]:
+            inputs["g"] = jnp.full_like(inputs["g"], -5.0)
+        self.check_against_recurrence(inputs, 1e-5, gate_lower_bound=-5.0)
         inputs = make_inputs(rng, lens, dtype=jnp.bfloat16)
-        self.check_against_recurrence(inputs, 5e-3, config=config)
+        self.check_against_recurrence(inputs, 5e-3, gate_lower_bound=-5.0)
 
     def test_new_lengths_and_offsets_do_not_retrace(self, rng):
         traces = []
@@ -187,10 +188,18 @@ class TestKdaKernelGpu(KdaKernelCases):
             rng, [3000, 1000, 95], heads=4, head_k=128, head_v=128, dtype=jnp.bfloat16
         )
         self.check_against_recurrence(inputs, 5e-3)
+        self.check_against_recurrence(inputs, 5e-3, gate_lower_bound=-5.0)
 
 
 class TestKdaKernelInterpret(KdaKernelCases):
     INTERPRET = True
+
+
+@pytest.mark.parametrize("bound", [-5.5, 0.0, 1.0])
+def test_gate_lower_bound_out_of_range(rng, bound):
+    inputs = make_inputs(rng, [10])
+    with pytest.raises(ValueError, match=f"gate_lower_bound.*{bound}"):
+        kda_prefill(**inputs, gate_lower_bound=bound)
 
 
 def test_config_rejects_mismatched_blocks(rng):

@@ -105,7 +105,8 @@ class KDA(nnx.Module):
             q, k = l2_normalize(q), l2_normalize(k)
             g = self.decay(x)
             beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [T, H]
-            scan = functools.partial(kda_prefill, backend=self.backend)
+            bound = self.gate_bound if self.gate == "sigmoid_bound" else None
+            scan = functools.partial(kda_prefill, backend=self.backend, gate_lower_bound=bound)
             if plan is not None:
                 s = plan.specs
                 # check_vma off: a pallas_call does not declare how its outputs vary.
