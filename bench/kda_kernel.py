@@ -139,30 +139,39 @@ def relative_error(ours, reference):
 
 
 def time_passes(inputs, lens, config, timing):
-    """Milliseconds of each pass alone (prep, scan with 4 snapshots, output)."""
+    """Milliseconds of each pass alone: prep (its two kernels, then both), the scan with
+    4 snapshots, the output pass."""
     chunk = config.chunk_size
     flags = dict(config=config, interpret=False, exact=False)
-    bound = dict(gate_lower_bound=GATE_LOWER_BOUND)
     cu = inputs["cu_seqlens"]
     slots = kda_prep.chunk_slots(cu, sum(lens), chunk)
-    padded = [kda_prep.pad_rows(inputs[n], chunk) for n in ("q", "k", "v", "g", "beta")]
+    q_p, k_p, v_p, g_p, beta_p = (kda_prep.pad_rows(inputs[n], chunk)
+                                  for n in ("q", "k", "v", "g", "beta"))
     offsets = snapshot_offsets(lens, 4)
-    prep = jax.jit(lambda p, s: kda_prep.chunk_prep(*p, s, scale=HEAD_K ** -0.5, **bound,
-                                                    **flags))
-    scan = jax.jit(lambda t, s: kda_pallas.chunk_scan(t, padded[1], s, cu,
-                                                      inputs["initial_states"], offsets,
-                                                      **flags))
+    matrices = jax.jit(lambda s: kda_prep.chunk_matrices(
+        q_p, k_p, g_p, beta_p, s, scale=HEAD_K ** -0.5, gate_lower_bound=GATE_LOWER_BOUND,
+        **flags))
+    w_u = jax.jit(lambda m, s: kda_prep.chunk_w_u(m, k_p, v_p, beta_p, s, **flags))
+    prep = jax.jit(lambda s: kda_prep.chunk_prep(
+        q_p, k_p, v_p, g_p, beta_p, s, scale=HEAD_K ** -0.5,
+        gate_lower_bound=GATE_LOWER_BOUND, **flags))
+    scan = jax.jit(lambda t, s: kda_pallas.chunk_scan(t, k_p, s, cu, inputs["initial_states"],
+                                                      offsets, **flags))
     output = jax.jit(lambda t, e, v, s: kda_pallas.chunk_output(t, e, v, s,
                                                                 out_dtype=jnp.bfloat16,
                                                                 **flags))
-    tensors = prep(padded, slots)
+    chunk_matrices = matrices(slots)
+    tensors = prep(slots)
     entry_states, v_new, _, _ = scan(tensors, slots)
-    return {
-        "prep": time_calls(lambda: prep(padded, slots), jax.block_until_ready, **timing)[0],
-        "scan": time_calls(lambda: scan(tensors, slots), jax.block_until_ready, **timing)[0],
-        "output": time_calls(lambda: output(tensors, entry_states, v_new, slots),
-                             jax.block_until_ready, **timing)[0],
+    calls = {
+        "prep matrices": lambda: matrices(slots),
+        "prep w_u": lambda: w_u(chunk_matrices, slots),
+        "prep": lambda: prep(slots),
+        "scan": lambda: scan(tensors, slots),
+        "output": lambda: output(tensors, entry_states, v_new, slots),
     }
+    return {name: time_calls(call, jax.block_until_ready, **timing)[0]
+            for name, call in calls.items()}
 
 
 def run_case(name, lens, config, args, bandwidth):
@@ -214,12 +223,11 @@ def run_case(name, lens, config, args, bandwidth):
 
 
 def sweep_configs(base: KernelConfig):
-    """The selected tiling, then the prep pass's warps one change at a time."""
+    """The selected tiling, then the prep pass's warps and key slice one change at a time."""
     yield base
-    yield dataclasses.replace(base, intra_num_warps=8)
-    yield dataclasses.replace(base, intra_num_warps=2)
-    yield dataclasses.replace(base, solve_num_warps=8)
-    yield dataclasses.replace(base, solve_num_warps=2)
+    for warps, block_k in ((8, 64), (2, 64), (1, 32), (4, 32), (4, 128), (8, 128)):
+        yield dataclasses.replace(base, prep_num_warps=warps, prep_block_k=block_k)
+    yield dataclasses.replace(base, w_u_num_warps=8)
 
 
 def print_table(results):

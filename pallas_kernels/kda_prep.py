@@ -5,8 +5,7 @@ are numbered on the device from `cu_seqlens` (`chunk_slots`), so lengths are run
 values. Inputs carry one chunk of zero rows at the end (`pad_rows`).
 
 Pass 1 turns each chunk of C tokens into the matrices the recurrence needs (DESIGN
-section 2), as small fully parallel programs (many share an SM and hide each other's
-latency):
+section 2), in fully parallel programs (one per chunk slot and head):
 
     G   = in-chunk inclusive cumsum of g                         [C, K]
     Aqk = scale * tril_incl(q_i k_j exp(G_i - G_j))              [C, C]
@@ -15,18 +14,18 @@ latency):
     U   = T diag(beta) v                                         [C, V]
     Qg  = scale * q * exp(G),  Kg = k * exp(G_last - G)          [C, K]
 
-1. `_intra_kernel` (grid: chunk slots x heads x 16-row blocks): G, Qg, Kg and the block's
-   rows of Aqk and L. exp(G_i - G_j) is never formed as exp(G_i) * exp(-G_j) over a whole
-   chunk: it is exp(G_i - R) * exp(R - G_j) with R = G just before the row block, so the
-   columns left of the diagonal block are one [16, K] x [K, C] matmul with both factors
-   <= 1. The diagonal 16 x 16 block:
+1. `_chunk_prep_kernel`: G, Qg, Kg, Aqk and T, by 16 x 16 blocks (b, c) and slices of the
+   key dimension, keeping only [16, BK] tiles live. exp(G_i - G_j) is never formed as
+   exp(G_i) * exp(-G_j) over a whole chunk. Below the diagonal it is
+   exp(G_i - E_c) * exp(E_c - G_j) with E_c = G at block c's last row (both factors
+   <= 1), each exponent built from block-local cumsums and block totals. The diagonal
+   16 x 16 blocks:
    - bounded gates (`gate_lower_bound` b >= -5: g >= b everywhere): one more matmul, with
-     R = G at the block's middle row, so both factors stay within exp(8 |b|) ~ e^40
-     (products of factors near fp32's range ends would lose precision);
-   - any decay (`gate_lower_bound=None`): from `_diagonal_kernel`, which forms the block
-     elementwise with every exponent <= 0.
-2. `_solve_kernel` (grid: chunk slots x heads): T by blocks, T_bb = (I + L_bb)^-1 and
-   T_bc = -T_bb sum_{c <= m < b} L_bm T_mc, then W and U block row by block row.
+     the reference at the block's middle row, so both factors stay within exp(8 |b|) ~ e^40;
+   - any decay (`gate_lower_bound=None`): from `_diagonal_kernel`, which forms them
+     elementwise with every exponent <= 0 and also inverts I + L's diagonal blocks.
+   T by blocks: T_bb = (I + L_bb)^-1, T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (fp32).
+2. `_w_u_kernel`: W and U, two [C, C] x [C, *] matmuls per chunk.
 """
 
 from __future__ import annotations
@@ -103,107 +102,31 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
         plgpu.store(inv_ref.at[rows, h, :], _invert_unit_lower(beta * l_blk), mask=valid)
 
 
-def _intra_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, *refs,
-                  scale, chunk, precision, bounded):
-    """Rows [16 b, 16 b + 16) of one chunk and head (b = program_id(2)): G, Qg, Kg, and
-    the block's rows of Aqk (operand dtype, scaled) and L (fp32, beta folded in).
+def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, *refs,
+                       scale, chunk, block_k, precision, bounded):
+    """One chunk of one head: G, Qg, Kg, Aqk (operand dtype, scaled) and T = (I + L)^-1
+    (fp32), all by 16 x 16 blocks and key slices of `block_k` columns.
 
     Refs are whole arrays [T_pad, H, ...]; rows past the chunk's length load as zeros
-    (g = 0 keeps G flat there, k = beta = 0 adds nothing). bounded: gates are bounded
-    (diagonal blocks by matmul here); otherwise the diagonal blocks of Aqk come from
-    `_diagonal_kernel` (one more input ref, [T_pad, H, 16]).
+    (g = 0 keeps G flat there, k = beta = 0 adds nothing). bounded: the diagonal blocks
+    are formed here by matmul; otherwise they come from `_diagonal_kernel` (two more
+    input refs, [T_pad, H, 16]: Aqk's diagonal blocks and the inverses T_bb).
     """
     if not bounded:
-        diag_a_ref, *refs = refs
-    aqk_ref, l_ref, qg_ref, kg_ref, gcum_ref, glast_ref = refs
-    slot, h, blk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    r0 = chunk_start_ref[slot]
-    clen = chunk_len_ref[slot]
-    first = blk * SUB_CHUNK
-    f32 = jnp.float32
-
-    @pl.when(first < clen)
-    def _():
-        def load(ref, start, rows):
-            """Rows [start, start + rows) of the chunk for this head, as fp32."""
-            valid = (iota((rows, 1), 0) + start) < clen
-            index = (pl.ds(r0 + start, rows), h, slice(None))
-            if len(ref.shape) == 2:  # beta [T, H]: a [rows, 1] column
-                index = (pl.ds(r0 + start, rows), pl.ds(h, 1))
-            return plgpu.load(ref.at[index], mask=valid, other=0).astype(f32)
-
-        def store(ref, value):
-            valid = (iota((SUB_CHUNK, 1), 0) + first) < clen
-            plgpu.store(ref.at[pl.ds(r0 + first, SUB_CHUNK), h, :], value.astype(ref.dtype),
-                        mask=valid)
-
-        rows_c = iota((chunk, 1), 0)
-        g_chunk = load(g_ref, 0, chunk)                                     # [C, K]
-        g_before = jnp.sum(jnp.where(rows_c < first, g_chunk, 0.0), axis=0, keepdims=True)
-        g_last = jnp.sum(g_chunk, axis=0, keepdims=True)                    # [1, K]
-        g_rise = lax.cumsum(load(g_ref, first, SUB_CHUNK), axis=0)         # G - g_before
-        g_blk = g_before + g_rise                                           # [16, K]
-        q_blk, k_blk = load(q_ref, first, SUB_CHUNK), load(k_ref, first, SUB_CHUNK)
-        store(qg_ref, scale * q_blk * jnp.exp(g_blk))
-        store(kg_ref, k_blk * jnp.exp(g_last - g_blk))
-        store(gcum_ref, g_blk)
-
-        @pl.when(blk == 0)
-        def _():
-            glast_ref[pl.ds(slot, 1), h, :] = g_last
-
-        # Left of the diagonal block: exp(G_i - G_j) = exp(G_i - R) exp(R - G_j) with R = G
-        # just before the block, both factors <= 1.
-        g_chunk = lax.cumsum(g_chunk, axis=0)                               # G [C, K]
-        keys_before = jnp.where(rows_c < first,
-                                load(k_ref, 0, chunk) * jnp.exp(g_before - g_chunk), 0.0)
-        q_dec, k_dec = q_blk * jnp.exp(g_rise), k_blk * jnp.exp(g_rise)
-        a_rows = dot_nt(q_dec, keys_before, precision)                      # [16, C]
-        l_rows = dot_nt(k_dec, keys_before, precision)
-        position = iota((SUB_CHUNK, 1), 0) + first
-        cols_c = iota((1, chunk), 1)
-        placement = (cols_c == position).astype(f32)    # [16, C]: block column j -> first + j
-        if bounded:
-            # The diagonal block: R = G at the block's middle row, so both factors stay
-            # within exp(8 |b|) (~e^40 at b = -5): no overflow, and no subnormal factor.
-            sub_row = iota((SUB_CHUNK, 1), 0)
-            g_mid = jnp.sum(jnp.where(sub_row == SUB_CHUNK // 2 - 1, g_rise, 0.0), axis=0,
-                            keepdims=True)
-            fall = jnp.exp(g_rise - g_mid)
-            k_rise = k_blk * jnp.exp(g_mid - g_rise)
-            a_diag = dot_nt(q_blk * fall, k_rise, precision)                # [16, 16]
-            l_rows = l_rows + dot(dot_nt(k_blk * fall, k_rise, precision), placement,
-                                  lax.Precision.HIGHEST)
-        else:
-            a_diag = load(diag_a_ref, first, SUB_CHUNK)
-        a_rows = a_rows + dot(a_diag, placement, lax.Precision.HIGHEST)
-        store(aqk_ref, jnp.where(cols_c <= position, scale * a_rows, 0.0))
-        beta_blk = load(beta_ref, first, SUB_CHUNK)                         # [16, 1]
-        store(l_ref, jnp.where(cols_c < position, beta_blk * l_rows, 0.0))
-
-
-def _solve_kernel(chunk_start_ref, chunk_len_ref, k_ref, v_ref, beta_ref, gcum_ref, l_ref,
-                  *refs, chunk, precision, exact_diagonal):
-    """One chunk of one head: T = (I + L)^-1 by 16 x 16 blocks, then W and U.
-
-    exact_diagonal: the inverses of the diagonal blocks come from `_diagonal_kernel` (one
-    more input ref, [T_pad, H, 16]) instead of being formed here from L's diagonal blocks.
-    """
-    if exact_diagonal:
-        diag_inv_ref, *refs = refs
-    w_ref, u_ref = refs
+        diag_a_ref, diag_inv_ref, *refs = refs
+    aqk_ref, t_ref, qg_ref, kg_ref, gcum_ref, glast_ref = refs
     slot, h = pl.program_id(0), pl.program_id(1)
     r0 = chunk_start_ref[slot]
     clen = chunk_len_ref[slot]
+    blocks = chunk // SUB_CHUNK
     hi = lax.Precision.HIGHEST
     f32 = jnp.float32
-    blocks = chunk // SUB_CHUNK
+    sub_row = iota((SUB_CHUNK, 1), 0)
 
     @pl.when(clen > 0)
     def _():
         def rows(b):
-            valid = (iota((SUB_CHUNK, 1), 0) + b * SUB_CHUNK) < clen
-            return pl.ds(r0 + b * SUB_CHUNK, SUB_CHUNK), valid
+            return pl.ds(r0 + b * SUB_CHUNK, SUB_CHUNK), (sub_row + b * SUB_CHUNK) < clen
 
         def load(ref, b, cols=slice(None)):
             """Row block b of this head, as fp32; beta [T, H] loads as a [16, 1] column."""
@@ -211,26 +134,94 @@ def _solve_kernel(chunk_start_ref, chunk_len_ref, k_ref, v_ref, beta_ref, gcum_r
             at = ref.at[index, pl.ds(h, 1)] if len(ref.shape) == 2 else ref.at[index, h, cols]
             return plgpu.load(at, mask=valid, other=0).astype(f32)
 
-        def l_block(b, c):
-            return load(l_ref, b, pl.ds(c * SUB_CHUNK, SUB_CHUNK))
+        def store(ref, b, value, cols=slice(None)):
+            index, valid = rows(b)
+            plgpu.store(ref.at[index, h, cols], value.astype(ref.dtype), mask=valid)
 
+        def row_of(x, row):
+            return jnp.sum(jnp.where(sub_row == row, x, 0.0), axis=0, keepdims=True)
+
+        a_blk, l_blk = {}, {}  # [16, 16] blocks (b, c), accumulated over key slices
+        for first_k in range(0, q_ref.shape[-1], block_k):
+            cols = pl.ds(first_k, block_k)
+            # Every exponent below comes from block-local cumsums ("rise": G minus G just
+            # before the block) and block totals, never from differences of whole-chunk G.
+            rise = [lax.cumsum(load(g_ref, c, cols), axis=0) for c in range(blocks)]
+            total = [row_of(x, SUB_CHUNK - 1) for x in rise]             # [1, BK] each
+            before, after = [0.0], [0.0]   # G just before block b; sum of g after block b
+            for c in range(blocks):
+                before.append(before[-1] + total[c])
+                after.insert(0, after[0] + total[blocks - 1 - c])
+            glast_ref[pl.ds(slot, 1), h, cols] = before[-1]
+            k_fall = []  # k_c exp(E_c - G_c), E_c = G at block c's last row: <= 1
+            for b in range(blocks):
+                q_b, k_b = load(q_ref, b, cols), load(k_ref, b, cols)
+                g_b = before[b] + rise[b]
+                store(gcum_ref, b, g_b, cols)
+                store(qg_ref, b, scale * q_b * jnp.exp(g_b), cols)
+                store(kg_ref, b, k_b * jnp.exp(after[b + 1] + total[b] - rise[b]), cols)
+                fall = jnp.exp(rise[b])
+                for c in range(b):
+                    # exp(G_i - G_j) = exp(G_i - E_c) exp(E_c - G_j), both factors <= 1.
+                    gap = fall if c == b - 1 else fall * jnp.exp(sum(total[c + 1:b]))
+                    a_blk[b, c] = a_blk.get((b, c), 0.0) + dot_nt(q_b * gap, k_fall[c],
+                                                                   precision)
+                    l_blk[b, c] = l_blk.get((b, c), 0.0) + dot_nt(k_b * gap, k_fall[c],
+                                                                   precision)
+                if bounded:
+                    # Diagonal block, reference G at its middle row: both factors within
+                    # exp(8 |b|) (~e^40 at b = -5), no overflow and no subnormal factor.
+                    mid = row_of(rise[b], SUB_CHUNK // 2 - 1)
+                    centred = jnp.exp(rise[b] - mid)
+                    k_mid = k_b * jnp.exp(mid - rise[b])
+                    a_blk[b, b] = a_blk.get((b, b), 0.0) + dot_nt(q_b * centred, k_mid,
+                                                                   precision)
+                    l_blk[b, b] = l_blk.get((b, b), 0.0) + dot_nt(k_b * centred, k_mid,
+                                                                   precision)
+                k_fall.append(k_b * jnp.exp(total[b] - rise[b]))
+
+        col = iota((1, SUB_CHUNK), 1)
+        zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
         t = {}
         for b in range(blocks):
-            t[b, b] = (load(diag_inv_ref, b) if exact_diagonal
-                       else _invert_unit_lower(l_block(b, b)))
+            beta_b = load(beta_ref, b)                                       # [16, 1]
+            a_bb = a_blk[b, b] if bounded else load(diag_a_ref, b)
+            for c in range(blocks):
+                a_bc = a_blk[b, c] if c < b else jnp.where(col <= sub_row, a_bb, 0.0)
+                store(aqk_ref, b, scale * a_bc if c <= b else zeros,
+                      pl.ds(c * SUB_CHUNK, SUB_CHUNK))
+            # T = (I + L)^-1 by blocks: T_bc = -T_bb sum_{c <= m < b} L_bm T_mc.
+            l_row = {c: beta_b * l_blk[b, c] for c in range(b)}
+            t[b, b] = (_invert_unit_lower(jnp.where(col < sub_row, beta_b * l_blk[b, b], 0.0))
+                       if bounded else load(diag_inv_ref, b))
             for c in range(b - 1, -1, -1):
-                coupled = sum(dot(l_block(b, m), t[m, c], hi) for m in range(c, b))
+                coupled = sum(dot(l_row[m], t[m, c], hi) for m in range(c, b))
                 t[b, c] = -dot(t[b, b], coupled, hi)
-        for b in range(blocks):
-            w = u = 0.0
-            for c in range(b + 1):
-                beta = load(beta_ref, c)
-                w = w + dot(t[b, c], beta * load(k_ref, c) * jnp.exp(load(gcum_ref, c)),
-                            precision)
-                u = u + dot(t[b, c], beta * load(v_ref, c), precision)
-            index, valid = rows(b)
-            plgpu.store(w_ref.at[index, h, :], w.astype(w_ref.dtype), mask=valid)
-            plgpu.store(u_ref.at[index, h, :], u.astype(u_ref.dtype), mask=valid)
+            for c in range(blocks):
+                store(t_ref, b, t[b, c] if c <= b else zeros, pl.ds(c * SUB_CHUNK, SUB_CHUNK))
+
+
+def _w_u_kernel(chunk_start_ref, chunk_len_ref, k_ref, v_ref, beta_ref, gcum_ref, t_ref,
+                w_ref, u_ref, *, chunk, precision):
+    """One chunk of one head: W = T diag(beta) (k * exp(G)), U = T diag(beta) v."""
+    slot, h = pl.program_id(0), pl.program_id(1)
+    r0 = chunk_start_ref[slot]
+    clen = chunk_len_ref[slot]
+
+    @pl.when(clen > 0)
+    def _():
+        valid = iota((chunk, 1), 0) < clen
+        rows = pl.ds(r0, chunk)
+
+        def load(ref):
+            at = ref.at[rows, pl.ds(h, 1)] if len(ref.shape) == 2 else ref.at[rows, h, :]
+            return plgpu.load(at, mask=valid, other=0).astype(jnp.float32)
+
+        t, beta = load(t_ref), load(beta_ref)
+        w = dot(t, beta * load(k_ref) * jnp.exp(load(gcum_ref)), precision)
+        u = dot(t, beta * load(v_ref), precision)
+        plgpu.store(w_ref.at[rows, h, :], w.astype(w_ref.dtype), mask=valid)
+        plgpu.store(u_ref.at[rows, h, :], u.astype(u_ref.dtype), mask=valid)
 
 
 def _chunk_slots(cu_seqlens, num_slots, chunk):
@@ -288,6 +279,81 @@ def chunk_slots(cu_seqlens, num_tokens, chunk) -> ChunkSlots:
     return ChunkSlots(*_chunk_slots(cu_seqlens, num_slots, chunk))
 
 
+class ChunkMatrices(NamedTuple):
+    """What `chunk_matrices` hands `chunk_w_u`, per padded row and head ([T + C, H, ...])."""
+
+    aqk: jax.Array     # [T + C, H, C] operand dtype
+    t: jax.Array       # [T + C, H, C] fp32: T = (I + L)^-1, by chunk rows
+    qg: jax.Array      # [T + C, H, K] operand dtype
+    kg: jax.Array      # [T + C, H, K] operand dtype
+    g_cum: jax.Array   # [T + C, H, K] fp32
+    g_last: jax.Array  # [S, H, K] fp32
+
+
+def _rows_of(x, width, dtype):
+    return jax.ShapeDtypeStruct((*x.shape[:2], width), dtype)
+
+
+def _params(num_warps):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+
+
+def chunk_matrices(q_p, k_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
+                   gate_lower_bound: float | None, config: KernelConfig, interpret: bool,
+                   exact: bool) -> ChunkMatrices:
+    """Pass 1a over row-padded inputs: G, Qg, Kg, Aqk and T (`_chunk_prep_kernel`, after
+    `_diagonal_kernel` when gates are unbounded)."""
+    head_k = q_p.shape[-1]
+    chunk = config.chunk_size
+    inter, f32 = operand_dtype(exact), jnp.float32
+    bounded = gate_lower_bound is not None
+    num_slots = slots.start.shape[0]
+    diagonal_blocks = ()
+    if not bounded:
+        diagonal = pl.pallas_call(
+            functools.partial(_diagonal_kernel, chunk=chunk),
+            out_shape=(_rows_of(q_p, SUB_CHUNK, f32), _rows_of(q_p, SUB_CHUNK, f32)),
+            grid=(num_slots * (chunk // SUB_CHUNK), q_p.shape[1]),
+            compiler_params=_params(config.diagonal_num_warps),
+            interpret=interpret,
+            name="kda_chunk_diagonal",
+        )
+        diagonal_blocks = diagonal(slots.start, slots.length, q_p, k_p, g_p, beta_p)
+    prep = pl.pallas_call(
+        functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
+                          block_k=min(config.prep_block_k, head_k),
+                          precision=matmul_precision(exact), bounded=bounded),
+        out_shape=ChunkMatrices(
+            _rows_of(q_p, chunk, inter), _rows_of(q_p, chunk, f32), _rows_of(q_p, head_k, inter),
+            _rows_of(q_p, head_k, inter), _rows_of(q_p, head_k, f32),
+            jax.ShapeDtypeStruct((num_slots, q_p.shape[1], head_k), f32)),
+        grid=(num_slots, q_p.shape[1]),
+        compiler_params=_params(config.prep_num_warps),
+        interpret=interpret,
+        name="kda_chunk_prep",
+    )
+    return ChunkMatrices(*prep(slots.start, slots.length, q_p, k_p, g_p, beta_p,
+                               *diagonal_blocks))
+
+
+def chunk_w_u(matrices: ChunkMatrices, k_p, v_p, beta_p, slots: ChunkSlots, *,
+              config: KernelConfig, interpret: bool, exact: bool) -> ChunkTensors:
+    """Pass 1b: W and U from T (`_w_u_kernel`); returns everything the scan needs."""
+    inter = operand_dtype(exact)
+    w_u = pl.pallas_call(
+        functools.partial(_w_u_kernel, chunk=config.chunk_size,
+                          precision=matmul_precision(exact)),
+        out_shape=(_rows_of(k_p, k_p.shape[-1], inter), _rows_of(v_p, v_p.shape[-1], inter)),
+        grid=(slots.start.shape[0], k_p.shape[1]),
+        compiler_params=_params(config.w_u_num_warps),
+        interpret=interpret,
+        name="kda_chunk_w_u",
+    )
+    w, u = w_u(slots.start, slots.length, k_p, v_p, beta_p, matrices.g_cum, matrices.t)
+    m = matrices
+    return ChunkTensors(w, u, m.aqk, m.qg, m.kg, m.g_cum, m.g_last)
+
+
 def chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
                gate_lower_bound: float | None, config: KernelConfig, interpret: bool,
                exact: bool) -> ChunkTensors:
@@ -297,53 +363,7 @@ def chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
     or the bound b in [-5, 0) the caller guarantees for every g (diagonal blocks on the
     tensor cores).
     """
-    padded, num_heads, head_k = q_p.shape
-    head_v = v_p.shape[-1]
-    chunk = config.chunk_size
-    inter, f32 = operand_dtype(exact), jnp.float32
-    precision = matmul_precision(exact)
-    exact_diagonal = gate_lower_bound is None
-    num_slots = slots.start.shape[0]
-
-    def rows_of(width, dtype):
-        return jax.ShapeDtypeStruct((padded, num_heads, width), dtype)
-
-    def params(num_warps):
-        return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
-
-    diagonal_a, diagonal_inv = (), ()
-    if exact_diagonal:
-        diagonal = pl.pallas_call(
-            functools.partial(_diagonal_kernel, chunk=chunk),
-            out_shape=(rows_of(SUB_CHUNK, f32), rows_of(SUB_CHUNK, f32)),
-            grid=(num_slots * (chunk // SUB_CHUNK), num_heads),
-            compiler_params=params(config.diagonal_num_warps),
-            interpret=interpret,
-            name="kda_chunk_diagonal",
-        )
-        a, inv = diagonal(slots.start, slots.length, q_p, k_p, g_p, beta_p)
-        diagonal_a, diagonal_inv = (a,), (inv,)
-    intra = pl.pallas_call(
-        functools.partial(_intra_kernel, scale=scale, chunk=chunk, precision=precision,
-                          bounded=not exact_diagonal),
-        out_shape=(rows_of(chunk, inter), rows_of(chunk, f32), rows_of(head_k, inter),
-                   rows_of(head_k, inter), rows_of(head_k, f32),
-                   jax.ShapeDtypeStruct((num_slots, num_heads, head_k), f32)),
-        grid=(num_slots, num_heads, chunk // SUB_CHUNK),
-        compiler_params=params(config.intra_num_warps),
-        interpret=interpret,
-        name="kda_chunk_intra",
-    )
-    aqk, l_mat, qg, kg, g_cum, g_last = intra(slots.start, slots.length, q_p, k_p, g_p,
-                                              beta_p, *diagonal_a)
-    solve = pl.pallas_call(
-        functools.partial(_solve_kernel, chunk=chunk, precision=precision,
-                          exact_diagonal=exact_diagonal),
-        out_shape=(rows_of(head_k, inter), rows_of(head_v, inter)),
-        grid=(num_slots, num_heads),
-        compiler_params=params(config.solve_num_warps),
-        interpret=interpret,
-        name="kda_chunk_solve",
-    )
-    w, u = solve(slots.start, slots.length, k_p, v_p, beta_p, g_cum, l_mat, *diagonal_inv)
-    return ChunkTensors(w, u, aqk, qg, kg, g_cum, g_last)
+    flags = dict(config=config, interpret=interpret, exact=exact)
+    matrices = chunk_matrices(q_p, k_p, g_p, beta_p, slots, scale=scale,
+                              gate_lower_bound=gate_lower_bound, **flags)
+    return chunk_w_u(matrices, k_p, v_p, beta_p, slots, **flags)

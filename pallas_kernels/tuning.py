@@ -39,8 +39,9 @@ class KernelConfig:
     block_v: int = 64           # value columns per scan program
     scan_num_warps: int = 8
     scan_num_stages: int = 1
-    intra_num_warps: int = 4    # prep: G, Qg, Kg, Aqk and L per 16-row block
-    solve_num_warps: int = 4    # prep: T = (I + L)^-1, W and U per chunk
+    prep_num_warps: int = 4     # prep: G, Qg, Kg, Aqk and T = (I + L)^-1 per chunk
+    prep_block_k: int = 64      # key columns per slice of the prep program
+    w_u_num_warps: int = 4      # prep: W and U per chunk
     diagonal_num_warps: int = 4  # prep, any-decay path: the diagonal blocks elementwise
     output_block_v: int = 128   # value columns per output program
     output_num_warps: int = 4
@@ -73,9 +74,10 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
     pipeline stage past the first buffers the tiles loaded per chunk (W, Qg, Kg [C, K],
     Aqk [C, C], U [C, BV] in the operand dtype). Hopper and datacenter Blackwell (9.x,
     10.x) feed wgmma from shared memory and double-buffer those tiles; mma.sync targets
-    (8.x, 12.x, GB10 among them) stage them once. Prep pass (fp32, no loop): T [C, C] and
-    one [C, K] operand. Output pass (no loop): its operands Qg [C, K], S [K, BV_out],
-    Aqk [C, C] and Vnew [C, BV_out].
+    (8.x, 12.x, GB10 among them) stage them once. Prep pass (fp32, no loop): its largest
+    kernel, intra, stages a [C, K] key tile and a [16, K] row tile, bounded by
+    [C, C] + [C, max(K, V)] fp32. Output pass (no loop): its operands Qg [C, K],
+    S [K, BV_out], Aqk [C, C] and Vnew [C, BV_out].
 
     Calibrated against Triton 3.9 (`python -m pallas_kernels.aot`; the test suite checks
     that the estimate bounds what Triton allocates): e.g. block_v 32, 2 stages, bf16:
