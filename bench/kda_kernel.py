@@ -225,9 +225,9 @@ def run_case(name, lens, config, args, bandwidth):
 def sweep_configs(base: KernelConfig):
     """The selected tiling, then the prep pass's warps and key slice one change at a time."""
     yield base
-    for warps, block_k in ((8, 64), (2, 64), (1, 32), (4, 32), (4, 128), (8, 128)):
+    for warps, block_k in ((1, 64), (2, 32), (2, 64), (4, 64)):
         yield dataclasses.replace(base, prep_num_warps=warps, prep_block_k=block_k)
-    yield dataclasses.replace(base, w_u_num_warps=8)
+    yield dataclasses.replace(base, w_u_num_warps=4)
 
 
 def print_table(results):
