@@ -184,22 +184,25 @@ def run_case(name, lens, config, args, bandwidth):
                                                 gate_lower_bound=bound))
         return lambda: fn(inputs, offsets)
 
+    def measure(row, call, sync=jax.block_until_ready, **timing):
+        """Time one row; print it at once (compiles make a case take minutes)."""
+        rows[row] = time_calls(call, sync, **timing)[0]
+        print(f"{name} {row}: {rows[row]:.3f} ms", flush=True)
+
     timing = dict(iters=args.iters, samples=args.samples)
-    rows["pallas, 0 snapshots"] = time_calls(ours(1), jax.block_until_ready, **timing)[0]
-    rows["pallas, 4 snapshots"] = time_calls(ours(4), jax.block_until_ready, **timing)[0]
-    rows["pallas any decay, 4 snap"] = time_calls(ours(4, None), jax.block_until_ready,
-                                                  **timing)[0]
+    measure("pallas, 0 snapshots", ours(1), **timing)
+    measure("pallas, 4 snapshots", ours(4), **timing)
+    measure("pallas any decay, 4 snap", ours(4, None), **timing)
     ref = jax.jit(lambda i, off: kda_prefill(**i, checkpoint_offsets=off, backend="reference"))
     offsets4 = snapshot_offsets(lens, 4)
-    rows["jax.numpy reference"] = time_calls(lambda: ref(inputs, offsets4),
-                                             jax.block_until_ready, iters=2,
-                                             samples=max(3, args.samples // 2))[0]
+    measure("jax.numpy reference", lambda: ref(inputs, offsets4), iters=2,
+            samples=max(3, args.samples // 2))
     fla_options = {"fla chunk_kda": {},
                    "fla chunk_kda safe_gate": dict(safe_gate=True, lower_bound=GATE_LOWER_BOUND)}
     for row, options in fla_options.items():
         fla_call, fla_sync = (None, None) if args.no_fla else fla_runner(inputs, lens, **options)
         if fla_call is not None:
-            rows[row] = time_calls(fla_call, fla_sync, **timing)[0]
+            measure(row, fla_call, fla_sync, **timing)
 
     ref_out = ref(inputs, offsets4)
     errors = {}
@@ -225,7 +228,7 @@ def run_case(name, lens, config, args, bandwidth):
 def sweep_configs(base: KernelConfig):
     """The selected tiling, then the prep pass's warps and key slice one change at a time."""
     yield base
-    for warps, block_k in ((1, 64), (2, 32), (2, 64), (4, 64)):
+    for warps, block_k in ((2, 64), (8, 64), (4, 32)):
         yield dataclasses.replace(base, prep_num_warps=warps, prep_block_k=block_k)
     yield dataclasses.replace(base, w_u_num_warps=4)
 

@@ -105,8 +105,10 @@ def _fill(row: np.ndarray, values) -> np.ndarray:
     return out
 
 
-def run_workload(steps: ModelSteps, model_state, workload: Workload) -> RunResult:
-    """Runs `workload` with `steps` on fresh caches.
+def run_workload(steps: ModelSteps, model_state, workload: Workload, *,
+                 progress=None) -> RunResult:
+    """Runs `workload` with `steps` on fresh caches; `progress(kind, index, count, seconds)`
+    is called after every step (the first of each kind includes its compile).
 
     Raises:
       RuntimeError: if the model refuses a step.
@@ -116,11 +118,13 @@ def run_workload(steps: ModelSteps, model_state, workload: Workload) -> RunResul
     results = {"prefill": ([], []), "decode": ([], [])}
     for kind, batches, step in (("prefill", workload.prefills, steps.prefill),
                                 ("decode", workload.decodes, steps.decode)):
-        for batch in batches:
+        for index, batch in enumerate(batches):
             start = time.perf_counter()
             out = step(model_state, caches, batch)
             logits = np.asarray(out.logits)
             results[kind][1].append(time.perf_counter() - start)
+            if progress is not None:
+                progress(kind, index, len(batches), results[kind][1][-1])
             caches = out.caches
             if int(out.status) != PoolStatus.OK:
                 raise RuntimeError(f"{kind} refused: {PoolStatus(int(out.status)).name}")
@@ -225,8 +229,17 @@ def run(args: argparse.Namespace) -> dict:
     workload = prompt_workload(config, args.tokens, args.decode_steps, block_size=args.block_size,
                                dcp=args.dcp, repeats=args.repeats, seed=args.seed)
     model_state = nnx.split(random_model(config, args.seed))
-    single = run_workload(single_device_steps(config), model_state, workload)
-    sharded = run_workload(plan.steps(), model_state, workload)
+
+    def progress_of(label):
+        def report(kind, index, count, seconds):
+            print(f"{label}: {kind} {index + 1}/{count} {seconds:.2f} s", file=sys.stderr,
+                  flush=True)
+        return report
+
+    single = run_workload(single_device_steps(config), model_state, workload,
+                          progress=progress_of("one device"))
+    sharded = run_workload(plan.steps(), model_state, workload,
+                           progress=progress_of(f"mesh tp={args.tp} dcp={args.dcp}"))
     return {
         "preset": config.name, "tp": args.tp, "dcp": args.dcp, "interleave": args.interleave,
         "tokens": args.tokens, "decode_steps": args.decode_steps, "block_size": args.block_size,
