@@ -35,33 +35,28 @@ reason. Writes JSON to bench/results/prefill_<preset>.json (`--json`) after ever
 from __future__ import annotations
 
 import argparse
-import collections
 import concurrent.futures
 import dataclasses
 import json
 import math
 import platform
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 
-from bench.buckets import CompileLog, DryRun, Output, log, precompile, step_functions
+from bench.buckets import CompileLog, DryRun, log, precompile, step_functions
+from bench.prefill_cases import CASES, MODES, Run, Session, compare_greedy
 from glmjax.config import ModelConfig
 from glmjax.model import HybridModel
 from glmjax.random_weights import random_model
 from serving.batch_builder import BatchBuckets
 from serving.engine import Engine, EngineConfig
-from serving.request import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
-MODES = {"coalesced": True, "ladder": False}
-TARGET_RATIOS = {8192: 1.51, 16384: 1.24, 32768: 1.12}  # upstream cold-prefill speedups
-MAX_STEPS = 100_000  # per request: a scheduler that stops making progress is a bug
 FULL = dict(
     preset="glm5.3-flash", num_layers=4, num_experts=16, block_size=512, budget=8192,
     lengths="8192,16384,32768", unaligned=16228, beside_lengths="8192,16228", decoders=3,
@@ -73,148 +68,6 @@ QUICK = dict(
     lengths="256,512", unaligned=350, beside_lengths="350", decoders=1, decode_context=128,
     concurrency="1,2", samples=2, decode_steps=4, compile_workers=2, single_bucket=True,
 )  # fmt: skip
-
-
-class Session:
-    """One engine (or `DryRun`); the latest output of each of its requests in `outputs`."""
-
-    def __init__(self, engine: Engine | DryRun, outputs: dict[str, Output]):
-        self.engine = engine
-        self.outputs = outputs
-
-    def step(self) -> None:
-        for out in self.engine.step():
-            self.outputs[out.request_id] = Output(out.request_id, tuple(out.output_token_ids),
-                                                  tuple(out.logprobs), out.num_cached_tokens)
-
-    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
-        """Adds a greedy request, steps until its first token: (seconds, steps) since added."""
-        start = time.perf_counter()
-        self.engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens))
-        for steps in range(1, MAX_STEPS):
-            self.step()
-            if request_id in self.outputs:
-                return time.perf_counter() - start, steps
-        raise RuntimeError(f"request {request_id!r} got no token in {MAX_STEPS} steps")
-
-    def generated(self, request_ids: Sequence[str]) -> int:
-        return sum(len(self.outputs[r].output_token_ids) for r in request_ids)
-
-
-@dataclasses.dataclass
-class Run:
-    """Both sessions of a run, its prompts, and the compiles seen while timing."""
-
-    sessions: dict[str, Session]  # keyed like MODES
-    args: argparse.Namespace
-    vocab_size: int
-    compile_log: CompileLog
-    rng: np.random.Generator
-    compiles_during_timing: int = 0
-
-    def prompt(self, length: int) -> list[int]:
-        """A fresh random prompt: none of its blocks is in a prefix cache."""
-        return self.rng.integers(0, self.vocab_size, length).tolist()
-
-    def samples(self, measure: Callable, length: int = 0) -> dict[str, dict[str, list]]:
-        """`measure(tag, session, prompt)` for each sample (one fresh prompt of `length` each)
-        and each session, alternating which goes first; lists of what timed samples return."""
-        modes = {mode: collections.defaultdict(list) for mode in MODES}
-        for i in range(self.args.warmup + self.args.samples):
-            warm = i < self.args.warmup
-            tag, prompt = f"{'w' if warm else 's'}{i}", self.prompt(length)
-            for mode, session in list(self.sessions.items())[:: 1 if i % 2 == 0 else -1]:
-                compiles = len(self.compile_log.events)
-                values = measure(tag, session, prompt)
-                if not warm:
-                    self.compiles_during_timing += len(self.compile_log.events) - compiles
-                    for key, value in values.items():
-                        modes[mode][key].append(value)
-        return {mode: dict(values) for mode, values in modes.items()}
-
-    def add_decoders(self, name: str, count: int) -> list[str]:
-        """`count` requests decoding at `--decode-context` tokens in both sessions, added one
-        at a time (no prefill step packs two of them)."""
-        block = self.args.block_size * self.args.dcp
-        ids = [f"{name}-d{k}" for k in range(count)]
-        for request_id in ids:
-            prompt = self.prompt(self.args.decode_context - block)
-            for session in self.sessions.values():
-                session.add(request_id, prompt, block)
-        return ids
-
-    def abort(self, request_ids: Sequence[str]) -> None:
-        for session in self.sessions.values():
-            for request_id in request_ids:
-                session.engine.abort(request_id)
-            session.step()  # reports the aborts
-
-
-def _with_medians(modes: dict, *keys: str) -> dict:
-    for values in modes.values():
-        for key in keys:
-            values[f"median_{key}"] = statistics.median(values[key]) if values.get(key) else None
-    return modes
-
-
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
-    return numerator / denominator if numerator and denominator else None
-
-
-def cold_case(run: Run, length: int) -> dict:
-    """Cold prompts of `length` tokens, one greedy token each."""
-
-    def measure(tag, session, prompt):
-        request_id = f"cold-{length}-{tag}"
-        seconds, steps = session.add(request_id, prompt, 1)
-        return dict(ttft_s=seconds, steps=steps,
-                    cached_tokens=session.outputs[request_id].num_cached_tokens)
-
-    modes = _with_medians(run.samples(measure, length), "ttft_s")
-    for values in modes.values():
-        values["tokens_per_s"] = _ratio(length, values["median_ttft_s"])
-    ladder, coalesced = (modes[m]["median_ttft_s"] for m in ("ladder", "coalesced"))
-    return dict(tokens=length, **modes, ratio=_ratio(ladder, coalesced),
-                target_ratio=TARGET_RATIOS.get(length))
-
-
-def beside_case(run: Run, length: int) -> dict:
-    """Cold prompts of `length` tokens while `--decoders` requests decode."""
-    decoders = run.add_decoders(f"beside-{length}", run.args.decoders)
-
-    def measure(tag, session, prompt):
-        before = session.generated(decoders)
-        seconds, _ = session.add(f"beside-{length}-{tag}", prompt, 1)
-        return dict(ttft_s=seconds,
-                    decode_tokens_per_s=(session.generated(decoders) - before) / seconds)
-
-    modes = _with_medians(run.samples(measure, length), "ttft_s", "decode_tokens_per_s")
-    run.abort(decoders)
-    ladder, coalesced = (modes[m]["median_ttft_s"] for m in ("ladder", "coalesced"))
-    return dict(tokens=length, decoders=run.args.decoders,
-                decode_context=run.args.decode_context, **modes,
-                ttft_ratio=_ratio(ladder, coalesced))
-
-
-def decode_case(run: Run, concurrency: int) -> dict:
-    """`concurrency` requests decoding: tokens/s over `--decode-steps` steps a sample."""
-    decoders = run.add_decoders(f"decode-c{concurrency}", concurrency)
-
-    def measure(tag, session, prompt):
-        before, start = session.generated(decoders), time.perf_counter()
-        for _ in range(run.args.decode_steps):
-            session.step()
-        return dict(tokens_per_s=(session.generated(decoders) - before)
-                    / (time.perf_counter() - start))
-
-    modes = _with_medians(run.samples(measure), "tokens_per_s")
-    run.abort(decoders)
-    coalesced, ladder = (modes[m]["median_tokens_per_s"] for m in ("coalesced", "ladder"))
-    return dict(concurrency=concurrency, context=run.args.decode_context, **modes,
-                ratio=_ratio(coalesced, ladder))
-
-
-CASES = {"decode": decode_case, "beside": beside_case, "cold": cold_case}
 
 
 def case_list(args) -> list[tuple[str, int]]:
@@ -259,29 +112,6 @@ def dry_run(args, buckets: BatchBuckets, vocab_size: int, compile_log: CompileLo
         CASES[kind](run, size)
         case_buckets[kind, size] = set().union(*(d.used for d in dry.values()))
     return {key: batch for d in dry.values() for key, batch in d.batches.items()}, case_buckets
-
-
-def compare_greedy(on: dict[str, Output], off: dict[str, Output]) -> dict:
-    """Paired requests' tokens up to the first difference, logprobs where the tokens agree
-    (DESIGN section 6: |on - off| <= 0.1 + 0.02 |off|)."""
-    tokens, compared, differing, max_diff, within = {}, 0, [], 0.0, True
-    for request_id in sorted(on.keys() & off.keys()):
-        a, b = on[request_id], off[request_id]
-        length = min(len(a.output_token_ids), len(b.output_token_ids))
-        same = next((k for k in range(length)
-                     if a.output_token_ids[k] != b.output_token_ids[k]), length)
-        compared += min(same + 1, length)
-        if same < length:
-            differing.append(request_id)
-        if same:
-            diff = np.abs(np.subtract(a.logprobs[:same], b.logprobs[:same]))
-            max_diff = max(max_diff, float(diff.max()))
-            within &= bool(np.all(diff <= 0.1 + 0.02 * np.abs(b.logprobs[:same])))
-        tokens[request_id] = {"coalesced": list(a.output_token_ids),
-                              "ladder": list(b.output_token_ids)}
-    return dict(requests=len(tokens), compared_tokens=compared, identical=not differing,
-                differing_requests=differing, max_abs_logprob_diff=max_diff,
-                logprobs_within_design_bound=within, tokens=tokens)
 
 
 def run_benchmark(args) -> dict:
