@@ -22,6 +22,7 @@ from glmjax.layers.conv import ShortConvolution
 from glmjax.layers.norms import GatedRMSNorm, l2_normalize
 from glmjax.layers.projection import projection
 from pallas_kernels import kda_prefill
+from pallas_kernels.kda import MIN_GATE_LOWER_BOUND
 
 if TYPE_CHECKING:
     from glmjax.sharding import ShardingPlan
@@ -105,7 +106,9 @@ class KDA(nnx.Module):
             q, k = l2_normalize(q), l2_normalize(k)
             g = self.decay(x)
             beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [T, H]
-            bound = self.gate_bound if self.gate == "sigmoid_bound" else None
+            # The kernel's tensor-core diagonal needs g >= a bound in [-5, 0).
+            bounded = self.gate == "sigmoid_bound" and self.gate_bound >= MIN_GATE_LOWER_BOUND
+            bound = self.gate_bound if bounded else None
             scan = functools.partial(kda_prefill, backend=self.backend, gate_lower_bound=bound)
             if plan is not None:
                 s = plan.specs
