@@ -84,11 +84,9 @@ def run(layer, x, cu, state, offsets):
     return layer(x, cu, state, offsets)
 
 
-@pytest.mark.parametrize(
-    "gate, cold", [("sigmoid_bound", False), ("sigmoid_bound", True), ("softplus", False)]
-)
-def test_kda_layer_matches_oracle(rng, gate, cold):
-    config = dataclasses.replace(ModelConfig.preset("tiny"), kda_gate=gate)
+def check_layer_against_oracle(rng, config, *, cold):
+    """One random batch through the jitted layer; output, final and snapshot states (the
+    recurrent state and the conv history) against the oracle."""
     layer = random_module(lambda: KDA(config, rngs=nnx.Rngs(0)), rng)
     x, cu, state, offsets = random_batch(rng, config, cold=cold)
     out = run(
@@ -108,6 +106,14 @@ def test_kda_layer_matches_oracle(rng, gate, cold):
     assert not np.any(np.asarray(out.y)[cu[-1] :])  # padding rows
 
 
+@pytest.mark.parametrize(
+    "gate, cold", [("sigmoid_bound", False), ("sigmoid_bound", True), ("softplus", False)]
+)
+def test_kda_layer_matches_oracle(rng, gate, cold):
+    config = dataclasses.replace(ModelConfig.preset("tiny"), kda_gate=gate)
+    check_layer_against_oracle(rng, config, cold=cold)
+
+
 @pytest.mark.parametrize("bound", [-5.0, -8.0], ids=["bounded-path", "any-decay-path"])
 def test_pallas_scan_in_the_layer(rng, bound):
     """The layer on the Pallas kernel (interpret mode here): a gate bound in [-5, 0) takes
@@ -115,19 +121,7 @@ def test_pallas_scan_in_the_layer(rng, bound):
     config = dataclasses.replace(
         ModelConfig.preset("tiny"), kda_gate_bound=bound, kda_backend="pallas"
     )
-    layer = random_module(lambda: KDA(config, rngs=nnx.Rngs(0)), rng)
-    x, cu, state, offsets = random_batch(rng, config, cold=False)
-    out = run(
-        layer,
-        jnp.asarray(x),
-        jnp.asarray(cu),
-        KDAState(*map(jnp.asarray, state)),
-        jnp.asarray(offsets),
-    )
-    y, final, snaps = kda_oracle(layer, config, x, cu, state, offsets)
-    np.testing.assert_allclose(out.y, y, rtol=1e-5, atol=2e-5)
-    np.testing.assert_allclose(out.state.recurrent, final.recurrent, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(out.snapshots.recurrent, snaps.recurrent, rtol=1e-5, atol=1e-5)
+    check_layer_against_oracle(rng, config, cold=False)
 
 
 def test_resume_from_snapshot_equals_cold_run(rng):
