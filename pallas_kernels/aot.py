@@ -4,9 +4,10 @@
 
 No GPU is needed. For each device the KDA prefill is lowered under an abstract mesh whose
 device kind is that GPU, with exactly the `KernelConfig` the runtime picks for it, at the
-real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs), for both gate paths. Each Triton module the
-Pallas lowering embeds is then compiled by the official Triton compiler for that target,
-and ptxas reports registers and spills. The table shows shared memory against the
+real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs), on both gate paths
+(bounded, as GLM's gate, and any decay, as Kimi's). Each Triton module the Pallas lowering
+embeds is then compiled by the official Triton compiler for that target, and ptxas reports
+registers and spills. The table shows shared memory against the
 device's per-block limit; the exit status is non-zero when a kernel fails to compile or
 exceeds a limit (register spills are reported, they cost speed, not correctness).
 
@@ -38,7 +39,6 @@ HEAD_DIM = 128
 NUM_TOKENS = 8192
 CAPACITY = 4
 MAX_REGISTERS = 255  # per thread, every NVIDIA target since sm_50
-GATE_PATHS = (-5.0, None)  # bounded gates (GLM) and any decay (Kimi): see `kda_prefill`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +87,10 @@ def _custom_calls(op) -> list:
 
 
 def lower_kda_prefill(spec: DeviceSpec, heads: int, config: KernelConfig | None = None, *,
-                      gate_lower_bound: float | None = None) -> list[TritonModule]:
+                      bounded_gates: bool = False) -> list[TritonModule]:
     """The Triton modules of the bf16 KDA prefill for `spec`, by default with the config
-    the runtime picks for that device (gate_lower_bound: see `kda_prefill`)."""
+    the runtime picks for that device (bounded_gates: see `kda_prefill`'s
+    `gate_lower_bound`)."""
     config = config or select_config(spec, num_seqs=1, num_heads=heads, head_k=HEAD_DIM,
                                      head_v=HEAD_DIM)
     shape = jax.ShapeDtypeStruct
@@ -102,7 +103,7 @@ def lower_kda_prefill(spec: DeviceSpec, heads: int, config: KernelConfig | None 
 
     def prefill(*arrays):
         return kda_prefill_pallas(*arrays, scale=HEAD_DIM ** -0.5,
-                                  gate_lower_bound=gate_lower_bound, config=config,
+                                  bounded_gates=bounded_gates, config=config,
                                   interpret=False, exact=False)
 
     with jax.sharding.use_abstract_mesh(_abstract_mesh(spec)):
@@ -165,8 +166,8 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
         spec = KNOWN_DEVICES[name]
         for num_heads in heads:
             modules = {}  # by name: the two gate paths share the scan and output kernels
-            for bound in GATE_PATHS:
-                for module in lower_kda_prefill(spec, num_heads, gate_lower_bound=bound):
+            for bounded in (True, False):
+                for module in lower_kda_prefill(spec, num_heads, bounded_gates=bounded):
                     modules.setdefault(module.name, module)
             reports.extend(compile_module(module, spec, num_heads) for module in modules.values())
     return reports

@@ -109,5 +109,6 @@ def kda_prefill(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets
         raise ValueError(f"head dim V={head_v} must be a multiple of the kernel's value "
                          f"block {config.block_v}")
     return kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets,
-                              scale=scale, gate_lower_bound=gate_lower_bound, config=config,
+                              scale=scale, bounded_gates=gate_lower_bound is not None,
+                              config=config,
                               interpret=bool(interpret), exact=exact)

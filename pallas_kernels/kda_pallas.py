@@ -172,10 +172,10 @@ def chunk_output(tensors: ChunkTensors, entry_states, v_new, slots: ChunkSlots, 
                   o_zero)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gate_lower_bound", "config", "interpret",
+@functools.partial(jax.jit, static_argnames=("scale", "bounded_gates", "config", "interpret",
                                              "exact"))
 def kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets, *,
-                       scale: float, gate_lower_bound: float | None, config: KernelConfig,
+                       scale: float, bounded_gates: bool, config: KernelConfig,
                        interpret: bool, exact: bool):
     """Pallas implementation of `kda_prefill` (arguments already validated).
 
@@ -187,7 +187,7 @@ def kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_
     slots = chunk_slots(cu_seqlens, num_tokens, chunk)
     q_p, k_p, v_p, g_p, beta_p = (pad_rows(x, chunk) for x in (q, k, v, g, beta))
     tensors = chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots, scale=scale,
-                         gate_lower_bound=gate_lower_bound, **flags)
+                         bounded_gates=bounded_gates, **flags)
     entry_states, v_new, final_states, snapshots = chunk_scan(
         tensors, k_p, slots, cu_seqlens, initial_states, checkpoint_offsets, **flags)
     o = chunk_output(tensors, entry_states, v_new, slots, out_dtype=v.dtype, **flags)

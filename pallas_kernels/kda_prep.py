@@ -20,8 +20,9 @@ section 2), in fully parallel programs (one per chunk slot and head):
    exp(G_i - E_c) * exp(E_c - G_j) with E_c = G at block c's last row (both factors
    <= 1), each exponent built from block-local cumsums and block totals. The diagonal
    16 x 16 blocks:
-   - bounded gates (`gate_lower_bound` b >= -5: g >= b everywhere): one more matmul, with
-     the reference at the block's middle row, so both factors stay within exp(8 |b|) ~ e^40;
+   - bounded gates (`kda_prefill`'s `gate_lower_bound` b >= -5: g >= b everywhere): one
+     more matmul, with the reference at the block's middle row, so both factors stay
+     within exp(8 |b|) ~ e^40;
    - any decay (`gate_lower_bound=None`): from `_diagonal_kernel`, which forms them
      elementwise with every exponent <= 0 and also inverts I + L's diagonal blocks.
    T by blocks: T_bb = (I + L_bb)^-1, T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (fp32).
@@ -39,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.tiles import dot, dot_nt, iota, matmul_precision, operand_dtype
+from pallas_kernels.tiles import dot, dot_nt, iota, load_rows, matmul_precision, operand_dtype
 from pallas_kernels.tuning import KernelConfig
 
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tile a Triton dot accepts
@@ -82,11 +83,11 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
         rows = pl.ds(chunk_start_ref[slot] + first, SUB_CHUNK)
 
         def load(ref):
-            return plgpu.load(ref.at[rows, h, :], mask=valid, other=0).astype(f32)
+            return load_rows(ref, rows, h, valid)
 
         q, k = load(q_ref), load(k_ref)
         g_blk = lax.cumsum(load(g_ref), axis=0)  # G relative to the sub-chunk's start
-        beta = plgpu.load(beta_ref.at[rows, pl.ds(h, 1)], mask=valid, other=0).astype(f32)
+        beta = load(beta_ref)                    # [16, 1]
         cols = iota((1, SUB_CHUNK), 1)
         a_blk = l_blk = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
         for j in range(SUB_CHUNK):
@@ -131,8 +132,7 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
         def load(ref, b, cols=slice(None)):
             """Row block b of this head, as fp32; beta [T, H] loads as a [16, 1] column."""
             index, valid = rows(b)
-            at = ref.at[index, pl.ds(h, 1)] if len(ref.shape) == 2 else ref.at[index, h, cols]
-            return plgpu.load(at, mask=valid, other=0).astype(f32)
+            return load_rows(ref, index, h, valid, cols)
 
         def store(ref, b, value, cols=slice(None)):
             index, valid = rows(b)
@@ -142,6 +142,13 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
             return jnp.sum(jnp.where(sub_row == row, x, 0.0), axis=0, keepdims=True)
 
         a_blk, l_blk = {}, {}  # [16, 16] blocks (b, c), accumulated over key slices
+
+        def accumulate(b, c, q_rows, k_rows, keys):
+            """Adds one key slice's part of block (b, c) of Aqk and of L: block b's decayed
+            q and k rows against block c's decayed `keys`."""
+            a_blk[b, c] = a_blk.get((b, c), 0.0) + dot_nt(q_rows, keys, precision)
+            l_blk[b, c] = l_blk.get((b, c), 0.0) + dot_nt(k_rows, keys, precision)
+
         for first_k in range(0, q_ref.shape[-1], block_k):
             cols = pl.ds(first_k, block_k)
             # Every exponent below comes from block-local cumsums ("rise": G minus G just
@@ -164,20 +171,13 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
                 for c in range(b):
                     # exp(G_i - G_j) = exp(G_i - E_c) exp(E_c - G_j), both factors <= 1.
                     gap = fall if c == b - 1 else fall * jnp.exp(sum(total[c + 1:b]))
-                    a_blk[b, c] = a_blk.get((b, c), 0.0) + dot_nt(q_b * gap, k_fall[c],
-                                                                   precision)
-                    l_blk[b, c] = l_blk.get((b, c), 0.0) + dot_nt(k_b * gap, k_fall[c],
-                                                                   precision)
+                    accumulate(b, c, q_b * gap, k_b * gap, k_fall[c])
                 if bounded:
                     # Diagonal block, reference G at its middle row: both factors within
                     # exp(8 |b|) (~e^40 at b = -5), no overflow and no subnormal factor.
                     mid = row_of(rise[b], SUB_CHUNK // 2 - 1)
                     centred = jnp.exp(rise[b] - mid)
-                    k_mid = k_b * jnp.exp(mid - rise[b])
-                    a_blk[b, b] = a_blk.get((b, b), 0.0) + dot_nt(q_b * centred, k_mid,
-                                                                   precision)
-                    l_blk[b, b] = l_blk.get((b, b), 0.0) + dot_nt(k_b * centred, k_mid,
-                                                                   precision)
+                    accumulate(b, b, q_b * centred, k_b * centred, k_b * jnp.exp(mid - rise[b]))
                 k_fall.append(k_b * jnp.exp(total[b] - rise[b]))
 
         col = iota((1, SUB_CHUNK), 1)
@@ -214,8 +214,7 @@ def _w_u_kernel(chunk_start_ref, chunk_len_ref, k_ref, v_ref, beta_ref, gcum_ref
         rows = pl.ds(r0, chunk)
 
         def load(ref):
-            at = ref.at[rows, pl.ds(h, 1)] if len(ref.shape) == 2 else ref.at[rows, h, :]
-            return plgpu.load(at, mask=valid, other=0).astype(jnp.float32)
+            return load_rows(ref, rows, h, valid)
 
         t, beta = load(t_ref), load(beta_ref)
         w = dot(t, beta * load(k_ref) * jnp.exp(load(gcum_ref)), precision)
@@ -299,17 +298,16 @@ def _params(num_warps):
 
 
 def chunk_matrices(q_p, k_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
-                   gate_lower_bound: float | None, config: KernelConfig, interpret: bool,
+                   bounded_gates: bool, config: KernelConfig, interpret: bool,
                    exact: bool) -> ChunkMatrices:
     """Pass 1a over row-padded inputs: G, Qg, Kg, Aqk and T (`_chunk_prep_kernel`, after
     `_diagonal_kernel` when gates are unbounded)."""
     head_k = q_p.shape[-1]
     chunk = config.chunk_size
     inter, f32 = operand_dtype(exact), jnp.float32
-    bounded = gate_lower_bound is not None
     num_slots = slots.start.shape[0]
     diagonal_blocks = ()
-    if not bounded:
+    if not bounded_gates:
         diagonal = pl.pallas_call(
             functools.partial(_diagonal_kernel, chunk=chunk),
             out_shape=(_rows_of(q_p, SUB_CHUNK, f32), _rows_of(q_p, SUB_CHUNK, f32)),
@@ -322,7 +320,7 @@ def chunk_matrices(q_p, k_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
     prep = pl.pallas_call(
         functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
                           block_k=min(config.prep_block_k, head_k),
-                          precision=matmul_precision(exact), bounded=bounded),
+                          precision=matmul_precision(exact), bounded=bounded_gates),
         out_shape=ChunkMatrices(
             _rows_of(q_p, chunk, inter), _rows_of(q_p, chunk, f32), _rows_of(q_p, head_k, inter),
             _rows_of(q_p, head_k, inter), _rows_of(q_p, head_k, f32),
@@ -355,15 +353,15 @@ def chunk_w_u(matrices: ChunkMatrices, k_p, v_p, beta_p, slots: ChunkSlots, *,
 
 
 def chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
-               gate_lower_bound: float | None, config: KernelConfig, interpret: bool,
+               bounded_gates: bool, config: KernelConfig, interpret: bool,
                exact: bool) -> ChunkTensors:
     """Pass 1 over row-padded inputs ([T + C, H, ...], see `pad_rows`).
 
-    gate_lower_bound: None for any decay (diagonal blocks elementwise, `_diagonal_kernel`),
-    or the bound b in [-5, 0) the caller guarantees for every g (diagonal blocks on the
-    tensor cores).
+    bounded_gates: the caller guarantees g >= b, b in [-5, 0) (`kda_prefill`'s
+    `gate_lower_bound`): diagonal blocks on the tensor cores; otherwise elementwise, any
+    decay (`_diagonal_kernel`). The kernels do not depend on b itself.
     """
     flags = dict(config=config, interpret=interpret, exact=exact)
     matrices = chunk_matrices(q_p, k_p, g_p, beta_p, slots, scale=scale,
-                              gate_lower_bound=gate_lower_bound, **flags)
+                              bounded_gates=bounded_gates, **flags)
     return chunk_w_u(matrices, k_p, v_p, beta_p, slots, **flags)

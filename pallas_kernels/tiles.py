@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 
 def dot(a, b, precision):
@@ -37,3 +39,10 @@ def operand_dtype(exact):
 def matmul_precision(exact):
     """IEEE fp32 matmuls when exact, the default (bf16 / tf32 operands) otherwise."""
     return lax.Precision.HIGHEST if exact else lax.Precision.DEFAULT
+
+
+def load_rows(ref, rows, head, valid, cols=slice(None)):
+    """Rows `rows` (a `pl.ds`) of one head of a [T, H, D] ref as fp32, zero where `valid`
+    ([R, 1]) is false; a [T, H] ref (beta) loads as an [R, 1] column."""
+    at = ref.at[rows, pl.ds(head, 1)] if len(ref.shape) == 2 else ref.at[rows, head, cols]
+    return plgpu.load(at, mask=valid, other=0).astype(jnp.float32)
