@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -42,7 +41,6 @@ from glmjax.layers.paged_cache import DCPLayout, MLACache
 from glmjax.model import HybridModel
 from glmjax.shard import Workload, run_workload
 from glmjax.sharding import SPECS, ShardingPlan, make_mesh, single_device_steps
-from serving import server
 
 MESHES = [(1, 1, 1), (2, 1, 1), (2, 2, 4), (4, 1, 1), (4, 2, 8), (4, 4, 2)]  # tp, dcp, I
 LOGIT_RTOL = 2e-5  # max |diff| / max |reference logit|
@@ -327,6 +325,11 @@ SERVER_ARGS = ["--preset", "tiny", "--block-size", "64", "--max-num-batched-toke
 
 
 def _serve(extra):
+    # Imported here: the GPU image runs this file's `gpu` tests without the server's web stack.
+    from fastapi.testclient import TestClient
+
+    from serving import server
+
     engine, tokenizer, name = server.build_engine(server.parse_args([*SERVER_ARGS, *extra]))
     app = server.build_app(server.AsyncEngine(engine), tokenizer, model_name=name)
     answers = []
