@@ -79,16 +79,23 @@ def prefill_figure(plt, results: dict, path: Path) -> bool:
     tokens = [e["tokens"] for e in rows]
     for mode, label in MODES.items():
         ax.plot(tokens, [e[mode]["median_ttft_s"] for e in rows], "o-", label=label)
-    for e in rows:
+    for index, e in enumerate(rows):  # labels alternate above / below: lengths may be close
         target = f" (target {e['target_ratio']:.2f})" if e.get("target_ratio") else ""
         ax.annotate(f"{e['ratio']:.2f}x{target}", (e["tokens"], e["ladder"]["median_ttft_s"]),
-                    textcoords="offset points", xytext=(4, 6), fontsize=7)
+                    textcoords="offset points", xytext=(6, 8 if index % 2 == 0 else -14),
+                    fontsize=7)
     model = results["model"]
     ax.set_xlabel("prompt tokens (cold)")
     ax.set_ylabel("median time to first token (s)")
     ax.set_title(f"{model['name']} on {results['device']}, budget "
                  f"{results['engine']['budget']}; label: ladder / coalesced", fontsize=9)
-    ax.set_xticks(tokens, [str(t) for t in tokens], fontsize=7)
+    ticks = []  # [position, label]: lengths within 5% of the previous share one tick
+    for t in tokens:
+        if ticks and t < 1.05 * ticks[-1][0]:
+            ticks[-1][1] += f"\n{t}"
+        else:
+            ticks.append([t, str(t)])
+    ax.set_xticks([t for t, _ in ticks], [label for _, label in ticks], fontsize=7)
     ax.margins(x=0.1, y=0.15)
     ax.grid(True, alpha=0.3)
     ax.legend()

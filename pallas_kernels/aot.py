@@ -9,7 +9,10 @@ real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs), on both gate 
 embeds is then compiled by the official Triton compiler for that target, and ptxas reports
 registers and spills. The table shows shared memory against the
 device's per-block limit; the exit status is non-zero when a kernel fails to compile or
-exceeds a limit (register spills are reported, they cost speed, not correctness).
+exceeds a limit (register spills are reported, they cost speed, not correctness). The SASS
+column counts the kernel's static instructions (`cuobjdump -sass`): straight-line code too
+large for the instruction cache stalls the warps (docs/KERNEL.md), so it is a speed proxy
+that needs no GPU.
 
 What this proves: the kernels compile for sm_121 and fit its 99 KB of shared memory per
 block and its register file. What it does not: speed or numerics on GB10 hardware.
@@ -60,6 +63,7 @@ class KernelReport:
     shared_bytes: int | None = None
     registers: int | None = None
     spill_bytes: int | None = None
+    sass_instructions: int | None = None
     shared_limit: int = 0
     error: str = ""
 
@@ -137,6 +141,22 @@ def _ptxas_report(ptx: str, capability: int) -> tuple[int, int]:
     return registers, spills
 
 
+_SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+\S", re.MULTILINE)
+
+
+def _sass_instructions(cubin: bytes, capability: int) -> int:
+    """Static instruction count of a cubin, from the cuobjdump shipped beside Triton's ptxas."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    cuobjdump = Path(get_ptxas(capability).path).with_name("cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "kernel.cubin")
+        path.write_bytes(cubin)
+        result = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True,
+                                text=True, check=True)
+    return len(_SASS_INSTRUCTION.findall(result.stdout))
+
+
 def compile_module(module: TritonModule, spec: DeviceSpec, heads: int) -> KernelReport:
     """Compile one Triton module for `spec` with the official Triton compiler."""
     import triton
@@ -153,11 +173,12 @@ def compile_module(module: TritonModule, spec: DeviceSpec, heads: int) -> Kernel
                                     options=dict(num_warps=module.num_warps,
                                                  num_stages=module.num_stages))
             registers, spills = _ptxas_report(kernel.asm["ptx"], capability)
+            sass = _sass_instructions(kernel.asm["cubin"], capability)
         except Exception as error:  # reported in the table; the exit status says it failed
             return KernelReport(compiled=False, error=f"{type(error).__name__}: {error}"[:300],
                                 **base)
     return KernelReport(compiled=True, shared_bytes=int(kernel.metadata.shared),
-                        registers=registers, spill_bytes=spills, **base)
+                        registers=registers, spill_bytes=spills, sass_instructions=sass, **base)
 
 
 def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> list[KernelReport]:
@@ -175,16 +196,16 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
 
 def format_table(reports: list[KernelReport]) -> str:
     lines = [f"{'kernel':16} {'device':12} {'H':>3} {'compiled':8} {'smem B':>8} "
-             f"{'limit B':>8} {'margin B':>9} {'regs':>5} {'spill B':>7}  status"]
+             f"{'limit B':>8} {'margin B':>9} {'regs':>5} {'spill B':>7} {'SASS':>6}  status"]
     for r in reports:
         if r.compiled:
             lines.append(
                 f"{r.kernel:16} {r.device:12} {r.heads:3} {'yes':8} {r.shared_bytes:8} "
                 f"{r.shared_limit:8} {r.shared_limit - r.shared_bytes:9} {r.registers:5} "
-                f"{r.spill_bytes:7}  {'ok' if r.ok else 'OVER LIMIT'}")
+                f"{r.spill_bytes:7} {r.sass_instructions:6}  {'ok' if r.ok else 'OVER LIMIT'}")
         else:
             lines.append(f"{r.kernel:16} {r.device:12} {r.heads:3} {'no':8} {'':>8} "
-                         f"{r.shared_limit:8} {'':>9} {'':>5} {'':>7}  {r.error}")
+                         f"{r.shared_limit:8} {'':>9} {'':>5} {'':>7} {'':>6}  {r.error}")
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ def test_every_kernel_compiles_within_limits(device):
         assert report.compiled, report.error
         assert report.shared_bytes <= report.shared_limit, aot.format_table([report])
         assert report.registers <= aot.MAX_REGISTERS
+        assert report.sass_instructions > 100, aot.format_table([report])
 
 
 @pytest.mark.parametrize("spec", [GB10, H200], ids=["gb10", "h200"])
@@ -64,6 +65,7 @@ def test_table_marks_failures():
         shared_bytes=11,
         registers=10,
         spill_bytes=0,
+        sass_instructions=1000,
         shared_limit=10,
     )
     assert not failed.ok and not over.ok
