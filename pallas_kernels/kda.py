@@ -110,5 +110,4 @@ def kda_prefill(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets
                          f"block {config.block_v}")
     return kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets,
                               scale=scale, bounded_gates=gate_lower_bound is not None,
-                              config=config,
-                              interpret=bool(interpret), exact=exact)
+                              config=config, interpret=bool(interpret), exact=exact)

@@ -101,8 +101,8 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
     """Pick the tiling for a device and a problem shape.
 
     The scan runs one program per (sequence, head, value block). Value blocks of 32 were
-    fastest on the H200 at 32K tokens (bench/results/kda_kernel_091ba60.json, sweep) and keep GB10
-    free of register spills; 2 pipeline stages beat 1 there. Stages are dropped while the
+    fastest on the H200 at 32K tokens (bench/results/kda_kernel_091ba60.json, sweep) and
+    keep GB10 free of register spills; 2 pipeline stages beat 1 there. Stages are dropped while the
     shared-memory estimate exceeds the device's per-block limit; the output pass takes the
     widest value block (128, 64, 32; 128 was fastest on the H200) that fits.
     """
