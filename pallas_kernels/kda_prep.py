@@ -89,16 +89,21 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
         g_blk = lax.cumsum(load(g_ref), axis=0)  # G relative to the sub-chunk's start
         beta = load(beta_ref)                    # [16, 1]
         cols = iota((1, SUB_CHUNK), 1)
-        a_blk = l_blk = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
-        for j in range(SUB_CHUNK):
+
+        def column(j, blocks):
+            """Column j of both blocks (a loop, not unrolled: the code stays small)."""
+            a_blk, l_blk = blocks
             at_j = sub_row == j
             k_j = jnp.sum(jnp.where(at_j, k, 0.0), axis=0, keepdims=True)  # [1, K]
             g_j = jnp.sum(jnp.where(at_j, g_blk, 0.0), axis=0, keepdims=True)
             k_dec = k_j * jnp.exp(jnp.minimum(g_blk - g_j, 0.0))  # [16, K]
             a_col = jnp.sum(q * k_dec, axis=1, keepdims=True)  # [16, 1]
             l_col = jnp.sum(k * k_dec, axis=1, keepdims=True)
-            a_blk = jnp.where(cols == j, jnp.where(sub_row >= j, a_col, 0.0), a_blk)
-            l_blk = jnp.where(cols == j, jnp.where(sub_row > j, l_col, 0.0), l_blk)
+            return (jnp.where(cols == j, jnp.where(sub_row >= j, a_col, 0.0), a_blk),
+                    jnp.where(cols == j, jnp.where(sub_row > j, l_col, 0.0), l_blk))
+
+        zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
+        a_blk, l_blk = lax.fori_loop(0, SUB_CHUNK, column, (zeros, zeros))
         plgpu.store(a_ref.at[rows, h, :], a_blk, mask=valid)
         plgpu.store(inv_ref.at[rows, h, :], _invert_unit_lower(beta * l_blk), mask=valid)
 
@@ -141,16 +146,22 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
         def row_of(x, row):
             return jnp.sum(jnp.where(sub_row == row, x, 0.0), axis=0, keepdims=True)
 
-        a_blk, l_blk = {}, {}  # [16, 16] blocks (b, c), accumulated over key slices
+        # Blocks (b, c) of Aqk and L accumulated over key slices: below the diagonal, and
+        # the diagonal too when gates are bounded.
+        pairs = [(b, c) for b in range(blocks) for c in range(b + 1) if bounded or c < b]
 
-        def accumulate(b, c, q_rows, k_rows, keys):
-            """Adds one key slice's part of block (b, c) of Aqk and of L: block b's decayed
-            q and k rows against block c's decayed `keys`."""
-            a_blk[b, c] = a_blk.get((b, c), 0.0) + dot_nt(q_rows, keys, precision)
-            l_blk[b, c] = l_blk.get((b, c), 0.0) + dot_nt(k_rows, keys, precision)
+        def key_slice(index, sums):
+            """One slice of `block_k` key columns: G, Qg, Kg stored, its part of every
+            block pair added to `sums` (tuples of [16, 16], Aqk's then L's, as `pairs`).
+            A loop, not unrolled: the kernel's code stays small."""
+            a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
 
-        for first_k in range(0, q_ref.shape[-1], block_k):
-            cols = pl.ds(first_k, block_k)
+            def accumulate(b, c, q_rows, k_rows, keys):
+                """Block b's decayed q and k rows against block c's decayed `keys`."""
+                a_blk[b, c] += dot_nt(q_rows, keys, precision)
+                l_blk[b, c] += dot_nt(k_rows, keys, precision)
+
+            cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
             # Every exponent below comes from block-local cumsums ("rise": G minus G just
             # before the block) and block totals, never from differences of whole-chunk G.
             rise = [lax.cumsum(load(g_ref, c, cols), axis=0) for c in range(blocks)]
@@ -179,6 +190,11 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
                     centred = jnp.exp(rise[b] - mid)
                     accumulate(b, b, q_b * centred, k_b * centred, k_b * jnp.exp(mid - rise[b]))
                 k_fall.append(k_b * jnp.exp(total[b] - rise[b]))
+            return tuple(a_blk[p] for p in pairs), tuple(l_blk[p] for p in pairs)
+
+        zeros = (jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32),) * len(pairs)
+        sums = lax.fori_loop(0, q_ref.shape[-1] // block_k, key_slice, (zeros, zeros))
+        a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
 
         col = iota((1, SUB_CHUNK), 1)
         zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
