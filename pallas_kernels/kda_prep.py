@@ -2,7 +2,8 @@
 
 Chunks: a packed batch is cut into chunks of C tokens, sequence by sequence; chunk slots
 are numbered on the device from `cu_seqlens` (`chunk_slots`), so lengths are runtime
-values. Inputs carry one chunk of zero rows at the end (`pad_rows`).
+values. In interpret mode inputs carry one chunk of zero rows at the end (`pad_rows`),
+T' = T + C rows; on the GPU masked loads need none, T' = T.
 
 Pass 1 turns each chunk of C tokens into the matrices the recurrence needs (DESIGN
 section 2), in fully parallel programs (one per chunk slot and head):
@@ -268,18 +269,18 @@ class ChunkSlots(NamedTuple):
 
 
 class ChunkTensors(NamedTuple):
-    """What the prep pass hands the scan, per padded row and head ([T + C, H, ...]).
+    """What the prep pass hands the scan, per row and head ([T', H, ...]).
 
     W, U, Aqk, Qg, Kg are stored in the operand dtype (bf16 on the fast path, fp32 when
     exact); G and G_last stay fp32.
     """
 
-    w: jax.Array      # [T + C, H, K]
-    u: jax.Array      # [T + C, H, V]
-    aqk: jax.Array    # [T + C, H, C]
-    qg: jax.Array     # [T + C, H, K]
-    kg: jax.Array     # [T + C, H, K]
-    g_cum: jax.Array  # [T + C, H, K] fp32
+    w: jax.Array      # [T', H, K]
+    u: jax.Array      # [T', H, V]
+    aqk: jax.Array    # [T', H, C]
+    qg: jax.Array     # [T', H, K]
+    kg: jax.Array     # [T', H, K]
+    g_cum: jax.Array  # [T', H, K] fp32
     g_last: jax.Array  # [S, H, K] fp32: G at each chunk slot's last row
 
 
@@ -295,13 +296,13 @@ def chunk_slots(cu_seqlens, num_tokens, chunk) -> ChunkSlots:
 
 
 class ChunkMatrices(NamedTuple):
-    """What `chunk_matrices` hands `chunk_w_u`, per padded row and head ([T + C, H, ...])."""
+    """What `chunk_matrices` hands `chunk_w_u`, per row and head ([T', H, ...])."""
 
-    aqk: jax.Array     # [T + C, H, C] operand dtype
-    t: jax.Array       # [T + C, H, C] fp32: T = (I + L)^-1, by chunk rows
-    qg: jax.Array      # [T + C, H, K] operand dtype
-    kg: jax.Array      # [T + C, H, K] operand dtype
-    g_cum: jax.Array   # [T + C, H, K] fp32
+    aqk: jax.Array     # [T', H, C] operand dtype
+    t: jax.Array       # [T', H, C] fp32: T = (I + L)^-1, by chunk rows
+    qg: jax.Array      # [T', H, K] operand dtype
+    kg: jax.Array      # [T', H, K] operand dtype
+    g_cum: jax.Array   # [T', H, K] fp32
     g_last: jax.Array  # [S, H, K] fp32
 
 
@@ -371,7 +372,7 @@ def chunk_w_u(matrices: ChunkMatrices, k_p, v_p, beta_p, slots: ChunkSlots, *,
 def chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
                bounded_gates: bool, config: KernelConfig, interpret: bool,
                exact: bool) -> ChunkTensors:
-    """Pass 1 over row-padded inputs ([T + C, H, ...], see `pad_rows`).
+    """Pass 1 over inputs of T' rows ([T', H, ...], see `pad_rows`).
 
     bounded_gates: the caller guarantees g >= b, b in [-5, 0) (`kda_prefill`'s
     `gate_lower_bound`): diagonal blocks on the tensor cores; otherwise elementwise, any
