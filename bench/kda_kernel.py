@@ -227,7 +227,7 @@ def run_case(name, lens, config, args, bandwidth):
 def sweep_configs(base: KernelConfig):
     """The selected tiling, then the prep pass's warps and key slice one change at a time."""
     yield base
-    for warps, block_k in ((2, 64), (8, 64), (4, 32)):
+    for warps, block_k in ((4, 16), (1, 16), (2, 8), (2, 32), (4, 32)):
         yield dataclasses.replace(base, prep_num_warps=warps, prep_block_k=block_k)
     yield dataclasses.replace(base, w_u_num_warps=4)
 

@@ -121,10 +121,10 @@ def _output_kernel(chunk_start_ref, chunk_len_ref, qg_ref, aqk_ref, states_ref, 
 
 def chunk_scan(tensors: ChunkTensors, k_p, slots: ChunkSlots, cu_seqlens, initial_states,
                checkpoint_offsets, *, config: KernelConfig, interpret: bool, exact: bool):
-    """Pass 2: the recurrence.
+    """Pass 2: the recurrence. k_p: [T', H, K], T' = T (GPU) or T + C (interpret mode).
 
     Returns entry_states [S, H, K, V] (each chunk slot's entry state, operand dtype),
-    v_new [T + C, H, V] (operand dtype), final_states fp32 [N, H, K, V] and snapshots
+    v_new [T', H, V] (operand dtype), final_states fp32 [N, H, K, V] and snapshots
     fp32 [N, capacity, H, K, V].
     """
     padded, num_heads, head_k = k_p.shape
@@ -153,7 +153,7 @@ def chunk_scan(tensors: ChunkTensors, k_p, slots: ChunkSlots, cu_seqlens, initia
 
 def chunk_output(tensors: ChunkTensors, entry_states, v_new, slots: ChunkSlots, *, out_dtype,
                  config: KernelConfig, interpret: bool, exact: bool):
-    """Pass 3, chunk-parallel: o [T + C, H, V] in out_dtype, zero on rows no chunk owns."""
+    """Pass 3, chunk-parallel: o [T', H, V] in out_dtype, zero on rows no chunk owns."""
     padded, num_heads, head_v = v_new.shape
     block_v = min(config.output_block_v, head_v)  # both powers of two
     o_zero = jnp.zeros((padded, num_heads, head_v), out_dtype)
@@ -185,10 +185,11 @@ def kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_
     chunk, num_tokens = config.chunk_size, q.shape[0]
     flags = dict(config=config, interpret=interpret, exact=exact)
     slots = chunk_slots(cu_seqlens, num_tokens, chunk)
-    q_p, k_p, v_p, g_p, beta_p = (pad_rows(x, chunk) for x in (q, k, v, g, beta))
-    tensors = chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots, scale=scale,
-                         bounded_gates=bounded_gates, **flags)
+    if interpret:  # the interpreter clamps out-of-range row windows; Triton masks them
+        q, k, v, g, beta = (pad_rows(x, chunk) for x in (q, k, v, g, beta))
+    tensors = chunk_prep(q, k, v, g, beta, slots, scale=scale, bounded_gates=bounded_gates,
+                         **flags)
     entry_states, v_new, final_states, snapshots = chunk_scan(
-        tensors, k_p, slots, cu_seqlens, initial_states, checkpoint_offsets, **flags)
+        tensors, k, slots, cu_seqlens, initial_states, checkpoint_offsets, **flags)
     o = chunk_output(tensors, entry_states, v_new, slots, out_dtype=v.dtype, **flags)
     return o[:num_tokens], final_states, snapshots

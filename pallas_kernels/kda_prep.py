@@ -2,7 +2,8 @@
 
 Chunks: a packed batch is cut into chunks of C tokens, sequence by sequence; chunk slots
 are numbered on the device from `cu_seqlens` (`chunk_slots`), so lengths are runtime
-values. Inputs carry one chunk of zero rows at the end (`pad_rows`).
+values. In interpret mode inputs carry one chunk of zero rows at the end (`pad_rows`),
+T' = T + C rows; on the GPU masked loads need none, T' = T.
 
 Pass 1 turns each chunk of C tokens into the matrices the recurrence needs (DESIGN
 section 2), in fully parallel programs (one per chunk slot and head):
@@ -89,16 +90,21 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
         g_blk = lax.cumsum(load(g_ref), axis=0)  # G relative to the sub-chunk's start
         beta = load(beta_ref)                    # [16, 1]
         cols = iota((1, SUB_CHUNK), 1)
-        a_blk = l_blk = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
-        for j in range(SUB_CHUNK):
+
+        def column(j, blocks):
+            """Column j of both blocks (a loop, not unrolled: the code stays small)."""
+            a_blk, l_blk = blocks
             at_j = sub_row == j
             k_j = jnp.sum(jnp.where(at_j, k, 0.0), axis=0, keepdims=True)  # [1, K]
             g_j = jnp.sum(jnp.where(at_j, g_blk, 0.0), axis=0, keepdims=True)
             k_dec = k_j * jnp.exp(jnp.minimum(g_blk - g_j, 0.0))  # [16, K]
             a_col = jnp.sum(q * k_dec, axis=1, keepdims=True)  # [16, 1]
             l_col = jnp.sum(k * k_dec, axis=1, keepdims=True)
-            a_blk = jnp.where(cols == j, jnp.where(sub_row >= j, a_col, 0.0), a_blk)
-            l_blk = jnp.where(cols == j, jnp.where(sub_row > j, l_col, 0.0), l_blk)
+            return (jnp.where(cols == j, jnp.where(sub_row >= j, a_col, 0.0), a_blk),
+                    jnp.where(cols == j, jnp.where(sub_row > j, l_col, 0.0), l_blk))
+
+        zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
+        a_blk, l_blk = lax.fori_loop(0, SUB_CHUNK, column, (zeros, zeros))
         plgpu.store(a_ref.at[rows, h, :], a_blk, mask=valid)
         plgpu.store(inv_ref.at[rows, h, :], _invert_unit_lower(beta * l_blk), mask=valid)
 
@@ -141,16 +147,22 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
         def row_of(x, row):
             return jnp.sum(jnp.where(sub_row == row, x, 0.0), axis=0, keepdims=True)
 
-        a_blk, l_blk = {}, {}  # [16, 16] blocks (b, c), accumulated over key slices
+        # Blocks (b, c) of Aqk and L accumulated over key slices: below the diagonal, and
+        # the diagonal too when gates are bounded.
+        pairs = [(b, c) for b in range(blocks) for c in range(b + 1) if bounded or c < b]
 
-        def accumulate(b, c, q_rows, k_rows, keys):
-            """Adds one key slice's part of block (b, c) of Aqk and of L: block b's decayed
-            q and k rows against block c's decayed `keys`."""
-            a_blk[b, c] = a_blk.get((b, c), 0.0) + dot_nt(q_rows, keys, precision)
-            l_blk[b, c] = l_blk.get((b, c), 0.0) + dot_nt(k_rows, keys, precision)
+        def key_slice(index, sums):
+            """One slice of `block_k` key columns: G, Qg, Kg stored, its part of every
+            block pair added to `sums` (tuples of [16, 16], Aqk's then L's, as `pairs`).
+            A loop, not unrolled: the kernel's code stays small."""
+            a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
 
-        for first_k in range(0, q_ref.shape[-1], block_k):
-            cols = pl.ds(first_k, block_k)
+            def accumulate(b, c, q_rows, k_rows, keys):
+                """Block b's decayed q and k rows against block c's decayed `keys`."""
+                a_blk[b, c] += dot_nt(q_rows, keys, precision)
+                l_blk[b, c] += dot_nt(k_rows, keys, precision)
+
+            cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
             # Every exponent below comes from block-local cumsums ("rise": G minus G just
             # before the block) and block totals, never from differences of whole-chunk G.
             rise = [lax.cumsum(load(g_ref, c, cols), axis=0) for c in range(blocks)]
@@ -179,6 +191,11 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
                     centred = jnp.exp(rise[b] - mid)
                     accumulate(b, b, q_b * centred, k_b * centred, k_b * jnp.exp(mid - rise[b]))
                 k_fall.append(k_b * jnp.exp(total[b] - rise[b]))
+            return tuple(a_blk[p] for p in pairs), tuple(l_blk[p] for p in pairs)
+
+        zeros = (jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32),) * len(pairs)
+        sums = lax.fori_loop(0, q_ref.shape[-1] // block_k, key_slice, (zeros, zeros))
+        a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
 
         col = iota((1, SUB_CHUNK), 1)
         zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
@@ -252,18 +269,18 @@ class ChunkSlots(NamedTuple):
 
 
 class ChunkTensors(NamedTuple):
-    """What the prep pass hands the scan, per padded row and head ([T + C, H, ...]).
+    """What the prep pass hands the scan, per row and head ([T', H, ...]).
 
     W, U, Aqk, Qg, Kg are stored in the operand dtype (bf16 on the fast path, fp32 when
     exact); G and G_last stay fp32.
     """
 
-    w: jax.Array      # [T + C, H, K]
-    u: jax.Array      # [T + C, H, V]
-    aqk: jax.Array    # [T + C, H, C]
-    qg: jax.Array     # [T + C, H, K]
-    kg: jax.Array     # [T + C, H, K]
-    g_cum: jax.Array  # [T + C, H, K] fp32
+    w: jax.Array      # [T', H, K]
+    u: jax.Array      # [T', H, V]
+    aqk: jax.Array    # [T', H, C]
+    qg: jax.Array     # [T', H, K]
+    kg: jax.Array     # [T', H, K]
+    g_cum: jax.Array  # [T', H, K] fp32
     g_last: jax.Array  # [S, H, K] fp32: G at each chunk slot's last row
 
 
@@ -279,13 +296,13 @@ def chunk_slots(cu_seqlens, num_tokens, chunk) -> ChunkSlots:
 
 
 class ChunkMatrices(NamedTuple):
-    """What `chunk_matrices` hands `chunk_w_u`, per padded row and head ([T + C, H, ...])."""
+    """What `chunk_matrices` hands `chunk_w_u`, per row and head ([T', H, ...])."""
 
-    aqk: jax.Array     # [T + C, H, C] operand dtype
-    t: jax.Array       # [T + C, H, C] fp32: T = (I + L)^-1, by chunk rows
-    qg: jax.Array      # [T + C, H, K] operand dtype
-    kg: jax.Array      # [T + C, H, K] operand dtype
-    g_cum: jax.Array   # [T + C, H, K] fp32
+    aqk: jax.Array     # [T', H, C] operand dtype
+    t: jax.Array       # [T', H, C] fp32: T = (I + L)^-1, by chunk rows
+    qg: jax.Array      # [T', H, K] operand dtype
+    kg: jax.Array      # [T', H, K] operand dtype
+    g_cum: jax.Array   # [T', H, K] fp32
     g_last: jax.Array  # [S, H, K] fp32
 
 
@@ -355,7 +372,7 @@ def chunk_w_u(matrices: ChunkMatrices, k_p, v_p, beta_p, slots: ChunkSlots, *,
 def chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
                bounded_gates: bool, config: KernelConfig, interpret: bool,
                exact: bool) -> ChunkTensors:
-    """Pass 1 over row-padded inputs ([T + C, H, ...], see `pad_rows`).
+    """Pass 1 over inputs of T' rows ([T', H, ...], see `pad_rows`).
 
     bounded_gates: the caller guarantees g >= b, b in [-5, 0) (`kda_prefill`'s
     `gate_lower_bound`): diagonal blocks on the tensor cores; otherwise elementwise, any

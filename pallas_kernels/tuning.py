@@ -39,8 +39,8 @@ class KernelConfig:
     block_v: int = 64           # value columns per scan program
     scan_num_warps: int = 8
     scan_num_stages: int = 1
-    prep_num_warps: int = 4     # prep: G, Qg, Kg, Aqk and T = (I + L)^-1 per chunk
-    prep_block_k: int = 64      # key columns per slice of the prep program
+    prep_num_warps: int = 2     # prep: G, Qg, Kg, Aqk and T = (I + L)^-1 per chunk
+    prep_block_k: int = 16      # key columns per slice of the prep program (a loop)
     w_u_num_warps: int = 8      # prep: W and U per chunk
     diagonal_num_warps: int = 4  # prep, any-decay path: the diagonal blocks elementwise
     output_block_v: int = 128   # value columns per output program
