@@ -66,7 +66,7 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
                      inv_ref, *, chunk):
     """One 16-row sub-chunk of one head: its diagonal [16, 16] block of Aqk (inclusive,
     before scale) and the inverse (I + diag(beta) L_bb)^-1 of its block of I + L, both
-    stored at the sub-chunk's rows ([T_pad, H, 16], fp32).
+    stored at the sub-chunk's rows ([T', H, 16], fp32).
 
     Formed column by column from register tiles, every exponent <= 0 (exact for any
     decay); small programs, so many share an SM and hide each other's latency.
@@ -114,10 +114,10 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
     """One chunk of one head: G, Qg, Kg, Aqk (operand dtype, scaled) and T = (I + L)^-1
     (fp32), all by 16 x 16 blocks and key slices of `block_k` columns.
 
-    Refs are whole arrays [T_pad, H, ...]; rows past the chunk's length load as zeros
+    Refs are whole arrays [T', H, ...]; rows past the chunk's length load as zeros
     (g = 0 keeps G flat there, k = beta = 0 adds nothing). bounded: the diagonal blocks
     are formed here by matmul; otherwise they come from `_diagonal_kernel` (two more
-    input refs, [T_pad, H, 16]: Aqk's diagonal blocks and the inverses T_bb).
+    input refs, [T', H, 16]: Aqk's diagonal blocks and the inverses T_bb).
     """
     if not bounded:
         diag_a_ref, diag_inv_ref, *refs = refs
@@ -317,7 +317,7 @@ def _params(num_warps):
 def chunk_matrices(q_p, k_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
                    bounded_gates: bool, config: KernelConfig, interpret: bool,
                    exact: bool) -> ChunkMatrices:
-    """Pass 1a over row-padded inputs: G, Qg, Kg, Aqk and T (`_chunk_prep_kernel`, after
+    """Pass 1a over [T', H, K] inputs: G, Qg, Kg, Aqk and T (`_chunk_prep_kernel`, after
     `_diagonal_kernel` when gates are unbounded)."""
     head_k = q_p.shape[-1]
     chunk = config.chunk_size
