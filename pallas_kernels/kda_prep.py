@@ -220,7 +220,11 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
 
 def _w_u_kernel(chunk_start_ref, chunk_len_ref, k_ref, v_ref, beta_ref, gcum_ref, t_ref,
                 w_ref, u_ref, *, chunk, precision):
-    """One chunk of one head: W = T diag(beta) (k * exp(G)), U = T diag(beta) v."""
+    """One chunk of one head: W = T diag(beta) (k * exp(G)), U = T diag(beta) v.
+
+    T (stored fp32) and the right-hand sides are rounded to the operand dtype, so the
+    products run on bf16 tensor cores on the fast path (fla does the same with its
+    inverse); the exact path keeps fp32 and IEEE products."""
     slot, h = pl.program_id(0), pl.program_id(1)
     r0 = chunk_start_ref[slot]
     clen = chunk_len_ref[slot]
@@ -233,9 +237,10 @@ def _w_u_kernel(chunk_start_ref, chunk_len_ref, k_ref, v_ref, beta_ref, gcum_ref
         def load(ref):
             return load_rows(ref, rows, h, valid)
 
-        t, beta = load(t_ref), load(beta_ref)
-        w = dot(t, beta * load(k_ref) * jnp.exp(load(gcum_ref)), precision)
-        u = dot(t, beta * load(v_ref), precision)
+        op = w_ref.dtype  # bf16 operands on the fast path, fp32 when exact
+        t, beta = load(t_ref).astype(op), load(beta_ref)
+        w = dot(t, (beta * load(k_ref) * jnp.exp(load(gcum_ref))).astype(op), precision)
+        u = dot(t, (beta * load(v_ref)).astype(op), precision)
         plgpu.store(w_ref.at[rows, h, :], w.astype(w_ref.dtype), mask=valid)
         plgpu.store(u_ref.at[rows, h, :], u.astype(u_ref.dtype), mask=valid)
 
