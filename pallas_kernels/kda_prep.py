@@ -48,18 +48,20 @@ SUB_CHUNK = 16  # rows per sub-chunk: the smallest tile a Triton dot accepts
 
 
 def _invert_unit_lower(l_blk):
-    """(I + L)^-1 for a strictly lower triangular [16, 16] L, as a product of matmuls.
+    """(I + L)^-1 for a strictly lower triangular [16, 16] fp32 L, by forward substitution.
 
-    (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8) because L^16 = 0.
+    X starts as I; step j subtracts L[:, j] x X[j, :] from every row (rows <= j are
+    untouched, L being strictly lower), after which row j + 1 is final. A 16-step loop of
+    elementwise updates in fp32: short code, no matmul rounding.
     """
-    hi = lax.Precision.HIGHEST
-    eye = (iota(l_blk.shape, 0) == iota(l_blk.shape, 1)).astype(jnp.float32)
-    l2 = dot(l_blk, l_blk, hi)
-    l4 = dot(l2, l2, hi)
-    l8 = dot(l4, l4, hi)
-    inv = dot(eye - l_blk, eye + l2, hi)
-    inv = dot(inv, eye + l4, hi)
-    return dot(inv, eye + l8, hi)
+    rows, cols = iota(l_blk.shape, 0), iota(l_blk.shape, 1)
+
+    def step(j, x):
+        l_col = jnp.sum(jnp.where(cols == j, l_blk, 0.0), axis=1, keepdims=True)  # [16, 1]
+        x_row = jnp.sum(jnp.where(rows == j, x, 0.0), axis=0, keepdims=True)      # [1, 16]
+        return x - l_col * x_row
+
+    return lax.fori_loop(0, l_blk.shape[0], step, (rows == cols).astype(jnp.float32))
 
 
 def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, a_ref,
