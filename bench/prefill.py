@@ -2,6 +2,7 @@
 
     python -m bench.prefill --quick                                    # CPU smoke run
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m bench.prefill        # H200
+    python -m bench.prefill --tp 4 --dcp 2                             # four GPUs, (2, 2) mesh
 
 Model: `--preset` (glm5.3-flash) cut to `--num-layers` (4: 3 KDA + 1 MLA) and
 `--num-experts` (16), seeded random bf16 weights (`glmjax.random_weights.random_model`).
@@ -13,8 +14,10 @@ beside that (a 32K request holds 40 MiB of MLA latents and index keys, a KDA sta
 4 MiB per layer): free memory goes to the prefill's temporaries.
 
 Two engines share the weights and the buckets: coalescing on and off (the ladder), prefix
-caching on. Each case feeds both the same requests, sample by sample, alternating which
-goes first; the first `--warmup` samples of a case are not timed.
+caching on. `--tp N` (N > 1) runs both on a (N // dcp, dcp) mesh of N devices
+(`glmjax.sharding`); otherwise `--dcp` is emulated on one device. Each case feeds both
+the same requests, sample by sample, alternating which goes first; the first `--warmup`
+samples of a case are not timed.
 - cold: a fresh random prompt of each `--lengths` and `--unaligned` length (no prefix-cache
   hit: checked), one greedy token; median time to first token (TTFT), prompt tokens / TTFT,
   and the ratio ladder TTFT / coalesced TTFT.
@@ -29,7 +32,8 @@ lists every prefill and decode batch shape (bucket) the run builds. Each is comp
 in `--compile-workers` threads while the host draws the weights (`buckets`: seconds and
 XLA's temporary bytes), so timed samples never compile (`compiles_during_timing` counts any
 that did). A case needing a bucket whose memory exceeds what is free is skipped, with the
-reason. Writes JSON to bench/results/prefill_<preset>.json (`--json`) after every case.
+reason. Writes JSON to bench/results/prefill_<preset>.json (`_tp<N>_dcp<M>` added on a
+mesh; `--json`) after every case; peak memory per device.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from bench.prefill_cases import CASES, MODES, Run, Session, compare_greedy
 from glmjax.config import ModelConfig
 from glmjax.model import HybridModel
 from glmjax.random_weights import random_model
+from glmjax.sharding import ModelSteps, ShardingPlan, make_mesh, request_cpu_devices
 from serving.batch_builder import BatchBuckets
 from serving.engine import Engine, EngineConfig
 
@@ -82,6 +87,13 @@ def model_config(args) -> ModelConfig:
     if args.num_layers or args.num_experts:
         config = config.replace_depth(args.num_layers or config.num_layers, args.num_experts)
     return dataclasses.replace(config, kv_block_size=args.block_size * args.dcp)
+
+
+def model_steps(args, config: ModelConfig) -> ModelSteps | None:
+    """The steps on the (tp // dcp, dcp) mesh; None (one device) at tp 1."""
+    if args.tp == 1:
+        return None
+    return ShardingPlan(config, make_mesh(args.tp, args.dcp)).steps()
 
 
 def engine_config(args, coalesce: bool) -> EngineConfig:
@@ -135,14 +147,17 @@ def run_benchmark(args) -> dict:
          f"{result['model']['param_bytes'] / 2**30:.2f} GiB; drawing them while compiling")
     with CompileLog() as compile_log, concurrent.futures.ThreadPoolExecutor(1) as host:
         weights = host.submit(lambda: (random_model(config, args.seed), time.perf_counter()))
-        probe = Engine(config, abstract, engine_config(args, coalesce=True))
+        steps_on_devices = model_steps(args, config)
+        probe = Engine(config, abstract, engine_config(args, coalesce=True),
+                       steps=steps_on_devices)
         result["engine"] = dataclasses.asdict(probe.config) | {"coalesce": "both"}
         batches, case_buckets = dry_run(args, probe.builder.buckets, config.vocab_size,
                                         compile_log)
         log(f"dry run: {len(batches)} buckets {sorted(batches)}")
         mark = time.perf_counter()
         steps = step_functions(probe)
-        buckets = precompile(steps, batches, abstract, probe.caches, args.compile_workers)
+        placed = abstract if steps_on_devices is None else steps_on_devices.place(abstract)
+        buckets = precompile(steps, batches, placed, probe.caches, args.compile_workers)
         del probe
         result["setup_s"] = {"precompile": time.perf_counter() - mark}
         model, drawn = weights.result()
@@ -150,7 +165,8 @@ def run_benchmark(args) -> dict:
         model_state = nnx.split(model)
 
         def fresh_sessions():
-            return {mode: Session(Engine(config, model_state, engine_config(args, on)),
+            return {mode: Session(Engine(config, model_state, engine_config(args, on),
+                                         steps=steps_on_devices),
                                   outputs[mode]) for mode, on in MODES.items()}
 
         outputs = {mode: {} for mode in MODES}
@@ -189,7 +205,8 @@ def run_benchmark(args) -> dict:
 
 def _update_totals(result: dict, run: Run, outputs: dict, steps: dict, start: float) -> None:
     """The run-wide fields, refreshed after every case."""
-    stats = jax.devices()[0].memory_stats() or {}
+    per_device = [d.memory_stats() or {} for d in jax.devices()[:result["args"]["tp"]]]
+    peaks = [stats.get("peak_bytes_in_use") for stats in per_device]
     compiles = run.compile_log.by_function()
     programs = {kind: compiles.get(f"jit({step.__name__})", {}).get("count", 0)
                 for kind, step in steps.items()}
@@ -201,7 +218,8 @@ def _update_totals(result: dict, run: Run, outputs: dict, steps: dict, start: fl
                                                       for b in result["buckets"]))
                     for kind in steps},
         compiles_during_timing=run.compiles_during_timing,
-        peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_limit=stats.get("bytes_limit"),
+        peak_bytes_in_use=max(peaks, default=None) if None not in peaks else None,
+        peak_bytes_per_device=peaks, bytes_limit=per_device[0].get("bytes_limit"),
         greedy=compare_greedy(outputs["coalesced"], outputs["ladder"]),
         wall_s=time.perf_counter() - start,
     )  # fmt: skip
@@ -286,7 +304,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--decode-steps", type=int, help="steps per decode sample (16)")
     add("--budget", type=int, help="tokens per step (8192)")
     add("--block-size", type=int, help="P, tokens per KV block (512)")
-    add("--dcp", type=int, default=1, choices=(1, 2, 4), help="single-device dcp mode")
+    add("--tp", type=int, default=1, help="devices of a (tp // dcp, dcp) mesh (1: one device)")
+    add("--dcp", type=int, default=1, choices=(1, 2, 4),
+        help="decode-context-parallel ranks, dividing --tp (with --tp 1: emulated)")
     add("--single-bucket", action="store_true", default=None, help="pad to the largest bucket")
     add("--compile-workers", type=int, help="threads compiling buckets ahead (4)")
     add("--compilation-cache", help="persistent XLA compilation cache folder")
@@ -296,12 +316,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.json = args.json or RESULTS / f"prefill_{args.preset}.json"
+    mesh = f"_tp{args.tp}_dcp{args.dcp}" if args.tp > 1 else ""
+    args.json = args.json or RESULTS / f"prefill_{args.preset}{mesh}.json"
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    result = run_benchmark(parse_args(argv))
+    args = parse_args(argv)
+    request_cpu_devices(args.tp)  # a mesh on a CPU: before JAX starts its backends
+    result = run_benchmark(args)
     print_table(result)
     print(f"wrote {result['args']['json']}")
     return result

@@ -39,6 +39,7 @@ Everything else is left to XLA's partitioner through the NamedShardings of the j
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -217,6 +218,30 @@ def single_device_steps(config: ModelConfig) -> ModelSteps:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshStep:
+    """A model step jitted over a mesh, called as `glmjax.model`'s jitted steps are: its
+    last argument, the batch (host arrays), is replicated over the mesh first. `jitted`
+    maps ``return_logprobs`` to the jitted function (one entry, False, for decode);
+    `lower` compiles ahead of time, as `jax.jit`'s does."""
+
+    jitted: dict[bool, Callable]
+    replicated: NamedSharding
+
+    def __call__(self, model_state, caches, batch, *, return_logprobs=False):
+        return self.jitted[return_logprobs](model_state, caches,
+                                            jax.device_put(batch, self.replicated))
+
+    def lower(self, model_state, caches, batch, *, return_logprobs=False):
+        return self.jitted[return_logprobs].lower(model_state, caches,
+                                                  jax.device_put(batch, self.replicated))
+
+    @property
+    def __name__(self) -> str:
+        """The jitted function's name, as compile logs report it."""
+        return self.jitted[False].__name__
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardingPlan:
     """How `config`'s model runs on `mesh` (from `make_mesh`): the specs, the DCP layout of
     the MLA latent cache (`interleave` tokens per run, dividing ``kv_block_size / dcp``)
@@ -283,9 +308,15 @@ class ShardingPlan:
         return jax.tree.map(self.sharding, cache_specs(caches, self.specs))
 
     def place(self, model_state: ModelState) -> ModelState:
-        """``nnx.split(model)`` with its parameters sharded over the mesh."""
+        """``nnx.split(model)`` with its parameters sharded over the mesh. Abstract
+        parameters (``jax.ShapeDtypeStruct``, for ahead-of-time compiles) get their
+        shardings attached instead."""
         graphdef, params = model_state
-        return graphdef, jax.device_put(params, self.param_shardings(params))
+        shardings = self.param_shardings(params)
+        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+            return graphdef, jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+        return graphdef, jax.device_put(params, shardings)
 
     def init_caches(self, num_state_slots: int, num_kv_blocks: int) -> Caches:
         """Zeroed caches, made in place on the mesh (no device holds them whole)."""
@@ -303,30 +334,30 @@ class ShardingPlan:
         rep = self.sharding(self.specs.replicated)
         shapes = jax.eval_shape(lambda: Caches.init(self.config, 1, 1))
         caches_sh = self.cache_shardings(shapes)
+        def prefill_on_mesh(state, caches, batch, *, return_logprobs):
+            return prefill_step(state, caches, batch, return_logprobs=return_logprobs,
+                                plan=self)
+
+        def decode_on_mesh(state, caches, batch):
+            return decode_step(state, caches, batch, plan=self)
+
         jitted_prefill = {
             logprobs: jax.jit(
-                lambda state, caches, batch, logprobs=logprobs: prefill_step(
-                    state, caches, batch, return_logprobs=logprobs, plan=self),
+                functools.partial(prefill_on_mesh, return_logprobs=logprobs),
                 in_shardings=(state_sh, caches_sh, rep),
                 out_shardings=PrefillOutput(rep, caches_sh, rep, rep if logprobs else None),
                 donate_argnums=1)
             for logprobs in (False, True)}
-        jitted_decode = jax.jit(
-            lambda state, caches, batch: decode_step(state, caches, batch, plan=self),
-            in_shardings=(state_sh, caches_sh, rep),
-            out_shardings=DecodeOutput(rep, caches_sh, rep),
-            donate_argnums=1)
+        jitted_decode = jax.jit(decode_on_mesh, in_shardings=(state_sh, caches_sh, rep),
+                                out_shardings=DecodeOutput(rep, caches_sh, rep),
+                                donate_argnums=1)
         jitted_copy_slots = jax.jit(copy_state_slots, in_shardings=(caches_sh, rep, rep),
                                     out_shardings=(caches_sh, rep), donate_argnums=0)
         jitted_copy_blocks = jax.jit(copy_kv_blocks, in_shardings=(caches_sh, rep, rep),
                                      out_shardings=caches_sh, donate_argnums=0)
 
-        def run_prefill(model_state, caches, batch, *, return_logprobs=False):
-            return jitted_prefill[return_logprobs](model_state, caches,
-                                                   jax.device_put(batch, rep))
-
-        def run_decode(model_state, caches, batch):
-            return jitted_decode(model_state, caches, jax.device_put(batch, rep))
+        run_prefill = MeshStep(jitted_prefill, rep)
+        run_decode = MeshStep({False: jitted_decode}, rep)
 
         def run_copy_slots(caches, sources, destinations):
             return jitted_copy_slots(caches, *jax.device_put((sources, destinations), rep))

@@ -119,15 +119,15 @@ def _output_kernel(chunk_start_ref, chunk_len_ref, qg_ref, aqk_ref, states_ref, 
         plgpu.store(o_ref.at[rows, h, vcols], out.astype(o_ref.dtype), mask=valid)
 
 
-def chunk_scan(tensors: ChunkTensors, k_p, slots: ChunkSlots, cu_seqlens, initial_states,
+def chunk_scan(tensors: ChunkTensors, k, slots: ChunkSlots, cu_seqlens, initial_states,
                checkpoint_offsets, *, config: KernelConfig, interpret: bool, exact: bool):
-    """Pass 2: the recurrence. k_p: [T', H, K], T' = T (GPU) or T + C (interpret mode).
+    """Pass 2: the recurrence. k: [T', H, K], T' = T (GPU) or T + C (interpret mode).
 
     Returns entry_states [S, H, K, V] (each chunk slot's entry state, operand dtype),
     v_new [T', H, V] (operand dtype), final_states fp32 [N, H, K, V] and snapshots
     fp32 [N, capacity, H, K, V].
     """
-    padded, num_heads, head_k = k_p.shape
+    rows, num_heads, head_k = k.shape
     head_v = tensors.u.shape[-1]
     num_seqs, capacity = checkpoint_offsets.shape
     block_v = config.block_v
@@ -137,7 +137,7 @@ def chunk_scan(tensors: ChunkTensors, k_p, slots: ChunkSlots, cu_seqlens, initia
                           capacity=capacity, precision=matmul_precision(exact)),
         out_shape=(
             jax.ShapeDtypeStruct((slots.start.shape[0], num_heads, head_k, head_v), inter),
-            jax.ShapeDtypeStruct((padded, num_heads, head_v), inter),
+            jax.ShapeDtypeStruct((rows, num_heads, head_v), inter),
             jax.ShapeDtypeStruct((num_seqs, num_heads, head_k, head_v), f32),
             jax.ShapeDtypeStruct((num_seqs, capacity, num_heads, head_k, head_v), f32),
         ),
@@ -147,20 +147,20 @@ def chunk_scan(tensors: ChunkTensors, k_p, slots: ChunkSlots, cu_seqlens, initia
         interpret=interpret,
         name="kda_chunk_scan",
     )
-    return scan(cu_seqlens, slots.first_slot, checkpoint_offsets, initial_states, k_p,
+    return scan(cu_seqlens, slots.first_slot, checkpoint_offsets, initial_states, k,
                 tensors.w, tensors.u, tensors.kg, tensors.g_cum, tensors.g_last)
 
 
 def chunk_output(tensors: ChunkTensors, entry_states, v_new, slots: ChunkSlots, *, out_dtype,
                  config: KernelConfig, interpret: bool, exact: bool):
     """Pass 3, chunk-parallel: o [T', H, V] in out_dtype, zero on rows no chunk owns."""
-    padded, num_heads, head_v = v_new.shape
+    rows, num_heads, head_v = v_new.shape
     block_v = min(config.output_block_v, head_v)  # both powers of two
-    o_zero = jnp.zeros((padded, num_heads, head_v), out_dtype)
+    o_zero = jnp.zeros((rows, num_heads, head_v), out_dtype)
     output = pl.pallas_call(
         functools.partial(_output_kernel, chunk=config.chunk_size, block_v=block_v,
                           precision=matmul_precision(exact)),
-        out_shape=jax.ShapeDtypeStruct((padded, num_heads, head_v), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((rows, num_heads, head_v), out_dtype),
         grid=(slots.start.shape[0], num_heads, head_v // block_v),
         input_output_aliases={6: 0},
         compiler_params=plgpu.CompilerParams(num_warps=config.output_num_warps,

@@ -61,3 +61,22 @@ def test_quick_run_writes_every_field_and_both_schedules_agree(tmp_path):
         assert common >= 1, request_id
         assert pair["coalesced"][:common] == pair["ladder"][:common], request_id
     assert result["greedy"]["identical"] and result["greedy"]["logprobs_within_design_bound"]
+
+
+@pytest.mark.slow  # ~35 s on two cores
+def test_quick_run_on_a_mesh_of_four_cpu_devices(tmp_path):
+    """`--tp 4 --dcp 2`: both engines run the mesh's steps, compiled ahead (abstract
+    parameters with their shardings) and never again, with the same greedy tokens."""
+    path = tmp_path / "prefill.json"
+    # A decoder's prompt is its context less one KV block, and a block is 32 x dcp tokens.
+    main([*ARGS, "--decode-context", "128", "--tp", "4", "--dcp", "2", "--json", str(path)])
+    result = json.loads(path.read_text())
+
+    assert result["complete"] and result["args"]["tp"] == 4 and result["engine"]["dcp"] == 2
+    assert set(result["compiles"]) >= {"jit(prefill_on_mesh)", "jit(decode_on_mesh)"}
+    assert result["programs"]["prefill"] <= 1 and result["programs"]["decode"] <= 1
+    assert result["recompiles"] == {"prefill": 0, "decode": 0}
+    assert result["compiles_during_timing"] == 0
+    assert len(result["peak_bytes_per_device"]) == 4
+    assert [e["tokens"] for e in result["cold"]] == [100, 128]
+    assert result["greedy"]["identical"] and result["greedy"]["logprobs_within_design_bound"]
