@@ -145,19 +145,18 @@ def time_passes(inputs, lens, config, timing):
     flags = dict(config=config, interpret=False, exact=False)
     cu = inputs["cu_seqlens"]
     slots = kda_prep.chunk_slots(cu, sum(lens), chunk)
-    q_p, k_p, v_p, g_p, beta_p = (kda_prep.pad_rows(inputs[n], chunk)
-                                  for n in ("q", "k", "v", "g", "beta"))
+    q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))  # T rows, as on the GPU
     offsets = snapshot_offsets(lens, 4)
     matrices = jax.jit(lambda s: kda_prep.chunk_matrices(
-        q_p, k_p, g_p, beta_p, s, scale=HEAD_K ** -0.5, bounded_gates=True, **flags))
-    w_u = jax.jit(lambda m, s: kda_prep.chunk_w_u(m, k_p, v_p, beta_p, s, **flags))
+        q, k, g, beta, s, scale=HEAD_K ** -0.5, bounded_gates=True, **flags))
+    w_u = jax.jit(lambda m, s: kda_prep.chunk_w_u(m, k, v, beta, s, **flags))
     prep = jax.jit(lambda s: kda_prep.chunk_prep(
-        q_p, k_p, v_p, g_p, beta_p, s, scale=HEAD_K ** -0.5, bounded_gates=True, **flags))
-    scan = jax.jit(lambda t, s: kda_pallas.chunk_scan(t, k_p, s, cu, inputs["initial_states"],
+        q, k, v, g, beta, s, scale=HEAD_K ** -0.5, bounded_gates=True, **flags))
+    scan = jax.jit(lambda t, s: kda_pallas.chunk_scan(t, k, s, cu, inputs["initial_states"],
                                                       offsets, **flags))
-    output = jax.jit(lambda t, e, v, s: kda_pallas.chunk_output(t, e, v, s,
-                                                                out_dtype=jnp.bfloat16,
-                                                                **flags))
+    output = jax.jit(lambda t, e, vn, s: kda_pallas.chunk_output(t, e, vn, s,
+                                                                 out_dtype=jnp.bfloat16,
+                                                                 **flags))
     chunk_matrices = matrices(slots)
     tensors = prep(slots)
     entry_states, v_new, _, _ = scan(tensors, slots)

@@ -156,6 +156,8 @@ def run_benchmark(args) -> dict:
         log(f"dry run: {len(batches)} buckets {sorted(batches)}")
         mark = time.perf_counter()
         steps = step_functions(probe)
+        # On a mesh the abstract parameters carry their shardings (as `probe` holds them), so
+        # the executables compiled here are the ones the engines' calls find again.
         placed = abstract if steps_on_devices is None else steps_on_devices.place(abstract)
         buckets = precompile(steps, batches, placed, probe.caches, args.compile_workers)
         del probe

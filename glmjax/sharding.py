@@ -217,23 +217,28 @@ def single_device_steps(config: ModelConfig) -> ModelSteps:
                       lambda model_state: model_state, None, DCPLayout())
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class MeshStep:
     """A model step jitted over a mesh, called as `glmjax.model`'s jitted steps are: its
     last argument, the batch (host arrays), is replicated over the mesh first. `jitted`
     maps ``return_logprobs`` to the jitted function (one entry, False, for decode);
-    `lower` compiles ahead of time, as `jax.jit`'s does."""
+    `lower` lowers for an ahead-of-time compile, as `jax.jit`'s does."""
 
     jitted: dict[bool, Callable]
     replicated: NamedSharding
 
+    def _step(self, return_logprobs: bool) -> Callable:
+        if return_logprobs not in self.jitted:
+            raise ValueError(f"{self.__name__} has no return_logprobs={return_logprobs} variant")
+        return self.jitted[return_logprobs]
+
     def __call__(self, model_state, caches, batch, *, return_logprobs=False):
-        return self.jitted[return_logprobs](model_state, caches,
-                                            jax.device_put(batch, self.replicated))
+        return self._step(return_logprobs)(model_state, caches,
+                                           jax.device_put(batch, self.replicated))
 
     def lower(self, model_state, caches, batch, *, return_logprobs=False):
-        return self.jitted[return_logprobs].lower(model_state, caches,
-                                                  jax.device_put(batch, self.replicated))
+        return self._step(return_logprobs).lower(model_state, caches,
+                                                 jax.device_put(batch, self.replicated))
 
     @property
     def __name__(self) -> str:
@@ -314,8 +319,7 @@ class ShardingPlan:
         graphdef, params = model_state
         shardings = self.param_shardings(params)
         if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
-            return graphdef, jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+            return graphdef, jax.tree.map(lambda x, s: x.update(sharding=s), params, shardings)
         return graphdef, jax.device_put(params, shardings)
 
     def init_caches(self, num_state_slots: int, num_kv_blocks: int) -> Caches:
@@ -334,6 +338,7 @@ class ShardingPlan:
         rep = self.sharding(self.specs.replicated)
         shapes = jax.eval_shape(lambda: Caches.init(self.config, 1, 1))
         caches_sh = self.cache_shardings(shapes)
+
         def prefill_on_mesh(state, caches, batch, *, return_logprobs):
             return prefill_step(state, caches, batch, return_logprobs=return_logprobs,
                                 plan=self)

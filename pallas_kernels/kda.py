@@ -108,6 +108,9 @@ def kda_prefill(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets
     if head_v % config.block_v:
         raise ValueError(f"head dim V={head_v} must be a multiple of the kernel's value "
                          f"block {config.block_v}")
+    if head_k % min(config.prep_block_k, head_k):
+        raise ValueError(f"head dim K={head_k} must be a multiple of the prep pass's key "
+                         f"slice {config.prep_block_k}")
     return kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets,
                               scale=scale, bounded_gates=gate_lower_bound is not None,
                               config=config, interpret=bool(interpret), exact=exact)

@@ -195,8 +195,8 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
                 k_fall.append(k_b * jnp.exp(total[b] - rise[b]))
             return tuple(a_blk[p] for p in pairs), tuple(l_blk[p] for p in pairs)
 
-        zeros = (jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32),) * len(pairs)
-        sums = lax.fori_loop(0, q_ref.shape[-1] // block_k, key_slice, (zeros, zeros))
+        no_sums = (jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32),) * len(pairs)
+        sums = lax.fori_loop(0, q_ref.shape[-1] // block_k, key_slice, (no_sums, no_sums))
         a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
 
         col = iota((1, SUB_CHUNK), 1)
@@ -289,7 +289,8 @@ class ChunkTensors(NamedTuple):
 
 
 def pad_rows(x, chunk):
-    """Append one chunk of zero rows, so every chunk window [r0, r0 + C) is in bounds."""
+    """Append one chunk of zero rows, so every chunk window [r0, r0 + C) is in bounds
+    (interpret mode only: on the GPU, Triton masks the rows past T)."""
     return jnp.pad(x, [(0, chunk)] + [(0, 0)] * (x.ndim - 1))
 
 
@@ -318,12 +319,12 @@ def _params(num_warps):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
-def chunk_matrices(q_p, k_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
+def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
                    bounded_gates: bool, config: KernelConfig, interpret: bool,
                    exact: bool) -> ChunkMatrices:
     """Pass 1a over [T', H, K] inputs: G, Qg, Kg, Aqk and T (`_chunk_prep_kernel`, after
     `_diagonal_kernel` when gates are unbounded)."""
-    head_k = q_p.shape[-1]
+    head_k = q.shape[-1]
     chunk = config.chunk_size
     inter, f32 = operand_dtype(exact), jnp.float32
     num_slots = slots.start.shape[0]
@@ -331,49 +332,49 @@ def chunk_matrices(q_p, k_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
     if not bounded_gates:
         diagonal = pl.pallas_call(
             functools.partial(_diagonal_kernel, chunk=chunk),
-            out_shape=(_rows_of(q_p, SUB_CHUNK, f32), _rows_of(q_p, SUB_CHUNK, f32)),
-            grid=(num_slots * (chunk // SUB_CHUNK), q_p.shape[1]),
+            out_shape=(_rows_of(q, SUB_CHUNK, f32), _rows_of(q, SUB_CHUNK, f32)),
+            grid=(num_slots * (chunk // SUB_CHUNK), q.shape[1]),
             compiler_params=_params(config.diagonal_num_warps),
             interpret=interpret,
             name="kda_chunk_diagonal",
         )
-        diagonal_blocks = diagonal(slots.start, slots.length, q_p, k_p, g_p, beta_p)
+        diagonal_blocks = diagonal(slots.start, slots.length, q, k, g, beta)
     prep = pl.pallas_call(
         functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
                           block_k=min(config.prep_block_k, head_k),
                           precision=matmul_precision(exact), bounded=bounded_gates),
         out_shape=ChunkMatrices(
-            _rows_of(q_p, chunk, inter), _rows_of(q_p, chunk, f32), _rows_of(q_p, head_k, inter),
-            _rows_of(q_p, head_k, inter), _rows_of(q_p, head_k, f32),
-            jax.ShapeDtypeStruct((num_slots, q_p.shape[1], head_k), f32)),
-        grid=(num_slots, q_p.shape[1]),
+            _rows_of(q, chunk, inter), _rows_of(q, chunk, f32), _rows_of(q, head_k, inter),
+            _rows_of(q, head_k, inter), _rows_of(q, head_k, f32),
+            jax.ShapeDtypeStruct((num_slots, q.shape[1], head_k), f32)),
+        grid=(num_slots, q.shape[1]),
         compiler_params=_params(config.prep_num_warps),
         interpret=interpret,
         name="kda_chunk_prep",
     )
-    return ChunkMatrices(*prep(slots.start, slots.length, q_p, k_p, g_p, beta_p,
+    return ChunkMatrices(*prep(slots.start, slots.length, q, k, g, beta,
                                *diagonal_blocks))
 
 
-def chunk_w_u(matrices: ChunkMatrices, k_p, v_p, beta_p, slots: ChunkSlots, *,
+def chunk_w_u(matrices: ChunkMatrices, k, v, beta, slots: ChunkSlots, *,
               config: KernelConfig, interpret: bool, exact: bool) -> ChunkTensors:
     """Pass 1b: W and U from T (`_w_u_kernel`); returns everything the scan needs."""
     inter = operand_dtype(exact)
     w_u = pl.pallas_call(
         functools.partial(_w_u_kernel, chunk=config.chunk_size,
                           precision=matmul_precision(exact)),
-        out_shape=(_rows_of(k_p, k_p.shape[-1], inter), _rows_of(v_p, v_p.shape[-1], inter)),
-        grid=(slots.start.shape[0], k_p.shape[1]),
+        out_shape=(_rows_of(k, k.shape[-1], inter), _rows_of(v, v.shape[-1], inter)),
+        grid=(slots.start.shape[0], k.shape[1]),
         compiler_params=_params(config.w_u_num_warps),
         interpret=interpret,
         name="kda_chunk_w_u",
     )
-    w, u = w_u(slots.start, slots.length, k_p, v_p, beta_p, matrices.g_cum, matrices.t)
+    w, u = w_u(slots.start, slots.length, k, v, beta, matrices.g_cum, matrices.t)
     m = matrices
     return ChunkTensors(w, u, m.aqk, m.qg, m.kg, m.g_cum, m.g_last)
 
 
-def chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
+def chunk_prep(q, k, v, g, beta, slots: ChunkSlots, *, scale: float,
                bounded_gates: bool, config: KernelConfig, interpret: bool,
                exact: bool) -> ChunkTensors:
     """Pass 1 over inputs of T' rows ([T', H, ...], see `pad_rows`).
@@ -383,6 +384,6 @@ def chunk_prep(q_p, k_p, v_p, g_p, beta_p, slots: ChunkSlots, *, scale: float,
     decay (`_diagonal_kernel`). The kernels do not depend on b itself.
     """
     flags = dict(config=config, interpret=interpret, exact=exact)
-    matrices = chunk_matrices(q_p, k_p, g_p, beta_p, slots, scale=scale,
+    matrices = chunk_matrices(q, k, g, beta, slots, scale=scale,
                               bounded_gates=bounded_gates, **flags)
-    return chunk_w_u(matrices, k_p, v_p, beta_p, slots, **flags)
+    return chunk_w_u(matrices, k, v, beta, slots, **flags)

@@ -10,6 +10,7 @@ each.
 
 import json
 
+import jax
 import pytest
 
 from bench.prefill import main
@@ -64,6 +65,7 @@ def test_quick_run_writes_every_field_and_both_schedules_agree(tmp_path):
 
 
 @pytest.mark.slow  # ~35 s on two cores
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (the CPU run has 8)")
 def test_quick_run_on_a_mesh_of_four_cpu_devices(tmp_path):
     """`--tp 4 --dcp 2`: both engines run the mesh's steps, compiled ahead (abstract
     parameters with their shardings) and never again, with the same greedy tokens."""

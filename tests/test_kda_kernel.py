@@ -206,3 +206,5 @@ def test_config_rejects_mismatched_blocks(rng):
     inputs = make_inputs(rng, [10], head_k=32, head_v=32)
     with pytest.raises(ValueError, match="value block"):
         kda_prefill(**inputs, config=KernelConfig(block_v=64))
+    with pytest.raises(ValueError, match="K=32 .* key slice 24"):  # 8 columns would be lost
+        kda_prefill(**inputs, config=KernelConfig(block_v=32, prep_block_k=24))
