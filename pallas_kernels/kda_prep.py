@@ -26,7 +26,8 @@ section 2), in fully parallel programs (one per chunk slot and head):
      within exp(8 |b|) ~ e^40;
    - any decay (`gate_lower_bound=None`): from `_diagonal_kernel`, which forms them
      elementwise with every exponent <= 0 and also inverts I + L's diagonal blocks.
-   T by blocks: T_bb = (I + L_bb)^-1, T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (fp32).
+   T by blocks: T_bb = (I + L_bb)^-1 by forward substitution, T_bc = -T_bb sum_{c <= m < b}
+   L_bm T_mc (fp32 values; TF32 products on the fast path).
 2. `_w_u_kernel`: W and U, two [C, C] x [C, *] matmuls per chunk.
 """
 
@@ -48,18 +49,20 @@ SUB_CHUNK = 16  # rows per sub-chunk: the smallest tile a Triton dot accepts
 
 
 def _invert_unit_lower(l_blk):
-    """(I + L)^-1 for a strictly lower triangular [16, 16] L, as a product of matmuls.
+    """(I + L)^-1 for a strictly lower triangular [16, 16] fp32 L, by forward substitution.
 
-    (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8) because L^16 = 0.
+    X starts as I; step j subtracts L[:, j] x X[j, :] from every row (rows <= j are
+    untouched, L being strictly lower), after which row j + 1 is final. A 16-step loop of
+    elementwise updates in fp32: short code, no matmul rounding.
     """
-    hi = lax.Precision.HIGHEST
-    eye = (iota(l_blk.shape, 0) == iota(l_blk.shape, 1)).astype(jnp.float32)
-    l2 = dot(l_blk, l_blk, hi)
-    l4 = dot(l2, l2, hi)
-    l8 = dot(l4, l4, hi)
-    inv = dot(eye - l_blk, eye + l2, hi)
-    inv = dot(inv, eye + l4, hi)
-    return dot(inv, eye + l8, hi)
+    rows, cols = iota(l_blk.shape, 0), iota(l_blk.shape, 1)
+
+    def step(j, x):
+        l_col = jnp.sum(jnp.where(cols == j, l_blk, 0.0), axis=1, keepdims=True)  # [16, 1]
+        x_row = jnp.sum(jnp.where(rows == j, x, 0.0), axis=0, keepdims=True)      # [1, 16]
+        return x - l_col * x_row
+
+    return lax.fori_loop(0, l_blk.shape[0], step, (rows == cols).astype(jnp.float32))
 
 
 def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, a_ref,
@@ -126,7 +129,6 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
     r0 = chunk_start_ref[slot]
     clen = chunk_len_ref[slot]
     blocks = chunk // SUB_CHUNK
-    hi = lax.Precision.HIGHEST
     f32 = jnp.float32
     sub_row = iota((SUB_CHUNK, 1), 0)
 
@@ -207,13 +209,15 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
                 a_bc = a_blk[b, c] if c < b else jnp.where(col <= sub_row, a_bb, 0.0)
                 store(aqk_ref, b, scale * a_bc if c <= b else zeros,
                       pl.ds(c * SUB_CHUNK, SUB_CHUNK))
-            # T = (I + L)^-1 by blocks: T_bc = -T_bb sum_{c <= m < b} L_bm T_mc.
+            # T = (I + L)^-1 by blocks: T_bc = -T_bb sum_{c <= m < b} L_bm T_mc, at the
+            # pass's precision (TF32 products on the fast path, as fla's merge; IEEE when
+            # exact). Emulated TF32 left the bf16 errors unchanged to three digits.
             l_row = {c: beta_b * l_blk[b, c] for c in range(b)}
             t[b, b] = (_invert_unit_lower(jnp.where(col < sub_row, beta_b * l_blk[b, b], 0.0))
                        if bounded else load(diag_inv_ref, b))
             for c in range(b - 1, -1, -1):
-                coupled = sum(dot(l_row[m], t[m, c], hi) for m in range(c, b))
-                t[b, c] = -dot(t[b, b], coupled, hi)
+                coupled = sum(dot(l_row[m], t[m, c], precision) for m in range(c, b))
+                t[b, c] = -dot(t[b, b], coupled, precision)
             for c in range(blocks):
                 store(t_ref, b, t[b, c] if c <= b else zeros, pl.ds(c * SUB_CHUNK, SUB_CHUNK))
 
