@@ -26,7 +26,8 @@ section 2), in fully parallel programs (one per chunk slot and head):
      within exp(8 |b|) ~ e^40;
    - any decay (`gate_lower_bound=None`): from `_diagonal_kernel`, which forms them
      elementwise with every exponent <= 0 and also inverts I + L's diagonal blocks.
-   T by blocks: T_bb = (I + L_bb)^-1, T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (fp32).
+   T by blocks: T_bb = (I + L_bb)^-1 by forward substitution, T_bc = -T_bb sum_{c <= m < b}
+   L_bm T_mc (fp32 values; TF32 products on the fast path).
 2. `_w_u_kernel`: W and U, two [C, C] x [C, *] matmuls per chunk.
 """
 
@@ -47,10 +48,30 @@ from pallas_kernels.tuning import KernelConfig
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tile a Triton dot accepts
 
 
-def _invert_unit_lower(l_blk):
-    """(I + L)^-1 for a strictly lower triangular [16, 16] L, as a product of matmuls.
+def _invert_by_substitution(l_blk):
+    """(I + L)^-1 for a strictly lower triangular [16, 16] fp32 L, by forward substitution.
 
-    (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8) because L^16 = 0.
+    X starts as I; step j subtracts L[:, j] x X[j, :] from every row (rows <= j are
+    untouched, L being strictly lower), after which row j + 1 is final. A 16-step loop of
+    elementwise updates in fp32: short code, no matmul rounding. The prep kernel's choice:
+    its code was 7,512 SASS instructions with products, 5,544 with this (sm_90).
+    """
+    rows, cols = iota(l_blk.shape, 0), iota(l_blk.shape, 1)
+
+    def step(j, x):
+        l_col = jnp.sum(jnp.where(cols == j, l_blk, 0.0), axis=1, keepdims=True)  # [16, 1]
+        x_row = jnp.sum(jnp.where(rows == j, x, 0.0), axis=0, keepdims=True)      # [1, 16]
+        return x - l_col * x_row
+
+    return lax.fori_loop(0, l_blk.shape[0], step, (rows == cols).astype(jnp.float32))
+
+
+def _invert_by_products(l_blk):
+    """(I + L)^-1 for a strictly lower triangular [16, 16] L, as IEEE fp32 matmuls.
+
+    (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8) because L^16 = 0. The diagonal
+    kernel's choice: its small programs ran the any-decay path at 8.67 ms (32K, H200)
+    against 9.33 with the substitution loop.
     """
     hi = lax.Precision.HIGHEST
     eye = (iota(l_blk.shape, 0) == iota(l_blk.shape, 1)).astype(jnp.float32)
@@ -106,7 +127,7 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
         zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
         a_blk, l_blk = lax.fori_loop(0, SUB_CHUNK, column, (zeros, zeros))
         plgpu.store(a_ref.at[rows, h, :], a_blk, mask=valid)
-        plgpu.store(inv_ref.at[rows, h, :], _invert_unit_lower(beta * l_blk), mask=valid)
+        plgpu.store(inv_ref.at[rows, h, :], _invert_by_products(beta * l_blk), mask=valid)
 
 
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, *refs,
@@ -126,7 +147,6 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
     r0 = chunk_start_ref[slot]
     clen = chunk_len_ref[slot]
     blocks = chunk // SUB_CHUNK
-    hi = lax.Precision.HIGHEST
     f32 = jnp.float32
     sub_row = iota((SUB_CHUNK, 1), 0)
 
@@ -207,20 +227,26 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
                 a_bc = a_blk[b, c] if c < b else jnp.where(col <= sub_row, a_bb, 0.0)
                 store(aqk_ref, b, scale * a_bc if c <= b else zeros,
                       pl.ds(c * SUB_CHUNK, SUB_CHUNK))
-            # T = (I + L)^-1 by blocks: T_bc = -T_bb sum_{c <= m < b} L_bm T_mc.
+            # T = (I + L)^-1 by blocks: T_bc = -T_bb sum_{c <= m < b} L_bm T_mc, at the
+            # pass's precision (TF32 products on the fast path, as fla's merge; IEEE when
+            # exact). Emulated TF32 left the bf16 errors unchanged to three digits.
             l_row = {c: beta_b * l_blk[b, c] for c in range(b)}
-            t[b, b] = (_invert_unit_lower(jnp.where(col < sub_row, beta_b * l_blk[b, b], 0.0))
+            t[b, b] = (_invert_by_substitution(jnp.where(col < sub_row, beta_b * l_blk[b, b], 0.0))
                        if bounded else load(diag_inv_ref, b))
             for c in range(b - 1, -1, -1):
-                coupled = sum(dot(l_row[m], t[m, c], hi) for m in range(c, b))
-                t[b, c] = -dot(t[b, b], coupled, hi)
+                coupled = sum(dot(l_row[m], t[m, c], precision) for m in range(c, b))
+                t[b, c] = -dot(t[b, b], coupled, precision)
             for c in range(blocks):
                 store(t_ref, b, t[b, c] if c <= b else zeros, pl.ds(c * SUB_CHUNK, SUB_CHUNK))
 
 
 def _w_u_kernel(chunk_start_ref, chunk_len_ref, k_ref, v_ref, beta_ref, gcum_ref, t_ref,
                 w_ref, u_ref, *, chunk, precision):
-    """One chunk of one head: W = T diag(beta) (k * exp(G)), U = T diag(beta) v."""
+    """One chunk of one head: W = T diag(beta) (k * exp(G)), U = T diag(beta) v.
+
+    T (stored fp32) and the right-hand sides are rounded to the operand dtype, so the
+    products run on bf16 tensor cores on the fast path (fla does the same with its
+    inverse); the exact path keeps fp32 and IEEE products."""
     slot, h = pl.program_id(0), pl.program_id(1)
     r0 = chunk_start_ref[slot]
     clen = chunk_len_ref[slot]
@@ -233,9 +259,10 @@ def _w_u_kernel(chunk_start_ref, chunk_len_ref, k_ref, v_ref, beta_ref, gcum_ref
         def load(ref):
             return load_rows(ref, rows, h, valid)
 
-        t, beta = load(t_ref), load(beta_ref)
-        w = dot(t, beta * load(k_ref) * jnp.exp(load(gcum_ref)), precision)
-        u = dot(t, beta * load(v_ref), precision)
+        op = w_ref.dtype  # bf16 operands on the fast path, fp32 when exact
+        t, beta = load(t_ref).astype(op), load(beta_ref)
+        w = dot(t, (beta * load(k_ref) * jnp.exp(load(gcum_ref))).astype(op), precision)
+        u = dot(t, (beta * load(v_ref)).astype(op), precision)
         plgpu.store(w_ref.at[rows, h, :], w.astype(w_ref.dtype), mask=valid)
         plgpu.store(u_ref.at[rows, h, :], u.astype(u_ref.dtype), mask=valid)
 
