@@ -2,6 +2,7 @@
 
     python -m bench.kda_kernel                      # the three standard cases
     python -m bench.kda_kernel --sweep              # also time every tiling at 32K tokens
+    python -m bench.kda_kernel --pass-cases 32K     # time the passes alone at 32K only
 
 Cases (H = 32, K = V = 128, bf16 q/k/v/beta, fp32 decay): one sequence of 8192 and of
 32768 tokens, a packed batch of 4 x 8192. Rows: our kernel on its bounded-gate path

@@ -100,7 +100,7 @@ def engine_config(args, coalesce: bool) -> EngineConfig:
     """Room for the largest case: a cold prompt, or decoders beside one."""
     blocks = lambda tokens: -(-tokens // (args.block_size * args.dcp))  # noqa: E731
     cold = max(_ints(args.lengths) + _ints(args.beside_lengths) + [args.unaligned])
-    concurrency = max(_ints(args.concurrency))
+    concurrency = max(_ints(args.concurrency), default=1)  # `--concurrency ''`: cold cases only
     num_blocks = max(concurrency * blocks(args.decode_context),
                      args.decoders * blocks(args.decode_context) + blocks(cold + 1))
     return EngineConfig(

@@ -13,13 +13,24 @@ import json
 import jax
 import pytest
 
-from bench.prefill import main
+from bench.prefill import case_list, engine_config, main, parse_args
 
 ARGS = [
     "--quick", "--budget", "64", "--lengths", "128", "--unaligned", "100",
     "--beside-lengths", "100", "--decoders", "1", "--concurrency", "1", "--decode-context", "64",
     "--samples", "1", "--decode-steps", "2",
 ]  # fmt: skip
+
+
+def test_cold_cases_alone_size_the_engine_for_the_longest_prompt():
+    """Empty `--concurrency` and `--beside-lengths` leave the cold cases only (a crash
+    before: the engine's size took the max of no concurrency)."""
+    args = parse_args(["--quick", "--lengths", "128,256", "--unaligned", "0",
+                       "--concurrency", "", "--beside-lengths", ""])
+    config = engine_config(args, coalesce=True)
+
+    assert case_list(args) == [("cold", 128), ("cold", 256)]
+    assert config.max_model_len == 257 and config.max_num_seqs == args.decoders + 1
 
 
 @pytest.mark.slow  # ~20-40 s on two busy cores, most of it compiling
