@@ -256,9 +256,10 @@ def print_table(results):
               f"{result['achieved_tflops']:.1f} TFLOP/s")
 
 
-def write_results(path, device, bandwidth, results, sweep):
+def write_results(path, args, device, bandwidth, results, sweep):
     """The JSON the committed results and the plots come from."""
     payload = dict(
+        args={k: str(v) for k, v in vars(args).items()},
         device=device.device_kind, jax=jax.__version__, python=platform.python_version(),
         copy_bandwidth_tbs=bandwidth / 1e12, heads=HEADS, head_k=HEAD_K, head_v=HEAD_V,
         timing="median of samples; each sample = iters queued calls / one sync",
@@ -279,6 +280,8 @@ def main():
                         help="cases whose passes are also timed alone (a minute of compiles each)")
     parser.add_argument("--out", type=Path, default=RESULTS / "kda_kernel.json")
     args = parser.parse_args()
+    for name in {*args.cases.split(","), *filter(None, args.pass_cases.split(","))} - set(CASES):
+        parser.error(f"unknown case {name!r}: the cases are {', '.join(CASES)}")
 
     device = jax.devices()[0]
     spec = device_spec(device)
@@ -301,7 +304,7 @@ def main():
                 ms = None
             sweep.append(dict(config=dataclasses.asdict(config), ms_32k=ms))
             print(f"sweep {config}: {ms} ms")
-            write_results(args.out, device, bandwidth, [], sweep)
+            write_results(args.out, args, device, bandwidth, [], sweep)
 
     results = []
     for name in args.cases.split(","):
@@ -311,7 +314,7 @@ def main():
         result = run_case(name, lens, config, args, bandwidth)
         result["config"] = dataclasses.asdict(config)
         results.append(result)
-        write_results(args.out, device, bandwidth, results, sweep)  # after every case
+        write_results(args.out, args, device, bandwidth, results, sweep)  # after every case
     print_table(results)
     print(f"wrote {args.out}")
 
