@@ -25,9 +25,10 @@ section 2), in fully parallel programs (one per chunk slot and head):
      more matmul, with the reference at the block's middle row, so both factors stay
      within exp(8 |b|) ~ e^40;
    - any decay (`gate_lower_bound=None`): from `_diagonal_kernel`, which forms them
-     elementwise with every exponent <= 0 and also inverts I + L's diagonal blocks.
-   T by blocks: T_bb = (I + L_bb)^-1 by forward substitution, T_bc = -T_bb sum_{c <= m < b}
-   L_bm T_mc (fp32 values; TF32 products on the fast path).
+     elementwise with every exponent <= 0 and also inverts I + L's diagonal blocks (as
+     matmul products, `_invert_by_products`).
+   T by blocks: T_bb = (I + L_bb)^-1 (by forward substitution when gates are bounded),
+   T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (fp32 values; TF32 products on the fast path).
 2. `_w_u_kernel`: W and U, two [C, C] x [C, *] matmuls per chunk.
 """
 
