@@ -6,9 +6,11 @@ each step. The thread delivers every ``RequestOutput`` to the request's own
 ``asyncio.Queue`` on the front end's event loop, and records the time to first token and
 the time between tokens for ``/metrics``.
 
-When idle (nothing unfinished) the thread sleeps on the command queue. If a step raises
-(``StepRefusedError`` or anything else), the engine is discarded: every live request gets
-an ``EngineDeadError`` on its queue and new requests are refused.
+When idle (nothing unfinished) the thread sleeps on the command queue. A failed step
+fails only its own requests (``Engine.step`` reports them finished with
+``FinishReason.ERROR``) and the loop goes on. Only what escapes ``Engine.step`` (the
+device was lost) discards the engine: every live request gets an ``EngineDeadError`` on
+its queue and new requests are refused.
 """
 
 from __future__ import annotations
@@ -116,11 +118,16 @@ class AsyncEngine:
             engine.add_request(request_id, prompt_token_ids, sampling)
             self._live[request_id] = live
 
-        await self._call(add)
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:  # the client left while the request was being added
+            self.abort(request_id)
+            raise
         return live.outputs
 
     def abort(self, request_id: str) -> None:
-        """Aborts a request without waiting (safe from a cancelled task or finaliser)."""
+        """Aborts a request without waiting (safe from a cancelled task or finaliser, and
+        for an id the engine does not know or has finished)."""
         if self._error is None:
             self._commands.put((lambda engine: engine.abort(request_id), None))
 
@@ -176,9 +183,10 @@ class AsyncEngine:
             try:
                 result = fn(self.engine)
             except Exception as error:  # a rejected request: the caller reports it
-                if future is None:
-                    raise
-                future.set_exception(error)
+                if future is None:  # a fire-and-forget command (abort) has nobody to tell
+                    logger.exception("engine command failed")
+                else:
+                    future.set_exception(error)
             else:
                 if future is not None:
                     future.set_result(result)
@@ -201,7 +209,7 @@ class AsyncEngine:
             _put(live, output)
 
     def _fail_all(self, error: BaseException) -> None:
-        dead = EngineDeadError(f"the engine failed: {error!r}")
+        dead = EngineDeadError("the engine failed and serves nothing more (the server log says why)")
         for live in self._live.values():
             _put(live, dead)
         self._live.clear()

@@ -9,9 +9,17 @@ Each ``step()`` follows the scheduler's contract (``serving.scheduler``): schedu
 the step's KV blocks (copy-on-write) and resume states into their slots; run the model's
 prefill and / or decode on the device batches; copy the retained end states out of the
 running slots; sample a token for every request the step samples; hand the tokens back
-to the scheduler, which registers what the step retained. A step the model refuses (a
-non-OK pool status) raises ``StepRefusedError``: the batch builder validates every batch,
-so a refusal is a bug, and the engine must not be used afterwards.
+to the scheduler, which registers what the step retained.
+
+A step that fails fails only its own requests. Whatever raises while the step is built,
+run or sampled (a model refusal, ``StepRefusedError``, which leaves the caches unchanged;
+an input the device dtypes cannot hold; a bug), ``step()`` aborts the step's requests
+(``Scheduler.abort_step``: their blocks, slots and pins go back, nothing is registered)
+and reports each finished with ``FinishReason.ERROR``; every other request goes on. A
+failure inside a device call that had already consumed its donated caches leaves no
+caches to go on with: the engine then fails every live request and starts again from
+empty pools and a fresh prefix cache (counted in ``engine_resets``). Only a device that no
+longer answers is fatal: ``step()`` raises ``DeviceLostError``.
 
 At dcp > 1 a block id names P * dcp tokens, so the model's ``kv_block_size`` must be
 ``block_size * dcp``. By default the model runs on one device, where such a block is one
@@ -22,6 +30,7 @@ on a (tp, dcp) mesh, where each dcp rank holds P tokens of every block id.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -44,9 +53,14 @@ from serving.scheduler import Scheduler
 from serving.state_slots import StateSlotAllocator
 from serving.step import ScheduledStep, SchedulerConfig
 
+logger = logging.getLogger(__name__)
 
 class StepRefusedError(RuntimeError):
     """The model refused a step's cache update (a non-OK `PoolStatus`); nothing was written."""
+
+
+class DeviceLostError(RuntimeError):
+    """The device stopped answering after a failed step; the engine cannot go on."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,15 +156,7 @@ class Engine:
         self.steps = steps
         self._model_state: ModelState = steps.place(model)
         self._detokenize = detokenize
-        self.prefix_cache = PrefixCache(
-            BlockAllocator(
-                engine_config.num_kv_blocks,
-                block_size=engine_config.block_size,
-                dcp=engine_config.dcp,
-            ),
-            StateSlotAllocator(engine_config.num_state_slots),
-        )
-        self.scheduler = Scheduler(sched_config, self.prefix_cache)
+        self._make_pools()
         buckets = BatchBuckets.for_config(sched_config)
         if engine_config.single_bucket:
             buckets = buckets.largest_only()
@@ -161,7 +167,6 @@ class Engine:
             buckets=buckets,
         )
         self._rows = buckets.seqs[-1]  # copies and sampled rows per step are at most this
-        self.caches = steps.init_caches(engine_config.num_state_slots, engine_config.num_kv_blocks)
         self._seeds = np.random.default_rng(engine_config.seed)
         self._tracked: dict[str, _Tracked] = {}
         self._aborted: list[RequestOutput] = []
@@ -170,6 +175,9 @@ class Engine:
             requests_added=0,
             requests_finished=0,
             requests_aborted=0,
+            requests_failed=0,
+            step_failures=0,
+            engine_resets=0,
             prompt_tokens=0,
             cached_prompt_tokens=0,
             generated_tokens=0,
@@ -177,6 +185,16 @@ class Engine:
             kv_block_copies=0,
             steps=0,
         )
+
+    def _make_pools(self) -> None:
+        """Empty caches, allocators, prefix cache and scheduler (at start and on a reset)."""
+        config = self.config
+        self.prefix_cache = PrefixCache(
+            BlockAllocator(config.num_kv_blocks, block_size=config.block_size, dcp=config.dcp),
+            StateSlotAllocator(config.num_state_slots),
+        )
+        self.scheduler = Scheduler(config.scheduler_config(), self.prefix_cache)
+        self.caches = self.steps.init_caches(config.num_state_slots, config.num_kv_blocks)
 
     @property
     def schedule_log(self) -> list[dict]:
@@ -195,14 +213,19 @@ class Engine:
         """Queues a request.
 
         Raises:
-          ValueError: as ``Scheduler.add_request`` does, for a token id outside the
-            vocabulary, or stop strings without a detokenizer.
+          ValueError: as ``Scheduler.add_request`` does, for a token id (prompt or stop)
+            outside the vocabulary, ``top_k`` over the vocabulary size, or stop strings
+            without a detokenizer.
         """
         sampling = sampling or SamplingParams()
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        bad = [t for t in (*prompt_token_ids, *sampling.stop_token_ids) if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {request_id!r}: token id {bad[0]} outside [0, {vocab})")
+        if sampling.top_k > vocab:
+            raise ValueError(
+                f"request {request_id!r}: top_k {sampling.top_k} exceeds the vocabulary ({vocab})"
+            )
         if sampling.stop and self._detokenize is None:
             raise ValueError(
                 f"request {request_id!r} has stop strings but the engine has no detokenize callback"
@@ -229,10 +252,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled step; returns an output for every request that got a token,
-        finished or was aborted since the last step.
+        finished, failed or was aborted since the last step.
 
         Raises:
-          StepRefusedError: if the model refused the step's cache update.
+          DeviceLostError: the step failed and the device no longer answers.
         """
         outputs, self._aborted = self._aborted, []
         step = self.scheduler.schedule()
@@ -241,6 +264,30 @@ class Engine:
         if step.is_empty:
             return outputs
         self._counts["steps"] += 1
+        try:
+            sampled = self._run(step)
+            finished = {
+                r.request_id
+                for r in self.scheduler.update_from_step(
+                    step, {i: draw.token for i, draw in sampled.items()}
+                )
+            }
+        except Exception as error:
+            return outputs + self._fail_step(step, error)
+        for request_id, draw in sampled.items():
+            tracked = self._tracked[request_id]
+            try:
+                tracked.logprobs.append(draw.logprob)
+                tracked.top_logprobs.append(draw.top)
+                self._counts["generated_tokens"] += 1
+                outputs.append(self._after_token(tracked, request_id in finished))
+            except Exception:
+                logger.exception("request %s failed after step %d", request_id, step.step_id)
+                outputs += self._fail_requests([request_id])
+        return outputs
+
+    def _run(self, step: ScheduledStep) -> dict[str, _Draw]:
+        """Copies, the model's prefill and decode, retain copies and sampling of one step."""
         prefill_batch, decode_batch = self.builder.build(step)
         # Every call donates the caches: keep self.caches on the live buffers throughout.
         if step.block_copies:
@@ -262,20 +309,47 @@ class Engine:
         if step.retain_state_copies:
             self._copy_slots(step, step.retain_state_copies, "retain copies")
         self._count_cached_tokens(step)
-        sampled = self._sample(step, prefill_batch, logits)
-        finished = {
-            r.request_id
-            for r in self.scheduler.update_from_step(
-                step, {i: draw.token for i, draw in sampled.items()}
-            )
-        }
-        for request_id, draw in sampled.items():
-            tracked = self._tracked[request_id]
-            tracked.logprobs.append(draw.logprob)
-            tracked.top_logprobs.append(draw.top)
-            self._counts["generated_tokens"] += 1
-            outputs.append(self._after_token(tracked, request_id in finished))
+        return self._sample(step, prefill_batch, logits)
+
+    def _fail_step(self, step: ScheduledStep, error: Exception) -> list[RequestOutput]:
+        """Fails the step's requests (or, with the caches gone, every live request)."""
+        self._counts["step_failures"] += 1
+        if not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
+            self.scheduler.abort_step(step)
+            failed = [i for i in step.request_ids if i in self._tracked]
+            logger.error("step %d failed; failing its requests %s", step.step_id, failed,
+                         exc_info=error)
+            return self._fail_requests(failed)
+        self._check_device(error)
+        failed = list(self._tracked)
+        logger.error("step %d failed after its caches were donated; failing every live request "
+                     "%s and starting from empty pools", step.step_id, failed, exc_info=error)
+        self._make_pools()
+        self._counts["engine_resets"] += 1
+        return self._fail_requests(failed)
+
+    def _fail_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """Drops the requests (aborting those still live) and reports each finished with
+        ``FinishReason.ERROR``."""
+        outputs = []
+        for request_id in request_ids:
+            self.scheduler.abort(request_id)
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is not None:
+                self._counts["requests_failed"] += 1
+                outputs.append(self._output(tracked, FinishReason.ERROR, None, with_text=False))
         return outputs
+
+    def _check_device(self, error: Exception) -> None:
+        """Raises ``DeviceLostError`` unless every device of the steps runs a tiny program."""
+        devices = jax.devices() if self.steps.mesh is None else self.steps.mesh.devices.flat
+        try:
+            for device in devices:
+                jax.block_until_ready(jax.device_put(np.zeros((), np.int32), device) + 1)
+        except Exception as probe_error:
+            raise DeviceLostError(f"the device failed after a step failed: {error!r}") from (
+                probe_error
+            )
 
     def run_until_done(self) -> dict[str, RequestOutput]:
         """Steps until no request is left; returns each request's final output.
@@ -330,7 +404,7 @@ class Engine:
         if status is not PoolStatus.OK:
             raise StepRefusedError(
                 f"step {step.step_id}: the model refused the {what} ({status.name}); the "
-                f"caches are unchanged and the engine must be discarded"
+                f"caches are unchanged"
             )
 
     def _sample(self, step: ScheduledStep, prefill_batch, logits) -> dict[str, _Draw]:
@@ -404,11 +478,18 @@ class Engine:
         return min(found)[1] if found else None
 
     def _output(
-        self, tracked: _Tracked, reason: FinishReason | None, stop_reason: int | str | None
+        self,
+        tracked: _Tracked,
+        reason: FinishReason | None,
+        stop_reason: int | str | None,
+        *,
+        with_text: bool = True,
     ) -> RequestOutput:
+        """``with_text=False`` leaves the text out (a failed request's output may be what
+        failed to detokenize)."""
         request = tracked.request
         text = None
-        if self._detokenize is not None:
+        if with_text and self._detokenize is not None:
             text = self._detokenize(request.output_token_ids)
             if isinstance(stop_reason, str):
                 text = text[: text.find(stop_reason)]

@@ -244,6 +244,15 @@ class _Job:
             usage_=usage,
         )
 
+    def _failed(self) -> api.APIError:
+        """The step this request was in failed (the server log has why, under its id)."""
+        return api.APIError(
+            500,
+            f"the request failed inside the engine and was stopped; other requests are "
+            f"unaffected (request id {self.id})",
+            code="request_failed",
+        )
+
     async def _next(self) -> RequestOutput:
         item = await self.outputs.get()
         if isinstance(item, EngineDeadError):
@@ -276,6 +285,8 @@ class _Job:
             return api.APIError(
                 503, "the request was aborted: the server is shutting down", code="aborted"
             ).response()
+        if output.finish_reason is FinishReason.ERROR:
+            return self._failed().response()
         text, texts, logprobs, tops = self.gen.advance(output)
         logprobs = self._logprobs(texts, logprobs, tops, 0)
         if self.chat:
@@ -306,6 +317,9 @@ class _Job:
                     break
                 if await self.request.is_disconnected():
                     return
+                if output.finish_reason is FinishReason.ERROR:
+                    yield event(self._failed().body())
+                    break
                 offset = len(self.gen.sent)
                 text, texts, logprobs, tops = self.gen.advance(output)
                 if not (text or texts or output.finished):

@@ -9,6 +9,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # a stop token (or end of sequence) or a stop string
     LENGTH = "length"  # max_tokens
     ABORT = "abort"
+    ERROR = "error"  # the step it was in failed; the engine went on serving the others
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,8 @@ class RequestOutput:
 class EngineMetrics:
     """Counters and gauges for ``/metrics``: a snapshot, plain data.
 
-    Counters (since start): requests added / finished / aborted, prompt tokens added,
+    Counters (since start): requests added / finished / aborted / failed, steps that
+    failed and engine resets (``serving.engine``), prompt tokens added,
     prompt tokens served by the prefix cache at first admission, tokens generated,
     preemptions, copy-on-write block copies, steps, prefix-cache lookups and hits, evictions. Gauges (now): requests
     running and waiting, KV blocks and state slots total / referenced / cached.
@@ -59,6 +61,9 @@ class EngineMetrics:
     requests_added: int
     requests_finished: int
     requests_aborted: int
+    requests_failed: int
+    step_failures: int
+    engine_resets: int
     prompt_tokens: int
     cached_prompt_tokens: int
     generated_tokens: int

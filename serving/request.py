@@ -2,7 +2,10 @@
 
 import dataclasses
 import enum
+import math
 from collections.abc import Sequence
+
+INT32_LIMIT = 2**31  # token counts and top_k reach the device as int32
 
 
 class RequestStatus(enum.Enum):
@@ -37,7 +40,8 @@ class SamplingParams:
       stop_token_ids: generating any of these finishes the request (the token is kept).
       temperature: 0 samples greedily (argmax); otherwise logits are divided by it.
       top_p: keep the most likely tokens up to this probability mass, in (0, 1].
-      top_k: keep the k most likely tokens (0: all).
+      top_k: keep the k most likely tokens (0: all); the engine also refuses more than the
+        vocabulary.
       seed: the request's own random stream (None: the engine draws one); the k-th output
         token is sampled with a key made from (seed, k), so a seeded request reproduces.
       stop: strings that finish the request when the detokenized output contains one;
@@ -61,13 +65,20 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0: all tokens), got {self.top_k}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.top_k < INT32_LIMIT:
+            raise ValueError(f"top_k must be in [0, 2**31) (0: all tokens), got {self.top_k}")
+        if not self.max_tokens < INT32_LIMIT:
+            raise ValueError(f"max_tokens must be < 2**31, got {self.max_tokens}")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**32:
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+            or not 0 <= self.seed < 2**32
+        ):
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")

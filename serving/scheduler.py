@@ -159,6 +159,26 @@ class Scheduler:
         request.status = RequestStatus.ABORTED
         return True
 
+    def abort_step(self, step: ScheduledStep) -> list[str]:
+        """The step failed (raised while being built, run or sampled): aborts every live
+        request it scheduled and frees what the step held, so the pools are as if none of
+        them had been admitted. Call it for the step in flight, or after its
+        ``update_from_step`` if what followed failed.
+
+        Nothing the step computed is registered in the prefix cache: a failed step's
+        writes land only in blocks and slots its own requests held, now free again.
+
+        Returns:
+          The ids of the requests aborted (those still live), in step order.
+        """
+        if step is self._in_flight:
+            self._in_flight = None
+            for prefill in step.prefills:
+                self._states.free(prefill.checkpoint_slots)
+                if prefill.retain_slot is not None:
+                    self._states.free([prefill.retain_slot])
+        return [request_id for request_id in step.request_ids if self.abort(request_id)]
+
     def schedule(self) -> ScheduledStep:
         """Plans the next step. A non-empty step is in flight until ``update_from_step``;
         an empty one (nothing could run) needs no update.

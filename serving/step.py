@@ -137,6 +137,13 @@ class ScheduledStep:
         return not self.decodes and not self.prefills
 
     @property
+    def request_ids(self) -> tuple[str, ...]:
+        """Every request the step computes for: decodes, then prefills."""
+        return tuple(d.request_id for d in self.decodes) + tuple(
+            p.request_id for p in self.prefills
+        )
+
+    @property
     def sampling_request_ids(self) -> tuple[str, ...]:
         """Requests the model samples a token for: every decode and every final span."""
         return tuple(d.request_id for d in self.decodes) + tuple(

@@ -22,7 +22,7 @@ import pytest
 
 from serving.api import Generation
 from serving.async_engine import AsyncEngine, EngineDeadError
-from serving.engine import StepRefusedError
+from serving.engine import DeviceLostError
 from serving.outputs import FinishReason, RequestOutput
 from serving.request import SamplingParams
 from serving.tokenizer import BYTE_EOS_ID, ByteTokenizer, apply_chat_template, load_tokenizer
@@ -206,7 +206,7 @@ class _FailingEngine:
         return False
 
     def step(self):
-        raise StepRefusedError("step 0: refused")
+        raise DeviceLostError("the device failed")
 
 
 def test_failed_step_fails_waiters_and_refuses_new_requests():
@@ -215,8 +215,8 @@ def test_failed_step_fails_waiters_and_refuses_new_requests():
         engine.start()
         outputs = await engine.add_request("a", [1], SamplingParams())
         item = await asyncio.wait_for(outputs.get(), 10)
-        assert isinstance(item, EngineDeadError) and "refused" in str(item)
-        assert isinstance(engine.error, StepRefusedError)
+        assert isinstance(item, EngineDeadError) and "server log" in str(item)
+        assert isinstance(engine.error, DeviceLostError)
         with pytest.raises(EngineDeadError):
             await engine.add_request("b", [1], SamplingParams())
         engine.stop()
@@ -408,6 +408,18 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
     assert error["message"]
     if param is not None:
         assert error["param"] == param, error
+
+
+def test_a_top_k_past_int32_is_refused_and_the_server_serves_on(server):
+    body = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
+    before = server.post("/v1/completions", json=body)
+    assert before.status_code == 200, before.text
+    response = server.post("/v1/completions", json=body | {"top_k": 3_000_000_000})
+    assert 400 <= response.status_code < 500, response.text
+    assert "top_k" in response.json()["error"]["message"]
+    assert server.get("/health").status_code == 200
+    after = server.post("/v1/completions", json=body)
+    assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
 
 
 def test_concurrent_clients_match_sequential(server):
