@@ -2,8 +2,8 @@
 
 `DryRun` drives an engine's scheduler and batch builder without the model and records one
 batch per bucket; `precompile` compiles each bucket's jitted step ahead of its first call
-(seconds and XLA's memory estimate of each); `CompileLog` counts the backend compiles that
-happen while it is active, so a benchmark can prove its timed samples never compiled.
+(seconds and XLA's memory estimate of each); `serving.compiles.CompileLog` counts the
+backend compiles, so a benchmark can prove its timed samples never compiled.
 """
 
 from __future__ import annotations
@@ -24,37 +24,10 @@ from serving.prefix_cache import PrefixCache
 from serving.scheduler import Scheduler
 from serving.state_slots import StateSlotAllocator
 
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
 
 def log(message: str) -> None:
     """A timestamped progress line, flushed at once (long device runs are watched live)."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-class CompileLog:
-    """Backend compiles reported by jax.monitoring while active: (function name, seconds)."""
-
-    def __init__(self):
-        self.events: list[tuple[str, float]] = []
-
-    def _listen(self, event: str, seconds: float, **kwargs) -> None:
-        if event == COMPILE_EVENT:
-            self.events.append((str(kwargs.get("fun_name", "?")), seconds))
-
-    def __enter__(self) -> CompileLog:
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        jax.monitoring.unregister_event_duration_listener(self._listen)
-
-    def by_function(self) -> dict[str, dict]:
-        table = collections.defaultdict(lambda: {"count": 0, "seconds": 0.0})
-        for name, seconds in self.events:
-            table[name]["count"] += 1
-            table[name]["seconds"] += seconds
-        return dict(sorted(table.items()))
 
 
 def bucket_key(batch: PrefillBatch | DecodeBatch) -> tuple:

@@ -52,13 +52,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bench.buckets import CompileLog, DryRun, log, precompile, step_functions
+from bench.buckets import DryRun, log, precompile, step_functions
 from bench.prefill_cases import CASES, MODES, Run, Session, compare_greedy
 from glmjax.config import ModelConfig
 from glmjax.model import HybridModel
 from glmjax.random_weights import random_model
 from glmjax.sharding import ModelSteps, ShardingPlan, make_mesh, request_cpu_devices
 from serving.batch_builder import BatchBuckets
+from serving.compiles import CompileLog
 from serving.engine import Engine, EngineConfig
 
 RESULTS = Path(__file__).parent / "results"

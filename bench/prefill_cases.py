@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from bench.buckets import CompileLog, DryRun, Output
+from bench.buckets import DryRun, Output
+from serving.compiles import CompileLog
 from serving.engine import Engine
 from serving.request import SamplingParams
 

@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -197,6 +196,21 @@ class Engine:
         self.caches = self.steps.init_caches(config.num_state_slots, config.num_kv_blocks)
 
     @property
+    def model_state(self) -> ModelState:
+        """The parameters as placed for the steps."""
+        return self._model_state
+
+    @property
+    def sampler_rows(self) -> int:
+        """Rows of every sampler call and cache copy (the largest sequence bucket)."""
+        return self._rows
+
+    @property
+    def sampler(self) -> Callable:
+        """The jitted sampler: (logits fp32 [N, V], rows int32 [R], SamplingTensors)."""
+        return _sample_rows
+
+    @property
     def schedule_log(self) -> list[dict]:
         """One plain-data entry per step when ``log_schedule`` is set (else empty)."""
         return self.scheduler.schedule_log
@@ -295,21 +309,21 @@ class Engine:
             self._counts["kv_block_copies"] += len(step.block_copies)
         if step.resume_state_copies:
             self._copy_slots(step, step.resume_state_copies, "resume copies")
-        logits = []
+        prefill_logits = decode_logits = None
         if prefill_batch is not None:
             out = self.steps.prefill(self._model_state, self.caches, jax.device_put(prefill_batch))
             self.caches = out.caches
             self._check(out.status, step, "prefill")
-            logits.append(out.logits)
+            prefill_logits = out.logits
         if decode_batch is not None:
             out = self.steps.decode(self._model_state, self.caches, jax.device_put(decode_batch))
             self.caches = out.caches
             self._check(out.status, step, "decode")
-            logits.append(out.logits)
+            decode_logits = out.logits
         if step.retain_state_copies:
             self._copy_slots(step, step.retain_state_copies, "retain copies")
         self._count_cached_tokens(step)
-        return self._sample(step, prefill_batch, logits)
+        return self._sample(step, prefill_logits, decode_logits)
 
     def _fail_step(self, step: ScheduledStep, error: Exception) -> list[RequestOutput]:
         """Fails the step's requests (or, with the caches gone, every live request)."""
@@ -407,41 +421,38 @@ class Engine:
                 f"caches are unchanged"
             )
 
-    def _sample(self, step: ScheduledStep, prefill_batch, logits) -> dict[str, _Draw]:
-        """{request_id: its draw} for every request the step samples."""
-        rows, params = [], []
-        num_prefill_rows = 0 if prefill_batch is None else prefill_batch.state_slots.shape[0]
-        sampling_rows = [(i, p.request_id) for i, p in enumerate(step.prefills) if p.samples]
-        sampling_rows += [(num_prefill_rows + i, d.request_id) for i, d in enumerate(step.decodes)]
-        if not sampling_rows:
-            return {}
-        for row, request_id in sampling_rows:
-            tracked = self._tracked[request_id]
-            s = tracked.request.sampling
-            rows.append(row)
-            params.append(
-                (
-                    s.temperature,
-                    s.top_k,
-                    s.top_p,
-                    tracked.seed,
-                    len(tracked.request.output_token_ids),
+    def _sample(self, step: ScheduledStep, prefill_logits, decode_logits) -> dict[str, _Draw]:
+        """{request_id: its draw} for every request the step samples.
+
+        Prefill and decode rows are sampled by separate calls of one sampler whose row
+        count is fixed, so it compiles once per logits bucket, never per pair of them."""
+        parts = [
+            (prefill_logits, [(i, p.request_id) for i, p in enumerate(step.prefills) if p.samples]),
+            (decode_logits, [(i, d.request_id) for i, d in enumerate(step.decodes)]),
+        ]
+        calls, order = [], []
+        for logits, rows in parts:
+            if not rows:
+                continue
+            index = np.zeros(self._rows, np.int32)
+            index[: len(rows)] = [row for row, _ in rows]
+            params = [self._sampling_row(request_id) for _, request_id in rows]
+            calls.append(_sample_rows(logits, index, SamplingTensors.host(params, self._rows)))
+            order.append([request_id for _, request_id in rows])
+        draws = {}
+        for drawn, request_ids in zip(jax.device_get(calls), order):
+            for k, request_id in enumerate(request_ids):
+                top = zip(drawn.top_ids[k].tolist(), drawn.top_logprobs[k].tolist(), strict=True)
+                draws[request_id] = _Draw(
+                    int(drawn.tokens[k]), float(drawn.logprobs[k]), tuple(top)
                 )
-            )
-        index = np.zeros(self._rows, np.int32)
-        index[: len(rows)] = rows
-        drawn = jax.device_get(
-            _sample_rows(tuple(logits), index, SamplingTensors.host(params, self._rows))
-        )
-        return {
-            request_id: _Draw(
-                int(drawn.tokens[k]),
-                float(drawn.logprobs[k]),
-                tuple(zip(drawn.top_ids[k].tolist(), drawn.top_logprobs[k].tolist(),
-                          strict=True)),
-            )
-            for k, (_, request_id) in enumerate(sampling_rows)
-        }
+        return draws
+
+    def _sampling_row(self, request_id: str) -> tuple[float, int, float, int, int]:
+        """(temperature, top_k, top_p, seed, output token index) of a request's next draw."""
+        tracked = self._tracked[request_id]
+        s = tracked.request.sampling
+        return s.temperature, s.top_k, s.top_p, tracked.seed, len(tracked.request.output_token_ids)
 
     def _count_cached_tokens(self, step: ScheduledStep) -> None:
         for scheduled in step.prefills:
@@ -509,8 +520,6 @@ class Engine:
 
 
 @jax.jit
-def _sample_rows(
-    logits: tuple[jax.Array, ...], rows: jax.Array, params: SamplingTensors
-) -> Sampled:
-    """Sample from rows ``rows`` of the step's logits (prefill rows, then decode rows)."""
-    return sample(jnp.concatenate(logits)[rows], params)
+def _sample_rows(logits: jax.Array, rows: jax.Array, params: SamplingTensors) -> Sampled:
+    """Sample from rows ``rows`` (int32 [R]) of one batch's logits (fp32 [N, V])."""
+    return sample(logits[rows], params)

@@ -32,13 +32,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from glmjax import compile_cache
 from glmjax.config import ModelConfig
 from glmjax.random_weights import random_model
 from glmjax.sharding import ShardingPlan, make_mesh, request_cpu_devices
 from serving import api
 from serving.async_engine import AsyncEngine
+from serving.compiles import CompileLog
 from serving.engine import Engine, EngineConfig
 from serving.handlers import Handlers
+from serving.precompile import precompile
 from serving.request import SamplingParams
 from serving.tokenizer import Tokenizer, load_tokenizer
 
@@ -167,6 +170,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="pad every batch to the largest shape: one compile per entry point",
     )
+    p.add_argument(
+        "--precompile",
+        choices=("all", "none"),
+        default="all",
+        help="all: compile every batch shape the flags can reach before serving (start-up "
+        "takes longer, no request ever waits on a compile; the persistent cache makes "
+        "restarts fast); none: compile each shape on first use (fast start, the first "
+        "requests of each shape stall for the compile)",
+    )
+    compile_cache.add_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="random weights and request seeds")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
@@ -263,13 +276,21 @@ def log_features(engine: Engine, tokenizer: Tokenizer) -> None:
     logger.info("tokenizer: %s, EOS id %s", type(tokenizer).__name__, tokenizer.eos_token_id)
 
 
-def warm_up(engine: Engine) -> None:
-    """One short request before serving, so the first client does not wait on compiles
-    of the smallest shapes (all of them with --single-bucket). It shows in /metrics."""
+def warm_up(engine: Engine, precompile_all: bool) -> None:
+    """Compiles what the server can call (every reachable program, or with
+    ``precompile_all`` off the smallest shapes), then runs one short request through the
+    engine; after a full precompile that request must compile nothing. It shows in
+    /metrics."""
     start = time.perf_counter()
-    engine.add_request("warm-up", [0], SamplingParams(max_tokens=2, ignore_eos=True))
-    engine.run_until_done()
-    logger.info("warm-up (compiles) took %.1f s", time.perf_counter() - start)
+    if precompile_all:
+        precompile(engine, log=logger.info)
+    with CompileLog() as compiles:
+        engine.add_request("warm-up", [0], SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.run_until_done()
+    if precompile_all and compiles.count:
+        logger.warning("the warm-up request compiled %d programs after the precompile: %s",
+                       compiles.count, compiles.by_function())
+    logger.info("ready after %.1f s of compiles and warm-up", time.perf_counter() - start)
 
 
 def main(argv=None) -> None:
@@ -279,12 +300,13 @@ def main(argv=None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    compile_cache.enable_from_args(args)
     try:
         engine, tokenizer, model_name = build_engine(args)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     log_features(engine, tokenizer)
-    warm_up(engine)
+    warm_up(engine, args.precompile == "all")
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, tokenizer, model_name=model_name)
     config = uvicorn.Config(
