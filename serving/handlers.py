@@ -16,8 +16,8 @@ import pydantic
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from serving import api
-from serving.async_engine import AsyncEngine, EngineDeadError, prometheus_text
+from serving import api, metrics
+from serving.async_engine import AsyncEngine, EngineDeadError
 from serving.outputs import FinishReason, RequestOutput
 from serving.request import SamplingParams
 from serving.tokenizer import Tokenizer, apply_chat_template
@@ -32,6 +32,7 @@ class Handlers:
         self.model_name = model_name
         self.max_model_len = async_engine.engine.config.max_model_len
         self._shutting_down = False
+        self._registry = metrics.server_registry(async_engine)
 
     def shut_down(self) -> None:
         self._shutting_down = True
@@ -52,7 +53,7 @@ class Handlers:
         }
 
     def prometheus_text(self) -> str:
-        return prometheus_text(self.engine)
+        return metrics.exposition(self._registry)
 
     async def completions(self, request: Request):
         try:
