@@ -20,7 +20,7 @@ from serving import api, metrics
 from serving.async_engine import AsyncEngine, EngineDeadError
 from serving.outputs import FinishReason, RequestOutput
 from serving.request import SamplingParams
-from serving.tokenizer import Tokenizer, apply_chat_template
+from serving.tokenizer import ChatTemplateError, Tokenizer
 
 
 class Handlers:
@@ -73,10 +73,16 @@ class Handlers:
     async def chat(self, request: Request):
         try:
             body = await self._parse(request, api.ChatRequest)
-            text = apply_chat_template((m.role, m.text()) for m in body.messages)
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in body.messages]
+            )
             prompt = self.tokenizer.encode(text)
         except api.APIError as error:
             return error.response()
+        except ChatTemplateError as error:
+            return api.APIError(
+                400, str(error), param="messages", code="chat_template_error"
+            ).response()
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._generate(
             request,
