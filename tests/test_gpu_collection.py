@@ -1,6 +1,7 @@
 """`make test-gpu` (`pytest -m gpu`) must collect on the GPU machines, which have no
-fastapi, uvicorn, pydantic or httpx (DESIGN.md section 7): a test module that needs them
-skips at collection (`pytest.importorskip`) instead of failing the whole run.
+fastapi, uvicorn, pydantic or httpx (DESIGN.md section 7), nor the test-only schemathesis:
+a test module that needs them skips at collection (`pytest.importorskip`) instead of
+failing the whole run.
 
 Checked by collecting the `gpu` selection in a subprocess where those packages cannot be
 imported (a ``sitecustomize`` that refuses them)."""
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVER_PACKAGES = ("fastapi", "uvicorn", "pydantic", "httpx", "starlette")
+SERVER_PACKAGES = ("fastapi", "uvicorn", "pydantic", "httpx", "starlette", "schemathesis")
 BLOCKER = f"""\
 import sys
 
