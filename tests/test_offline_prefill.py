@@ -112,6 +112,12 @@ def test_progress_bar_counts_tokens_and_spans(saved_short):
     assert f"{SHORT}/{SHORT} tokens, span 3/3" in saved_short[2]
 
 
+def test_load_states_refuses_states_of_other_weights(saved_short):
+    with pytest.raises(ValueError, match="other weights"):
+        main(["--random-tokens", str(SHORT), *GRID, "--seed", "1", "--load-states",
+              str(saved_short[0])], progress=None)
+
+
 @pytest.mark.parametrize("diverge, expected_start", [(None, SHORT), (300, 256)])
 def test_load_states_resumes_a_longer_prompt_like_a_cold_run(
         model_state, saved_short, tmp_path, diverge, expected_start):
