@@ -111,22 +111,9 @@ class _Server(uvicorn.Server):
             self._captured_signals.clear()
 
 
-class _HelpWithDefaults(argparse.HelpFormatter):
-    """``--help`` shows the default of every option that has one."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        unset = action.default is None or action.default is False  # 0 is a default to show
-        if not unset and action.default != argparse.SUPPRESS and "%(default)" not in text:
-            text += " (default: %(default)s)"
-        return text
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m serving.server",
-        description=__doc__.splitlines()[0],
-        formatter_class=_HelpWithDefaults,
+        prog="python -m serving.server", description=__doc__.splitlines()[0]
     )
     p.add_argument("--preset", default="tiny", help="model config (glmjax.config.PRESETS)")
     p.add_argument(
@@ -138,8 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--family", choices=("kimi", "glm"), help="upstream naming of safetensors")
     p.add_argument("--tokenizer", help="tokenizer.json (or its folder); default: bytes")
     p.add_argument("--served-model-name", help="the model id clients name (default: preset)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel devices: a (tp // dcp, dcp) mesh"
     )
@@ -163,10 +150,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="schedule the reference ladder instead of coalesced spans",
     )
-    p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    p.add_argument(
-        "--max-model-len", type=int, default=4096, help="most tokens of a request, prompt + output"
-    )
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests per step")
     p.add_argument(
         "--num-kv-blocks", type=int, help="KV block ids (default: 8 requests of --max-model-len)"
@@ -183,7 +168,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="pad every batch to the largest shape: one compile per entry point",
     )
     p.add_argument("--seed", type=int, default=0, help="random weights and request seeds")
-    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
 
