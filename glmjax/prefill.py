@@ -28,6 +28,7 @@ running the whole prefix again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -42,17 +43,28 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from glmjax.batch import CHECKPOINT_CAPACITY, PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
+from glmjax.fingerprint import model_fingerprint
 from glmjax.layers.paged_cache import MLACache
 from glmjax.model import ModelState, prefill
 from glmjax.random_weights import random_model
 from glmjax.state_pool import PoolStatus, StatePool
 from serving.plan import PrefillSpan, plan_prefill
 
-FORMAT = "glmjax-offline-prefill-states/1"
+# /2: the fingerprint covers whole tensors and the config (`glmjax.fingerprint`).
+FORMAT = "glmjax-offline-prefill-states/2"
 RUNNING_SLOT = 0  # checkpoint c of a span goes to slot 1 + c
 NUM_SLOTS = 1 + CHECKPOINT_CAPACITY
 
@@ -68,7 +80,7 @@ class SavedStates(NamedTuple):
     prompt_sha256: str  # prefix_hash of the whole prompt
     prompt_len: int
     block_size: int
-    fingerprint: str  # `model_fingerprint` of the weights that produced the states
+    fingerprint: str  # `model_fingerprint` of the weights and config behind the states
 
 
 class PrefillResult(NamedTuple):
@@ -154,20 +166,6 @@ def prefix_hash(tokens: np.ndarray, length: int) -> str:
     return hashlib.sha256(np.asarray(tokens[:length], "<i4").tobytes()).hexdigest()
 
 
-def model_fingerprint(model_state: ModelState) -> str:
-    """sha256 over the first 16 values of every parameter, in path order: states saved with
-    one set of weights are never resumed under another."""
-    params = jax.tree_util.tree_flatten_with_path(
-        nnx.state(nnx.merge(*model_state), nnx.Param))[0]
-    heads = jax.jit(lambda leaves: [jnp.ravel(x)[:16].astype(jnp.float32) for x in leaves])(
-        [leaf for _, leaf in params])
-    digest = hashlib.sha256()
-    for (path, _), head in zip(params, jax.device_get(heads)):
-        digest.update(jax.tree_util.keystr(path).encode())
-        digest.update(np.asarray(head).tobytes())
-    return digest.hexdigest()
-
-
 def random_model_state(config: ModelConfig, seed: int) -> ModelState:
     """The default weights: `random_model(config, seed)`, split for the jitted steps."""
     return nnx.split(random_model(config, seed))
@@ -210,7 +208,7 @@ def resume_position(saved: SavedStates, tokens: np.ndarray, fingerprint: str,
                     block_size: int) -> int:
     """The longest saved position p <= L - 1 whose prefix equals the prompt's; 0: none."""
     if saved.fingerprint != fingerprint or saved.block_size != block_size:
-        raise ValueError(f"saved states were made by other weights or block size "
+        raise ValueError(f"saved states were made by other weights, config or block size "
                          f"({saved.block_size}); this run has block size {block_size}")
     matches = [p for p, digest in zip(saved.positions, saved.prefix_sha256)
                if p <= len(tokens) - 1 and prefix_hash(tokens, p) == digest]
@@ -266,15 +264,20 @@ def _take_slots(pools: tuple[StatePool, ...], slots: jax.Array) -> list[StatePoo
     return [StatePool(pool.recurrent[slots], pool.conv[slots]) for pool in pools]
 
 
-def _progress(stream: TextIO, done_spans: int, spans: Sequence[PrefillSpan], start: int):
-    total = spans[-1].end - start
-    done = (spans[done_spans - 1].end if done_spans else start) - start
-    filled = 30 * done // max(total, 1)
-    stream.write(f"\rprefill [{'#' * filled}{'.' * (30 - filled)}] span {done_spans}/"
-                 f"{len(spans)}, {done}/{total} tokens")
-    if done_spans == len(spans):
-        stream.write("\n")
-    stream.flush()
+@contextlib.contextmanager
+def _progress_bar(stream: TextIO | None, spans: Sequence[PrefillSpan]):
+    """Yields `advance(span, done_spans)`, which moves a rich progress bar drawn on `stream`
+    (no bar when `stream` is None)."""
+    if stream is None:
+        yield lambda span, done: None
+        return
+    columns = (TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens, span"),
+               TextColumn("{task.fields[done]}/{task.fields[spans]}"), TimeElapsedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=Console(file=stream)) as bar:
+        task = bar.add_task("prefill", total=spans[-1].end - spans[0].start, done=0,
+                            spans=len(spans))
+        yield lambda span, done: bar.update(task, advance=span.num_tokens, done=done)
 
 
 def run_prefill(model_state: ModelState, config: ModelConfig, tokens: np.ndarray,
@@ -301,33 +304,31 @@ def run_prefill(model_state: ModelState, config: ModelConfig, tokens: np.ndarray
     kept: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
     all_slots = jnp.arange(NUM_SLOTS, dtype=jnp.int32)
     run_s = 0.0
-    if progress:
-        _progress(progress, 0, spans, start)
-    for done, (span, batch) in enumerate(zip(spans, batches), 1):
-        tic = time.perf_counter()
-        out = step(model_state, caches, batch)
-        jax.block_until_ready(out.logits)
-        run_s += time.perf_counter() - tic
-        if int(out.status) != PoolStatus.OK:
-            raise RuntimeError(f"prefill refused span [{span.start}, {span.end}): "
-                               f"{PoolStatus(int(out.status)).name}")
-        caches = out.caches
-        last = done == len(spans)
-        if keep_states and (span.checkpoints or span.retain_end or last):
-            pools = jax.device_get(_take_slots(caches.kda, all_slots))
-            for c, position in enumerate(span.checkpoints):
-                kept[position] = [(p.recurrent[1 + c], p.conv[1 + c]) for p in pools]
-            if span.retain_end or last:
-                kept[span.end] = [(p.recurrent[RUNNING_SLOT], p.conv[RUNNING_SLOT])
-                                  for p in pools]
-        if progress:
-            _progress(progress, done, spans, start)
+    with _progress_bar(progress, spans) as advance:
+        for done, (span, batch) in enumerate(zip(spans, batches), 1):
+            tic = time.perf_counter()
+            out = step(model_state, caches, batch)
+            jax.block_until_ready(out.logits)
+            run_s += time.perf_counter() - tic
+            if int(out.status) != PoolStatus.OK:
+                raise RuntimeError(f"prefill refused span [{span.start}, {span.end}): "
+                                   f"{PoolStatus(int(out.status)).name}")
+            caches = out.caches
+            last = done == len(spans)
+            if keep_states and (span.checkpoints or span.retain_end or last):
+                pools = jax.device_get(_take_slots(caches.kda, all_slots))
+                for c, position in enumerate(span.checkpoints):
+                    kept[position] = [(p.recurrent[1 + c], p.conv[1 + c]) for p in pools]
+                if span.retain_end or last:
+                    kept[span.end] = [(p.recurrent[RUNNING_SLOT], p.conv[RUNNING_SLOT])
+                                      for p in pools]
+            advance(span, done)
 
     retained = tuple(sorted({p for s in spans for p in s.retained_positions} | {length}))
     states = None
     if keep_states:
-        states = _collect(tokens, kept, caches, block_size, model_fingerprint(model_state),
-                          resume)
+        states = _collect(tokens, kept, caches, block_size,
+                          model_fingerprint(model_state, config), resume)
     return PrefillResult(np.asarray(out.logits[0]), retained, start, tuple(spans), compile_s,
                          run_s, states)
 
@@ -414,7 +415,7 @@ def main(argv: Sequence[str] | None = None, *, progress: TextIO | None = sys.std
     resume = None
     if args.load_states:
         saved = load_states(args.load_states)
-        position = resume_position(saved, tokens, model_fingerprint(model_state),
+        position = resume_position(saved, tokens, model_fingerprint(model_state, config),
                                    args.block_size)
         resume = (saved, position) if position else None
     start = resume[1] if resume else 0

@@ -25,44 +25,15 @@ import time
 from collections.abc import Callable, Sequence
 
 from serving.engine import Engine
+from serving.metrics import latency_histograms
 from serving.outputs import EngineMetrics, RequestOutput
 from serving.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Prometheus buckets, seconds: first tokens include compiles and queueing.
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-
 
 class EngineDeadError(RuntimeError):
     """The engine failed a step or was shut down; it serves nothing more."""
-
-
-class Histogram:
-    """A cumulative Prometheus histogram (thread-safe)."""
-
-    def __init__(self, buckets: Sequence[float]):
-        self.buckets = tuple(buckets)
-        self._counts = [0] * (len(self.buckets) + 1)
-        self._sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        index = next((i for i, b in enumerate(self.buckets) if value <= b), len(self.buckets))
-        with self._lock:
-            self._counts[index] += 1
-            self._sum += value
-
-    def snapshot(self) -> tuple[list[tuple[str, int]], float, int]:
-        """([(le, cumulative count), ...] ending with "+Inf"), sum, count."""
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        cumulative, rows = 0, []
-        for le, count in zip([*map(str, self.buckets), "+Inf"], counts, strict=True):
-            cumulative += count
-            rows.append((le, cumulative))
-        return rows, total, cumulative
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,8 +52,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.time_per_output_token = Histogram(TPOT_BUCKETS)
+        self.ttft, self.time_per_output_token = latency_histograms()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._metrics = engine.metrics()
@@ -227,46 +197,3 @@ def _put(live: _Live, item: RequestOutput | EngineDeadError) -> None:
         live.loop.call_soon_threadsafe(live.outputs.put_nowait, item)
     except RuntimeError:  # the front end's loop has closed (shutdown): nobody waits
         pass
-
-
-def prometheus_text(async_engine: AsyncEngine, prefix: str = "glmjax") -> str:
-    """/metrics: the engine's counters and gauges, the latency histograms, and which
-    features are on (so a flag never silently does nothing)."""
-    metrics = dataclasses.asdict(async_engine.metrics())
-    gauges = {
-        "running",
-        "waiting",
-        "kv_blocks_total",
-        "kv_blocks_used",
-        "kv_blocks_cached",
-        "state_slots_total",
-        "state_slots_used",
-        "state_slots_retained",
-    }
-    lines = []
-    for name, value in metrics.items():
-        kind = "gauge" if name in gauges else "counter"
-        full = f"{prefix}_{name}" + ("" if kind == "gauge" else "_total")
-        lines += [f"# TYPE {full} {kind}", f"{full} {value}"]
-    config = async_engine.engine.config
-    lines.append(f"# TYPE {prefix}_feature_enabled gauge")
-    for feature, on in (
-        ("prefill_coalescing", config.coalesce),
-        ("prefix_caching", config.prefix_caching),
-    ):
-        lines.append(f'{prefix}_feature_enabled{{feature="{feature}"}} {int(on)}')
-    lines += [f"# TYPE {prefix}_dcp gauge", f"{prefix}_dcp {config.dcp}"]
-    for name, histogram in (
-        ("time_to_first_token_seconds", async_engine.ttft),
-        ("time_per_output_token_seconds", async_engine.time_per_output_token),
-    ):
-        full = f"{prefix}_{name}"
-        rows, total, count = histogram.snapshot()
-        lines.append(f"# TYPE {full} histogram")
-        lines += [f'{full}_bucket{{le="{le}"}} {n}' for le, n in rows]
-        lines += [f"{full}_sum {total}", f"{full}_count {count}"]
-    lines += [
-        f"# TYPE {prefix}_engine_healthy gauge",
-        f"{prefix}_engine_healthy {int(async_engine.error is None)}",
-    ]
-    return "\n".join(lines) + "\n"

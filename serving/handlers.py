@@ -16,11 +16,11 @@ import pydantic
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from serving import api
-from serving.async_engine import AsyncEngine, EngineDeadError, prometheus_text
+from serving import api, metrics
+from serving.async_engine import AsyncEngine, EngineDeadError
 from serving.outputs import FinishReason, RequestOutput
 from serving.request import SamplingParams
-from serving.tokenizer import Tokenizer, apply_chat_template
+from serving.tokenizer import ChatTemplateError, Tokenizer
 
 
 class Handlers:
@@ -32,6 +32,7 @@ class Handlers:
         self.model_name = model_name
         self.max_model_len = async_engine.engine.config.max_model_len
         self._shutting_down = False
+        self._registry = metrics.server_registry(async_engine)
 
     def shut_down(self) -> None:
         self._shutting_down = True
@@ -52,7 +53,7 @@ class Handlers:
         }
 
     def prometheus_text(self) -> str:
-        return prometheus_text(self.engine)
+        return metrics.exposition(self._registry)
 
     async def completions(self, request: Request):
         try:
@@ -72,10 +73,16 @@ class Handlers:
     async def chat(self, request: Request):
         try:
             body = await self._parse(request, api.ChatRequest)
-            text = apply_chat_template((m.role, m.text()) for m in body.messages)
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in body.messages]
+            )
             prompt = self.tokenizer.encode(text)
         except api.APIError as error:
             return error.response()
+        except ChatTemplateError as error:
+            return api.APIError(
+                400, str(error), param="messages", code="chat_template_error"
+            ).response()
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._generate(
             request,

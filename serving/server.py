@@ -274,6 +274,8 @@ def log_features(engine: Engine, tokenizer: Tokenizer) -> None:
         ", single bucket" if c.single_bucket else "",
     )
     logger.info("tokenizer: %s, EOS id %s", type(tokenizer).__name__, tokenizer.eos_token_id)
+    if tokenizer.chat_template is None:
+        logger.warning("the tokenizer has no chat template: chat requests are refused (400)")
 
 
 def warm_up(engine: Engine, precompile_all: bool) -> None:

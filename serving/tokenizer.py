@@ -1,31 +1,50 @@
 """Text <-> token ids for the server, and the chat template.
 
 Two tokenizers share one small interface (``encode``, ``decode``, ``token_text``,
-``eos_token_id``, ``vocab_size``):
+``apply_chat_template``, ``eos_token_id``, ``vocab_size``):
 
 - ``ByteTokenizer`` (the default, needs no file): ids 0-255 are the UTF-8 bytes,
   ``BYTE_EOS_ID`` = 256 is the end-of-sequence token ``<|endoftext|>``. A model's vocabulary
   is usually larger (the tiny preset has 1024 ids); ids 257 and up have no text of their
   own and decode to the placeholder ``<|id|>``, so nothing a model generates is invisible.
-  The EOS token decodes to nothing.
+  The EOS token decodes to nothing. Its chat template, ``BYTE_CHAT_TEMPLATE``, writes each
+  message as ``<|{role}|>\\n{content}\\n`` (roles system, user, assistant) and ends the
+  prompt with ``<|assistant|>\\n`` so that the model writes the assistant's turn.
 - ``HFTokenizer``: a Hugging Face ``tokenizer.json`` through the ``tokenizers`` library;
-  special tokens are left out of decoded text.
-
-Chat template (``apply_chat_template``), the same for both: each message becomes
-``<|{role}|>\\n{content}\\n`` (roles system, user, assistant), and the prompt ends with
-``<|assistant|>\\n`` so that the model writes the assistant's turn.
+  special tokens are left out of decoded text. Its chat template is the one the tokenizer
+  ships (``serving.chat_template``); without one, ``apply_chat_template`` raises
+  ``ChatTemplateError`` (the server answers chat requests 400 and still serves
+  completions).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from serving.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    load_chat_template,
+    special_tokens,
+)
+
 BYTE_EOS_ID = 256
 BYTE_EOS_TEXT = "<|endoftext|>"
-CHAT_ROLES = ("system", "user", "assistant")
+BYTE_CHAT_TEMPLATE = """\
+{% for message in messages %}
+{% if message['role'] not in ['system', 'user', 'assistant'] %}
+{{ raise_exception('unknown chat role ' ~ message['role'] ~ '; expected system, user or assistant') }}
+{% endif %}
+<|{{ message['role'] }}|>
+{{ message['content'] }}
+{% endfor %}
+{% if add_generation_prompt %}
+<|assistant|>
+{% endif %}
+"""
 # Tried in order when a tokenizer.json names no EOS token of its own: common spellings.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|im_end|>", "<|eot_id|>", "[EOS]", "<eos>")
 
@@ -33,12 +52,18 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|im_end|>", "<|eot_id|>", "[EOS]", 
 class Tokenizer(Protocol):
     eos_token_id: int | None
     vocab_size: int
+    chat_template: ChatTemplate | None  # None: chat requests cannot be served
 
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
     def token_text(self, token_id: int) -> str: ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """``[{"role": ..., "content": ...}, ...]`` -> the prompt text, ending where the
+        assistant's turn begins. Raises ``ChatTemplateError``."""
+        ...
 
 
 class ByteTokenizer:
@@ -53,6 +78,7 @@ class ByteTokenizer:
                 f"the model has {vocab_size}"
             )
         self.vocab_size = vocab_size
+        self.chat_template = ChatTemplate(BYTE_CHAT_TEMPLATE, {"eos_token": BYTE_EOS_TEXT})
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -77,6 +103,9 @@ class ByteTokenizer:
             return BYTE_EOS_TEXT
         return self.decode([token_id])
 
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+        return self.chat_template.render(messages)
+
 
 class HFTokenizer:
     """A ``tokenizer.json`` loaded with the ``tokenizers`` library."""
@@ -84,7 +113,12 @@ class HFTokenizer:
     def __init__(self, path: str | Path, eos_token: str | None = None):
         """``path``: a tokenizer.json or the folder holding it. ``eos_token``: the EOS
         token's text; default: ``eos_token`` of a tokenizer_config.json beside it, else the
-        first of ``EOS_CANDIDATES`` in the vocabulary, else no EOS token."""
+        first of ``EOS_CANDIDATES`` in the vocabulary, else no EOS token. The chat template:
+        ``serving.chat_template.load_chat_template`` of the folder.
+
+        Raises:
+          ValueError: no tokenizer.json, an unknown EOS token, or a template that does not
+            parse."""
         from tokenizers import Tokenizer as _Tokenizer
 
         path = Path(path)
@@ -93,12 +127,15 @@ class HFTokenizer:
             raise ValueError(f"no tokenizer.json at {path}")
         self._tokenizer = _Tokenizer.from_file(str(file))
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        eos_token = eos_token or _configured_eos(file.parent)
+        config_file = file.parent / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        eos_token = eos_token or special_tokens(config).get("eos_token")
         candidates = [eos_token] if eos_token else EOS_CANDIDATES
         ids = [self._tokenizer.token_to_id(token) for token in candidates]
         if eos_token and ids[0] is None:
             raise ValueError(f"EOS token {eos_token!r} is not in {file}")
         self.eos_token_id = next((i for i in ids if i is not None), None)
+        self.chat_template = load_chat_template(file.parent, config)
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -109,23 +146,13 @@ class HFTokenizer:
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
-
-def _configured_eos(folder: Path) -> str | None:
-    config = folder / "tokenizer_config.json"
-    if not config.is_file():
-        return None
-    eos = json.loads(config.read_text()).get("eos_token")
-    return eos.get("content") if isinstance(eos, dict) else eos
-
-
-def apply_chat_template(messages: Iterable[tuple[str, str]]) -> str:
-    """(role, content) pairs -> the prompt text (see the module docstring)."""
-    turns = []
-    for role, content in messages:
-        if role not in CHAT_ROLES:
-            raise ValueError(f"unknown chat role {role!r}; expected one of {CHAT_ROLES}")
-        turns.append(f"<|{role}|>\n{content}\n")
-    return "".join(turns) + "<|assistant|>\n"
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                "this model's tokenizer has no chat template (no chat_template in its "
+                "tokenizer_config.json, no chat_template.jinja): use /v1/completions"
+            )
+        return self.chat_template.render(messages)
 
 
 def load_tokenizer(path: str | None, vocab_size: int) -> Tokenizer:

@@ -10,6 +10,7 @@ the step twice.
 """
 
 import dataclasses
+import io
 
 import jax.numpy as jnp
 import numpy as np
@@ -86,15 +87,17 @@ def relative_logit_error(actual, reference) -> float:
 
 @pytest.fixture(scope="module")
 def saved_short(tmp_path_factory):
-    """The CLI run on 350 random tokens with the planner's checkpoints, states saved."""
+    """The CLI run on 350 random tokens with the planner's checkpoints, states saved, and
+    what its progress bar drew."""
     path = tmp_path_factory.mktemp("states") / "short"
+    progress = io.StringIO()
     result = main(["--random-tokens", str(SHORT), *GRID, "--save-states", str(path)],
-                  progress=None)
-    return path, result
+                  progress=progress)
+    return path, result, progress.getvalue()
 
 
 def test_saved_states_equal_cold_states_after_exactly_p_tokens(model_state, saved_short):
-    path, result = saved_short
+    path, result, _ = saved_short
     assert [(s.start, s.end, s.checkpoints) for s in result.spans] == [
         (0, 128, ()), (128, 256, ()), (256, 350, (320,))]
     assert result.retained == (128, 256, 320, 350)
@@ -103,6 +106,16 @@ def test_saved_states_equal_cold_states_after_exactly_p_tokens(model_state, save
     worst, logits = assert_saved_states_match_cold(model_state, saved, random_prompt(SHORT))
     assert relative_logit_error(result.logits, logits) <= LOGIT_RTOL
     print(f"max |saved - cold| state {worst:.2e}")
+
+
+def test_progress_bar_counts_tokens_and_spans(saved_short):
+    assert f"{SHORT}/{SHORT} tokens, span 3/3" in saved_short[2]
+
+
+def test_load_states_refuses_states_of_other_weights(saved_short):
+    with pytest.raises(ValueError, match="other weights"):
+        main(["--random-tokens", str(SHORT), *GRID, "--seed", "1", "--load-states",
+              str(saved_short[0])], progress=None)
 
 
 @pytest.mark.parametrize("diverge, expected_start", [(None, SHORT), (300, 256)])

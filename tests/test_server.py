@@ -17,15 +17,21 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
+
+# The server's own packages: absent on the GPU machines, where `pytest -m gpu` must still
+# collect this module.
+for _package in ("fastapi", "uvicorn", "pydantic", "httpx"):
+    pytest.importorskip(_package)
+
+import httpx
 
 from serving.api import Generation
 from serving.async_engine import AsyncEngine, EngineDeadError
 from serving.engine import DeviceLostError
 from serving.outputs import FinishReason, RequestOutput
 from serving.request import SamplingParams
-from serving.tokenizer import BYTE_EOS_ID, ByteTokenizer, apply_chat_template, load_tokenizer
+from serving.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 512
@@ -118,39 +124,6 @@ def metrics(client) -> dict[str, float]:
 
 
 # --- pieces, without a server ---------------------------------------------------------------
-
-
-def test_byte_tokenizer_round_trip_and_placeholders():
-    tok = ByteTokenizer(1024)
-    ids = tok.encode("héllo ✓")
-    assert all(0 <= i < 256 for i in ids) and tok.decode(ids) == "héllo ✓"
-    assert tok.decode([104, BYTE_EOS_ID, 700, 105]) == "h<|700|>i"
-    assert tok.token_text(BYTE_EOS_ID) == "<|endoftext|>"
-    with pytest.raises(ValueError, match="vocabulary"):
-        ByteTokenizer(200)
-
-
-def test_hf_tokenizer_from_tokenizer_json(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"[UNK]": 0, "</s>": 1, "hello": 2, "world": 3}
-    hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    hf.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf.add_special_tokens(["</s>"])
-    hf.save(str(tmp_path / "tokenizer.json"))
-    tok = load_tokenizer(str(tmp_path), vocab_size=1024)
-    assert tok.eos_token_id == 1
-    assert tok.encode("hello world") == [2, 3]
-    assert tok.decode([2, 1, 3]) == "hello world"
-    with pytest.raises(ValueError, match="tokenizer has"):
-        load_tokenizer(str(tmp_path), vocab_size=3)
-
-
-def test_chat_template():
-    text = apply_chat_template([("system", "S"), ("user", "U")])
-    assert text == "<|system|>\nS\n<|user|>\nU\n<|assistant|>\n"
-    with pytest.raises(ValueError, match="role"):
-        apply_chat_template([("robot", "x")])
 
 
 def _output(token_ids, text, finished=False):
