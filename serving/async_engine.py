@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from serving.compiles import CompileLog
 from serving.engine import Engine
 from serving.metrics import latency_histograms
 from serving.outputs import EngineMetrics, RequestOutput
@@ -53,14 +54,17 @@ class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.ttft, self.time_per_output_token = latency_histograms()
+        self.compiles = CompileLog()  # every XLA compile of the process while serving
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._metrics = engine.metrics()
         self._error: BaseException | None = None
         self._stopping = False
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
+        self.compiles.__enter__()
         self._thread.start()
 
     @property
@@ -113,6 +117,9 @@ class AsyncEngine:
         self._commands.put((None, None))
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._thread.ident is not None and not self._stopped:
+            self._stopped = True
+            self.compiles.__exit__(None, None, None)
 
     async def _call(self, fn: Callable[[Engine], object]):
         if self._error is not None or self._stopping:
@@ -150,6 +157,8 @@ class AsyncEngine:
             block = False
             if fn is None:
                 return False
+            if future is not None and not future.set_running_or_notify_cancel():
+                continue  # its caller was cancelled before it ran
             try:
                 result = fn(self.engine)
             except Exception as error:  # a rejected request: the caller reports it

@@ -12,6 +12,8 @@ several servers can live in one process (tests). It holds:
 Names (prefix ``glmjax_``): every ``EngineMetrics`` field, counters with ``_total``
 (``glmjax_requests_added_total``) and gauges without (``glmjax_running``);
 ``glmjax_feature_enabled{feature=...}``, ``glmjax_dcp``, ``glmjax_engine_healthy``;
+``glmjax_backend_compiles_total`` and ``glmjax_backend_compile_seconds_total`` (XLA
+compiles since the server started serving);
 ``glmjax_time_to_first_token_seconds`` and ``glmjax_time_per_output_token_seconds``.
 """
 
@@ -116,6 +118,12 @@ class EngineCollector(Collector):
         features.add_metric(["prefix_caching"], int(config.prefix_caching))
         yield features
         yield GaugeMetricFamily(f"{PREFIX}_dcp", "decode-context-parallel ranks", value=config.dcp)
+        compiles = self._engine.compiles
+        yield CounterMetricFamily(f"{PREFIX}_backend_compiles", "XLA compiles while serving "
+                                  "(0 after start-up when every shape was precompiled)",
+                                  value=compiles.count)
+        yield CounterMetricFamily(f"{PREFIX}_backend_compile_seconds",
+                                  "seconds of XLA compiles while serving", value=compiles.seconds)
         yield GaugeMetricFamily(
             f"{PREFIX}_engine_healthy",
             "1 while the engine serves, 0 after it failed",

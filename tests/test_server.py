@@ -508,6 +508,14 @@ def test_metrics_exposition(server):
         assert name in text, name
 
 
+def test_nothing_compiled_while_serving(server):
+    """Every test above ran against this server (mixed prefill and decode steps, streams,
+    concurrent clients, prefix hits): all of it ran on the programs compiled at start."""
+    values = metrics(server)
+    assert values["glmjax_requests_added_total"] > 20
+    assert values["glmjax_backend_compiles_total"] == 0
+
+
 def test_sigterm_aborts_streams_and_exits(server):
     """Last: stops the module's server."""
     request = {
