@@ -8,6 +8,11 @@ penalties other than 0, ``logit_bias``, ``suffix`` and ``echo``. Log-probabiliti
 return each sampled token's log-probability and the n most likely alternatives, under the
 model's raw distribution. Unknown fields are ignored. Extensions
 (as in vLLM): ``top_k`` (-1 or 0: all tokens) and ``ignore_eos``.
+
+Every number is bounded by what the device dtypes hold (counts, ``top_k`` and token ids
+below 2**31, seeds below 2**32); the handlers then bound ``top_k`` and token ids by the
+vocabulary and ``max_tokens`` by the context length. ``stop`` holds at most
+``MAX_STOP_STRINGS`` non-empty strings.
 """
 
 from __future__ import annotations
