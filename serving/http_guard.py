@@ -5,7 +5,8 @@ missing or wrong key is answered 401 before any of the body is read; ``/health``
 ``/metrics`` stay open so probes and scrapers need no secret), the body size limit
 (``--max-body-bytes``: a ``Content-Length`` over it is answered 413 at once, and the bytes
 of a body without one, chunked, are counted while they are read, so an oversized body is
-never held whole), and a last resort for exceptions nothing else handled: a 500 whose
+never held whole; a body still arriving after ``--request-timeout`` is answered 408), and a
+last resort for exceptions nothing else handled: a 500 whose
 message is generic and names a request id, the traceback going to the server log under
 that id. Answering here rather than letting the exception reach the server keeps a
 keep-alive connection open.
@@ -13,6 +14,7 @@ keep-alive connection open.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import logging
@@ -34,7 +36,8 @@ class HTTPOptions:
       api_key: required as ``Authorization: Bearer <key>`` on ``/v1/*`` (None: open).
       max_body_bytes: largest request body read; larger is answered 413.
       request_timeout_s: a request still unanswered this long after it arrived is aborted
-        and answered 504 (a stream ends with an error event).
+        and answered 504 (a stream ends with an error event); a body still arriving then
+        is answered 408.
     """
 
     api_key: str | None = None
@@ -51,6 +54,10 @@ class HTTPOptions:
 
 
 class _BodyTooLarge(Exception):
+    pass
+
+
+class _BodyTooSlow(Exception):
     pass
 
 
@@ -76,15 +83,23 @@ class HTTPGuard:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
-        received = 0
+        received, body_done = 0, False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.request_timeout_s
 
         async def receive_counted():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # only a disconnect is left to receive: no deadline on that
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - loop.time())
+            except TimeoutError:
+                raise _BodyTooSlow from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.options.max_body_bytes:
                     raise _BodyTooLarge
+                body_done = not message.get("more_body", False)
             return message
 
         try:
@@ -92,6 +107,15 @@ class HTTPGuard:
         except _BodyTooLarge:
             if not started:
                 await self._too_large().response()(scope, receive, send)
+        except _BodyTooSlow:
+            if not started:
+                error = APIError(
+                    408,
+                    f"the request body did not arrive within {self.options.request_timeout_s:g} s",
+                    code="request_timeout",
+                    headers={"connection": "close"},
+                )
+                await error.response()(scope, receive, send)
         except Exception:
             request_id = "req-" + uuid.uuid4().hex
             logger.exception("request %s: unexpected error on %s", request_id, scope["path"])

@@ -360,7 +360,7 @@ def test_disconnect_during_decode_aborts(served, stream):
 # --- timeouts and the API key (a server of their own each) --------------------------------
 
 
-def test_a_request_past_its_timeout_is_aborted_and_answered_504(engine_parts):
+def test_a_request_past_its_timeout_is_aborted_504_and_a_slow_body_408(engine_parts):
     with serve(engine_parts, HTTPOptions(request_timeout_s=1.0)) as server:
         before = wait_until_idle(server.engine)
         server.gate.close()
@@ -383,6 +383,17 @@ def test_a_request_past_its_timeout_is_aborted_and_answered_504(engine_parts):
         server.gate.open()
         after = wait_until_idle(server.engine)
         assert after.requests_aborted == before.requests_aborted + 2
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as slow:
+            slow.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{"
+            )
+            start = time.monotonic()
+            answer = b""
+            while chunk := slow.recv(4096):  # the server closes the connection after it
+                answer += chunk
+            answer = answer.decode()
+        assert answer.startswith("HTTP/1.1 408") and "request_timeout" in answer
+        assert time.monotonic() - start < 5
 
 
 def test_api_key_guards_v1_only(engine_parts):
