@@ -8,22 +8,31 @@ penalties other than 0, ``logit_bias``, ``suffix`` and ``echo``. Log-probabiliti
 return each sampled token's log-probability and the n most likely alternatives, under the
 model's raw distribution. Unknown fields are ignored. Extensions
 (as in vLLM): ``top_k`` (-1 or 0: all tokens) and ``ignore_eos``.
+
+Every number is bounded by what the device dtypes hold (counts, ``top_k`` and token ids
+below 2**31, seeds below 2**32); the handlers then bound ``top_k`` and token ids by the
+vocabulary and ``max_tokens`` by the context length. ``stop`` holds at most
+``MAX_STOP_STRINGS`` non-empty strings.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serving.outputs import RequestOutput
+from serving.sampling import MAX_TOP_LOGPROBS
 from serving.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16
-SEED_LIMIT = 2**32
+MAX_LOGPROBS = 5  # completions' legacy ``logprobs``, as OpenAI limits it
+SEED_LIMIT = 2**32  # seeds become uint32 on the device (serving.sampling)
+INT32_LIMIT = 2**31  # counts and token ids become int32; the model's limits are lower still
 
 
 class APIError(Exception):
@@ -37,10 +46,12 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
 
     def body(self) -> dict:
         return {
@@ -52,8 +63,17 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self) -> Response:
+        # ASCII JSON: a message quoting client input can never fail to encode.
+        return Response(
+            json.dumps(self.body()),
+            status_code=self.status,
+            headers=self.headers,
+            media_type="application/json",
+        )
+
+
+TokenId = Annotated[int, Field(ge=0, lt=INT32_LIMIT)]
 
 
 class _Body(BaseModel):
@@ -70,19 +90,16 @@ class _Sampling(_Body):
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, lt=INT32_LIMIT)] | None = None
     seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
-    stop: (
-        str
-        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)]
-        | None
-    ) = None
+    # Counted in a validator, not by the type, so that too many strings get a clear message.
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    n: Annotated[int, Field(ge=1, lt=INT32_LIMIT)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     logit_bias: dict | None = None
 
     @model_validator(mode="after")
@@ -91,7 +108,18 @@ class _Sampling(_Body):
         for name in ("presence_penalty", "frequency_penalty"):
             _refuse(getattr(self, name) not in (None, 0, 0.0), name, f"{name} is not supported")
         _refuse(bool(self.logit_bias), "logit_bias", "logit_bias is not supported")
-        _refuse(self.stop == "", "stop", "stop strings must not be empty")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(
+                400,
+                f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}",
+                param="stop",
+                code="invalid_value",
+            )
+        if "" in stops:
+            raise APIError(
+                400, "stop: strings must not be empty", param="stop", code="invalid_value"
+            )
         return self
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -101,11 +129,12 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    # Token ids are checked against the model's vocabulary by the handler.
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: Annotated[int, Field(ge=1, lt=INT32_LIMIT)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1, lt=INT32_LIMIT)] | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -135,10 +164,10 @@ class ChatMessage(_Body):
 
 class ChatRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, lt=INT32_LIMIT)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, lt=INT32_LIMIT)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
     def _refuse_chat_extras(self):
@@ -167,6 +196,7 @@ class Generation:
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.sent = ""
         self.num_tokens = 0
+        self.token_chars = 0  # characters of the tokens' own texts so far: text_offset
 
     def advance(
         self, output: RequestOutput
@@ -186,7 +216,9 @@ class Generation:
             for alternatives in output.top_logprobs[self.num_tokens :]
         ]
         self.num_tokens = len(output.output_token_ids)
-        return delta, [self._tokenizer.token_text(t) for t in new_ids], logprobs, tops
+        texts = [self._tokenizer.token_text(t) for t in new_ids]
+        self.token_chars += sum(map(len, texts))
+        return delta, texts, logprobs, tops
 
 
 def finish_reason(output: RequestOutput) -> str | None:

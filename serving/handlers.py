@@ -4,33 +4,52 @@
 input, nothing submitted), submits it to the ``AsyncEngine`` and hands the outputs to a
 ``_Job``, which shapes them into an OpenAI-style response: whole, or streamed as
 server-sent events ending in ``data: [DONE]``.
+
+A request is aborted as soon as its client disconnects or its ``request_timeout_s`` runs
+out, whatever stage it is in (``serving.client_watch``): a timed-out request is answered
+504, or its stream ends with an error event. Errors never carry internals: a failure
+inside the server is a 500 naming the request id under which the server log has it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 
 import pydantic
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from serving import api, metrics
 from serving.async_engine import AsyncEngine, EngineDeadError
+from serving.client_watch import ClientGone, WatchedStream, run_watched
+from serving.http_guard import DEFAULT_REQUEST_TIMEOUT_S
+from serving.json_body import parse_body
 from serving.outputs import FinishReason, RequestOutput
 from serving.request import SamplingParams
 from serving.tokenizer import ChatTemplateError, Tokenizer
+
+logger = logging.getLogger("serving.server")
 
 
 class Handlers:
     """The endpoints' work: validate, submit to the engine, answer or stream."""
 
-    def __init__(self, async_engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str):
+    def __init__(
+        self,
+        async_engine: AsyncEngine,
+        tokenizer: Tokenizer,
+        *,
+        model_name: str,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    ):
         self.engine = async_engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = async_engine.engine.config.max_model_len
+        self.vocab_size = async_engine.engine.model_config.vocab_size
+        self.request_timeout_s = request_timeout_s
         self._shutting_down = False
         self._registry = metrics.server_registry(async_engine)
 
@@ -39,18 +58,29 @@ class Handlers:
         self.engine.abort_all()
 
     def models(self) -> dict:
+        return {"object": "list", "data": [self._model_card()]}
+
+    def model(self, model_id: str):
+        if model_id != self.model_name:
+            return self._unknown_model(model_id).response()
+        return self._model_card()
+
+    def _model_card(self) -> dict:
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "glmjax",
-                    "max_model_len": self.max_model_len,
-                }
-            ],
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "glmjax",
+            "max_model_len": self.max_model_len,
         }
+
+    def _unknown_model(self, model_id: str) -> api.APIError:
+        return api.APIError(
+            404,
+            f"the model {model_id!r} does not exist; this server serves {self.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
     def prometheus_text(self) -> str:
         return metrics.exposition(self._registry)
@@ -96,29 +126,9 @@ class Handlers:
     async def _parse(self, request: Request, model: type[pydantic.BaseModel]):
         if self._shutting_down:
             raise api.APIError(503, "the server is shutting down", code="shutting_down")
-        try:
-            data = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise api.APIError(
-                400, f"the body is not valid JSON: {error}", code="invalid_json"
-            ) from None
-        if not isinstance(data, dict):
-            raise api.APIError(400, "the body must be a JSON object", code="invalid_json")
-        try:
-            body = model.model_validate(data)
-        except pydantic.ValidationError as error:
-            first = error.errors()[0]
-            param = ".".join(map(str, first["loc"])) or None
-            raise api.APIError(
-                400, f"{param}: {first['msg']}", param=param, code="invalid_value"
-            ) from None
+        body = parse_body(await request.body(), model)
         if body.model is not None and body.model != self.model_name:
-            raise api.APIError(
-                404,
-                f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise self._unknown_model(body.model)
         return body
 
     def _completion_prompt(self, prompt) -> list[int]:
@@ -134,6 +144,14 @@ class Handlers:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise api.APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise api.APIError(
+                400,
+                f"prompt: token id {bad} outside the vocabulary [0, {self.vocab_size})",
+                param="prompt",
+                code="invalid_value",
+            )
         return ids
 
     def _sampling(self, body, prompt: list[int], max_tokens: int | None) -> SamplingParams:
@@ -159,6 +177,14 @@ class Handlers:
                 code="context_length_exceeded",
             )
         top_k = body.top_k or 0
+        if top_k > self.vocab_size:
+            raise api.APIError(
+                400,
+                f"top_k: at most the vocabulary size {self.vocab_size} (-1 or 0: all tokens), "
+                f"got {top_k}",
+                param="top_k",
+                code="invalid_value",
+            )
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -179,57 +205,57 @@ class Handlers:
         top_logprobs: int | None,
         max_tokens: int | None,
     ):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout_s
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
             sampling = self._sampling(body, prompt, max_tokens)
-            outputs = await self.engine.add_request(request_id, prompt, sampling)
         except api.APIError as error:
             return error.response()
-        except ValueError as error:
-            return api.APIError(400, str(error), code="invalid_value").response()
-        except EngineDeadError as error:
-            return api.APIError(503, str(error), code="engine_unavailable").response()
-        generation = api.Generation(self.tokenizer, sampling.stop)
         job = _Job(
             self,
-            request,
             request_id,
-            outputs,
-            generation,
+            api.Generation(self.tokenizer, sampling.stop),
             chat=chat,
             top_logprobs=top_logprobs,
             created=api.now(),
+            deadline=deadline,
         )
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(job.stream(include_usage), media_type="text/event-stream")
-        return await job.collect()
+        if not body.stream:
+            work = job.collect(prompt, sampling)
+        else:
+            work = job.admit(prompt, sampling)
+        try:
+            answer = await run_watched(work, request.receive, deadline - loop.time())
+        except ClientGone:  # nobody reads the answer; the request was aborted
+            return api.APIError(400, "the client disconnected", code="client_gone").response()
+        except TimeoutError:
+            return job.timed_out().response()
+        if answer is not None:
+            return answer
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return WatchedStream(job.stream(include_usage), job.close, media_type="text/event-stream")
 
 
 class _Job:
-    """A submitted request, answered whole (``collect``) or as an event stream."""
-
-    POLL_S = 0.5  # how often a non-streaming wait checks that the client is still there
+    """A request submitted to the engine, answered whole (``collect``) or as an event
+    stream (``admit``, then ``stream``); ``close`` aborts it unless it finished."""
 
     def __init__(
         self,
         handlers: Handlers,
-        request: Request,
         request_id: str,
-        outputs: asyncio.Queue,
         generation: api.Generation,
         *,
         chat: bool,
         top_logprobs: int | None,
         created: int,
+        deadline: float,
     ):
-        self.h, self.request, self.id, self.outputs = handlers, request, request_id, outputs
-        self.gen, self.chat, self.top_logprobs, self.created = (
-            generation,
-            chat,
-            top_logprobs,
-            created,
-        )
+        self.h, self.id, self.gen = handlers, request_id, generation
+        self.chat, self.top_logprobs, self.created = chat, top_logprobs, created
+        self.deadline = deadline
+        self.outputs: asyncio.Queue | None = None
         self.finished = False
 
     def _logprobs(self, texts, logprobs, tops, text_offset):
@@ -260,6 +286,48 @@ class _Job:
             code="request_failed",
         )
 
+    def _engine_dead(self, error: EngineDeadError) -> api.APIError:
+        logger.error("request %s: %s", self.id, error)
+        return api.APIError(
+            503,
+            f"the engine is not serving; the server log says why (request id {self.id})",
+            code="engine_unavailable",
+        )
+
+    def timed_out(self) -> api.APIError:
+        return api.APIError(
+            504,
+            f"the request ran past the server's request timeout of "
+            f"{self.h.request_timeout_s:g} s and was aborted (request id {self.id})",
+            code="request_timeout",
+        )
+
+    def close(self) -> None:
+        if self.outputs is not None and not self.finished:
+            self.h.engine.abort(self.id)
+
+    async def admit(self, prompt: list[int], sampling: SamplingParams):
+        """None once the engine has the request, else the error response."""
+        adding = asyncio.ensure_future(self.h.engine.add_request(self.id, prompt, sampling))
+        try:
+            # Shielded: the engine thread may be adding it right now, and a cancelled add
+            # must not race that. The abort queued now follows a queued add (commands run
+            # in order); the one once the add is done covers an add not yet queued.
+            self.outputs = await asyncio.shield(adding)
+        except asyncio.CancelledError:
+            self.h.engine.abort(self.id)
+            adding.add_done_callback(self._abort_once_added)
+            raise
+        except ValueError as error:
+            return api.APIError(400, str(error), code="invalid_value").response()
+        except EngineDeadError as error:
+            return self._engine_dead(error).response()
+        return None
+
+    def _abort_once_added(self, adding: asyncio.Future) -> None:
+        if not adding.cancelled() and adding.exception() is None:
+            self.h.engine.abort(self.id)
+
     async def _next(self) -> RequestOutput:
         item = await self.outputs.get()
         if isinstance(item, EngineDeadError):
@@ -268,26 +336,18 @@ class _Job:
         self.finished = item.finished
         return item
 
-    async def collect(self):
-        clock = asyncio.get_running_loop().time
-        check_at = clock() + self.POLL_S
+    async def collect(self, prompt: list[int], sampling: SamplingParams):
+        refused = await self.admit(prompt, sampling)
+        if refused is not None:
+            return refused
         try:
-            while True:
-                try:
-                    output = await asyncio.wait_for(self._next(), self.POLL_S)
-                except TimeoutError:
-                    output = None
-                if output is not None and output.finished:
-                    break
-                if clock() >= check_at:
-                    if await self.request.is_disconnected():
-                        return None
-                    check_at = clock() + self.POLL_S
+            output = await self._next()
+            while not output.finished:
+                output = await self._next()
         except EngineDeadError as error:
-            return api.APIError(500, str(error), code="engine_failed").response()
+            return self._engine_dead(error).response()
         finally:
-            if not self.finished:
-                self.h.engine.abort(self.id)
+            self.close()
         if output.finish_reason is FinishReason.ABORT:
             return api.APIError(
                 503, "the request was aborted: the server is shutting down", code="aborted"
@@ -309,6 +369,7 @@ class _Job:
         def event(body: dict) -> str:
             return f"data: {json.dumps(body)}\n\n"
 
+        loop = asyncio.get_running_loop()
         try:
             if self.chat:
                 yield event(
@@ -318,16 +379,17 @@ class _Job:
                 )
             while not self.finished:
                 try:
-                    output = await self._next()
+                    output = await asyncio.wait_for(self._next(), self.deadline - loop.time())
                 except EngineDeadError as error:
-                    yield event(api.APIError(500, str(error), code="engine_failed").body())
+                    yield event(self._engine_dead(error).body())
                     break
-                if await self.request.is_disconnected():
-                    return
+                except TimeoutError:
+                    yield event(self.timed_out().body())
+                    break
                 if output.finish_reason is FinishReason.ERROR:
                     yield event(self._failed().body())
                     break
-                offset = len(self.gen.sent)
+                offset = self.gen.token_chars
                 text, texts, logprobs, tops = self.gen.advance(output)
                 if not (text or texts or output.finished):
                     continue
@@ -347,5 +409,4 @@ class _Job:
                     yield event(self._envelope(None, chunk=True, usage=usage))
             yield "data: [DONE]\n\n"
         finally:
-            if not self.finished:
-                self.h.engine.abort(self.id)
+            self.close()

@@ -8,11 +8,15 @@
         -d '{"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0}'
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as
-server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text). Request fields are described in ``serving.api``, the
-byte tokenizer and the chat template in ``serving.tokenizer``. Requests in flight together
-share engine steps (``serving.async_engine``). A client that disconnects aborts its
-request; SIGINT / SIGTERM stop accepting connections, abort what is in flight and exit.
+server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``,
+``GET /health``, ``GET /metrics`` (Prometheus text). Request fields are described in
+``serving.api``, the byte tokenizer and the chat template in ``serving.tokenizer``; every
+error, 404 and 405 included, has OpenAI's shape ``{"error": {message, type, param, code}}``.
+Requests in flight together share engine steps (``serving.async_engine``). A client that
+disconnects aborts its request at any stage; ``--request-timeout`` aborts a request that
+runs too long (504); ``--api-key`` guards ``/v1/*`` and ``--max-body-bytes`` bounds a body
+(``serving.http_guard``). SIGINT / SIGTERM stop accepting connections, abort what is in
+flight and exit.
 
 ``--tp N`` (N > 1) runs the model on a ``(N // dcp, dcp)`` mesh of N devices
 (``glmjax.sharding``); on a CPU the server asks JAX for N host devices. With ``--tp 1``,
@@ -25,12 +29,16 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException
 
 from glmjax import compile_cache
 from glmjax.config import ModelConfig
@@ -41,14 +49,37 @@ from serving.async_engine import AsyncEngine
 from serving.compiles import CompileLog
 from serving.engine import Engine, EngineConfig
 from serving.handlers import Handlers
+from serving.http_guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    HTTPGuard,
+    HTTPOptions,
+)
+from serving.json_body import MAX_JSON_DEPTH
 from serving.precompile import precompile
 from serving.request import SamplingParams
+from serving.sampling import MAX_TOP_LOGPROBS
 from serving.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("serving.server")
 
+LIMITS = f"""\
+request limits (a request past any is answered 4xx, nothing else is affected):
+  prompt + max_tokens <= --max-model-len tokens; token ids in [0, vocabulary)
+  n = best_of = 1; completions logprobs <= {api.MAX_LOGPROBS}; chat top_logprobs <= {MAX_TOP_LOGPROBS}
+  stop: at most {api.MAX_STOP_STRINGS} non-empty strings; top_k <= vocabulary (-1 or 0: all)
+  seed in [0, 2**32); temperature in [0, 2]; top_p in (0, 1]
+  body <= --max-body-bytes (413); JSON nested <= {MAX_JSON_DEPTH} deep, valid Unicode, no NaN
+"""
 
-def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str) -> FastAPI:
+
+def build_app(
+    async_engine: AsyncEngine,
+    tokenizer: Tokenizer,
+    *,
+    model_name: str,
+    options: HTTPOptions | None = None,
+) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (started and stopped by the app's lifespan)."""
 
     @contextlib.asynccontextmanager
@@ -57,20 +88,33 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: st
         yield
         async_engine.stop()
 
+    options = options or HTTPOptions()
     app = FastAPI(title="glmjax", lifespan=lifespan)
-    handlers = Handlers(async_engine, tokenizer, model_name=model_name)
+    app.add_middleware(HTTPGuard, options=options)
+    handlers = Handlers(
+        async_engine, tokenizer, model_name=model_name, request_timeout_s=options.request_timeout_s
+    )
     app.state.handlers = handlers
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception):
-        logger.exception("unexpected error on %s", request.url.path)
-        return api.APIError(500, f"internal error: {error!r}", code="internal_error").response()
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        message = f"{error.detail}: {request.method} {request.url.path}"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        return api.APIError(error.status_code, message, code=code, headers=error.headers).response()
 
-    @app.post("/v1/completions")
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError):
+        first = error.errors()[0]
+        param = ".".join(map(str, first["loc"])) or None
+        return api.APIError(
+            400, f"{param}: {first['msg']}", param=param, code="invalid_value"
+        ).response()
+
+    @app.post("/v1/completions", openapi_extra=_request_body(api.CompletionRequest))
     async def completions(request: Request):
         return await handlers.completions(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_request_body(api.ChatRequest))
     async def chat_completions(request: Request):
         return await handlers.chat(request)
 
@@ -78,17 +122,46 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: st
     async def models():
         return handlers.models()
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return handlers.model(model_id)
+
     @app.get("/health")
     async def health():
         if async_engine.error is not None:
-            return JSONResponse({"status": "error", "error": repr(async_engine.error)}, 503)
+            # The cause is in the server log; the body says only that the engine is down.
+            return JSONResponse({"status": "error", "error": "the engine is not serving"}, 503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(handlers.prometheus_text(), media_type="text/plain; version=0.0.4")
 
+    app.openapi = lambda: _openapi_with_bodies(app)
     return app
+
+
+_SCHEMA_REF = "#/components/schemas/{model}"
+
+
+def _request_body(model) -> dict:
+    """The OpenAPI ``requestBody`` of a route that parses its body itself (to bound and
+    check it first, ``serving.json_body``), so that the schema still documents it."""
+    schema = {"$ref": _SCHEMA_REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _openapi_with_bodies(app: FastAPI) -> dict:
+    """FastAPI's schema plus the request models ``_request_body`` refers to."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (api.CompletionRequest, api.ChatRequest):
+            definition = model.model_json_schema(ref_template=_SCHEMA_REF)
+            components.update(definition.pop("$defs", {}))
+            components[model.__name__] = definition
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class _Server(uvicorn.Server):
@@ -114,9 +187,21 @@ class _Server(uvicorn.Server):
             self._captured_signals.clear()
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each flag's default (unless it has none), and the epilog's lines as written."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m serving.server", description=__doc__.splitlines()[0]
+        prog="python -m serving.server",
+        description=__doc__.splitlines()[0],
+        formatter_class=_HelpFormatter,
+        epilog=LIMITS,
     )
     p.add_argument("--preset", default="tiny", help="model config (glmjax.config.PRESETS)")
     p.add_argument(
@@ -128,8 +213,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--family", choices=("kimi", "glm"), help="upstream naming of safetensors")
     p.add_argument("--tokenizer", help="tokenizer.json (or its folder); default: bytes")
     p.add_argument("--served-model-name", help="the model id clients name (default: preset)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (loopback: this machine only)"
+    )
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $GLMJAX_API_KEY; "
+        "unset: no key); /health and /metrics stay open",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body; larger is answered 413 without being read",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        help="seconds a request may take (queueing included) before it is aborted: 504",
+    )
     p.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel devices: a (tp // dcp, dcp) mesh"
     )
@@ -153,8 +257,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="schedule the reference ladder instead of coalesced spans",
     )
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument(
+        "--max-model-len", type=int, default=4096, help="most tokens of prompt plus output"
+    )
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests per step")
     p.add_argument(
         "--num-kv-blocks", type=int, help="KV block ids (default: 8 requests of --max-model-len)"
@@ -181,8 +287,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     compile_cache.add_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="random weights and request seeds")
-    p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    args = p.parse_args(argv)
+    try:
+        # Read here, not as the flag's default, so that --help never prints the key.
+        api_key = args.api_key or os.environ.get("GLMJAX_API_KEY") or None
+        args.http = HTTPOptions(api_key, args.max_body_bytes, args.request_timeout)
+    except ValueError as error:
+        p.error(str(error))
+    return args
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer, str]:
@@ -310,7 +423,11 @@ def main(argv=None) -> None:
     log_features(engine, tokenizer)
     warm_up(engine, args.precompile == "all")
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, tokenizer, model_name=model_name)
+    app = build_app(async_engine, tokenizer, model_name=model_name, options=args.http)
+    if args.http.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning(
+            "serving on %s without --api-key: anyone who reaches it may use it", args.host
+        )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
