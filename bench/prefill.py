@@ -29,8 +29,8 @@ The two engines' greedy tokens are compared request by request (`greedy` in the 
 
 Profile (`--profile`, the default on a GPU without `--quick`): after the cases, one cold
 prompt of `--profile-length` tokens (the budget) per engine, its first step traced with
-`jax.profiler` (the coalesced span; the ladder's first, half-size step): device time by op
-category (MoE, shared experts, MLA attention, DSA indexer, KDA kernel, projections, mHC,
+`jax.profiler` (the coalesced span; the ladder's first step: 4096 tokens of an 8192-token
+prompt): device time by op category (MoE, shared experts, MLA attention, DSA indexer, KDA kernel, projections, mHC,
 other), the step's useful FLOPs and MFU (`bench.profile`, `bench.flops`; `profile` in the
 JSON, traces under `--trace-dir`).
 
@@ -217,7 +217,13 @@ def run_benchmark(args) -> dict:
             length = args.profile_length or args.budget
             log(f"profile {length}")
             trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="prefill_trace_"))
-            result["profile"] = profile_case(run, length, config, result["device"], trace_dir)
+            try:
+                result["profile"] = profile_case(run, length, config, result["device"],
+                                                 trace_dir)
+            except jax.errors.JaxRuntimeError as error:
+                if "RESOURCE_EXHAUSTED" not in str(error):
+                    raise
+                result["profile"] = {"tokens": length, "error": str(error).splitlines()[0]}
             _update_totals(result, run, outputs, steps, start)
     result["complete"] = True
     write_json(result, args.json)
@@ -293,6 +299,8 @@ def print_table(result: dict) -> None:
               f"{_fmt(get(e, 'coalesced', 'median_tokens_per_s'), '.1f'):>8} "
               f"{_fmt(e.get('ratio'), '.3f'):>6}")
     profile = result.get("profile", {})
+    if "error" in profile:
+        print(f"\nprofile of a {profile['tokens']}-token prompt: {profile['error']}")
     for mode in MODES:
         if mode in profile:
             print_profile(profile[mode], f"{mode} engine, first step of a cold "
