@@ -16,9 +16,13 @@ launch in an annotation ``XlaModule:#prefix=P,hlo_module=M,program_id=I#`` /
 collector copies its keys into the event's args: ``hlo_op``, ``hlo_module``, ``prefix``
 (the op-name prefix common to the whole module) and ``name`` (the fused ops' longest
 common op-name prefix, P removed), plus ``op_name`` (the full path) at the detailed
-annotation level. On a CPU there is no device process: XLA's thunks run on host threads as
-events carrying ``hlo_op`` and ``hlo_module`` but no op name, so the caller passes the
-compiled HLO text (`jax.stages.Compiled.as_text`) and the op name comes from its metadata.
+annotation level. (Read from XLA's source; jax 0.11.2's CUDA plugin holds these
+annotation formats. The tests run the parser on events shaped so and on a real CPU trace.)
+On a CPU there is no device process: XLA's thunks run on host threads as events carrying
+``hlo_op`` and ``hlo_module`` but no op name, so the caller passes the compiled HLO text
+(`jax.stages.Compiled.as_text`) and the op name comes from its metadata (`hlo_op_paths`);
+without it every CPU op lands in "projections" or "other". The same text is the fallback
+for a GPU kernel whose annotation names no op.
 
 Command buffers (CUDA graphs) would hide per-kernel annotations, but XLA runs their thunks
 one by one while a profiler session is active (``xla_enable_command_buffers_during_profiling``
