@@ -13,7 +13,7 @@ import json
 import jax
 import pytest
 
-from bench.prefill import case_list, engine_config, main, parse_args
+from bench.prefill import case_list, engine_config, main, model_config, parse_args
 
 ARGS = [
     "--quick", "--budget", "64", "--lengths", "128", "--unaligned", "100",
@@ -31,6 +31,17 @@ def test_cold_cases_alone_size_the_engine_for_the_longest_prompt():
 
     assert case_list(args) == [("cold", 128), ("cold", 256)]
     assert config.max_model_len == 257 and config.max_num_seqs == args.decoders + 1
+
+
+@pytest.mark.parametrize("preset,layers,experts", [
+    ("glm5.3-flash", 6, 288), ("kimi-linear-48b", 27, 256), ("glm5.3-flash", 4, 16)])
+def test_real_presets_at_their_full_expert_count_are_selectable(preset, layers, experts):
+    args = parse_args(["--preset", preset, "--num-layers", str(layers),
+                       "--num-experts", str(experts)])
+    config = model_config(args)
+    assert (config.num_layers, config.num_experts, config.num_experts_per_token) == (
+        layers, experts, 8)
+    assert config.kv_block_size == 512
 
 
 @pytest.mark.slow  # ~30-60 s on two busy cores, most of it compiling
