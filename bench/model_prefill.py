@@ -7,6 +7,10 @@
 Random weights (normal * 0.02, norm gains 1): throughput does not depend on the values.
 Prints compile time, the median time of `--repeats` jitted prefills (each synchronised),
 tokens/s, and writes JSON to bench/results/model_prefill_<preset>_<tokens>.json.
+
+`--profile` (the default on a GPU) then traces one more prefill and prints its device time
+by op category, its useful FLOPs and MFU (`bench.profile`, `bench.flops`; under "profile"
+in the JSON). `--num-layers` and `--num-experts` cut the preset, each on its own.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bench.flops import Span, step_flops
+from bench.profile import print_profile, profile_call
 from glmjax.batch import PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
@@ -58,11 +65,15 @@ def main():
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction,
+                        help="trace one more prefill: time by op category, MFU (default: on "
+                             "a GPU)")
+    parser.add_argument("--trace-dir", type=Path, help="where the trace goes (a new temp dir)")
     args = parser.parse_args()
 
     config = ModelConfig.preset(args.preset)
-    if args.num_layers:
-        config = config.replace_depth(args.num_layers, args.num_experts)
+    if args.num_layers or args.num_experts:
+        config = config.replace_depth(args.num_layers or config.num_layers, args.num_experts)
     model_state = nnx.split(random_model(config, seed=0))
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, args.tokens)
     batch = cold_prompt_batch(tokens)
@@ -85,15 +96,31 @@ def main():
         caches = out.caches
     median = statistics.median(times)
     result = dict(
-        preset=args.preset, num_layers=len(config.layer_types),
-        layer_types=list(config.layer_types), tokens=args.tokens,
-        device=jax.devices()[0].device_kind, kda_backend=config.resolved_kda_backend(),
-        first_call_s=compile_s, median_s=median, samples_s=times,
-        tokens_per_s=args.tokens / median,
+        preset=args.preset, model=config.name, num_layers=len(config.layer_types),
+        num_experts=config.num_experts, layer_types=list(config.layer_types),
+        tokens=args.tokens, device=jax.devices()[0].device_kind,
+        kda_backend=config.resolved_kda_backend(), first_call_s=compile_s, median_s=median,
+        samples_s=times, tokens_per_s=args.tokens / median,
     )
     print(f"{args.preset} ({result['num_layers']} layers) on {result['device']}: "
           f"{args.tokens} tokens, first call {compile_s:.1f} s, median {median * 1e3:.1f} ms, "
           f"{result['tokens_per_s']:.0f} tokens/s")
+    if args.profile if args.profile is not None else jax.default_backend() == "gpu":
+        state = {"caches": caches}
+
+        def step():
+            out = prefill(model_state, state["caches"], batch)
+            state["caches"] = out.caches
+            return out
+
+        # The executable the calls above ran (a cache hit): its HLO names the ops of a CPU
+        # trace, whose events carry no op names.
+        hlo = prefill.lower(model_state, caches, batch).compile().as_text()
+        trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="model_prefill_trace_"))
+        result["profile"] = profile_call(
+            step, trace_dir, flops=step_flops(config, [Span(args.tokens)]),
+            device_kind=result["device"], hlo_texts=[hlo], step_s=median)
+        print_profile(result["profile"], f"one cold prefill of {args.tokens} tokens")
     out_path = args.out or RESULTS / f"model_prefill_{args.preset}_{args.tokens}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2))

@@ -27,6 +27,13 @@ samples of a case are not timed.
   samples of `--decode-steps` steps; ratio coalesced / ladder.
 The two engines' greedy tokens are compared request by request (`greedy` in the JSON).
 
+Profile (`--profile`, the default on a GPU without `--quick`): after the cases, one cold
+prompt of `--profile-length` tokens (the budget) per engine, its first step traced with
+`jax.profiler` (the coalesced span; the ladder's first step: 4096 tokens of an 8192-token
+prompt): device time by op category (MoE, shared experts, MLA attention, DSA indexer, KDA kernel, projections, mHC,
+other), the step's useful FLOPs and MFU (`bench.profile`, `bench.flops`; `profile` in the
+JSON, traces under `--trace-dir`).
+
 Compiles: a dry run of the same requests through the scheduler and batch builder alone
 lists every prefill and decode batch shape (bucket) the run builds. Each is compiled ahead
 in `--compile-workers` threads while the host draws the weights (`buckets`: seconds and
@@ -44,6 +51,7 @@ import dataclasses
 import json
 import math
 import platform
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,7 +61,8 @@ import numpy as np
 from flax import nnx
 
 from bench.buckets import DryRun, log, precompile, step_functions
-from bench.prefill_cases import CASES, MODES, Run, Session, compare_greedy
+from bench.prefill_cases import CASES, MODES, Run, Session, compare_greedy, profile_case
+from bench.profile import print_profile
 from glmjax.config import ModelConfig
 from glmjax.model import HybridModel
 from glmjax.random_weights import random_model
@@ -132,6 +141,8 @@ def run_benchmark(args) -> dict:
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    if args.profile is None:
+        args.profile = not args.quick and jax.default_backend() == "gpu"
     config = model_config(args)
     abstract = nnx.split(nnx.eval_shape(lambda: HybridModel(config, nnx.Rngs(0))))
     leaves = jax.tree.leaves(abstract[1])
@@ -139,7 +150,9 @@ def run_benchmark(args) -> dict:
         device=jax.devices()[0].device_kind, platform=platform.platform(), jax=jax.__version__,
         args=vars(args), complete=False,
         model=dict(name=config.name, layer_types=list(config.layer_types),
-                   num_experts=config.num_experts, hidden_size=config.hidden_size,
+                   num_layers=config.num_layers, num_experts=config.num_experts,
+                   experts_per_token=config.num_experts_per_token,
+                   hidden_size=config.hidden_size,
                    vocab_size=config.vocab_size, kda_backend=config.resolved_kda_backend(),
                    params=sum(math.prod(x.shape) for x in leaves),
                    param_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)),
@@ -201,6 +214,18 @@ def run_benchmark(args) -> dict:
             result.setdefault(kind, []).append(entry)
             _update_totals(result, run, outputs, steps, start)
             write_json(result, args.json)
+        if args.profile:
+            length = args.profile_length or args.budget
+            log(f"profile {length}")
+            trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="prefill_trace_"))
+            try:
+                result["profile"] = profile_case(run, length, config, result["device"],
+                                                 trace_dir)
+            except jax.errors.JaxRuntimeError as error:
+                if "RESOURCE_EXHAUSTED" not in str(error):
+                    raise
+                result["profile"] = {"tokens": length, "error": str(error).splitlines()[0]}
+            _update_totals(result, run, outputs, steps, start)
     result["complete"] = True
     write_json(result, args.json)
     return result
@@ -274,6 +299,14 @@ def print_table(result: dict) -> None:
         print(f"{e['concurrency']:>7} {_fmt(get(e, 'ladder', 'median_tokens_per_s'), '.1f'):>8} "
               f"{_fmt(get(e, 'coalesced', 'median_tokens_per_s'), '.1f'):>8} "
               f"{_fmt(e.get('ratio'), '.3f'):>6}")
+    profile = result.get("profile", {})
+    if "error" in profile:
+        print(f"\nprofile of a {profile['tokens']}-token prompt: {profile['error']}")
+    for mode in MODES:
+        if mode in profile:
+            print_profile(profile[mode], f"{mode} engine, first step of a cold "
+                          f"{profile['tokens']}-token prompt ({profile[mode]['step_tokens']} "
+                          "tokens)")
     greedy, peak = result["greedy"], result["peak_bytes_in_use"]
     print(f"\n{len(result['buckets'])} buckets compiled ahead in "
           f"{result['setup_s']['precompile']:.0f} s; compiles {result['programs']}, "
@@ -313,6 +346,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--single-bucket", action="store_true", default=None, help="pad to the largest bucket")
     add("--compile-workers", type=int, help="threads compiling buckets ahead (4)")
     add("--compilation-cache", help="persistent XLA compilation cache folder")
+    add("--profile", action=argparse.BooleanOptionalAction,
+        help="trace one step per engine: time by op category, MFU (default: on a GPU, "
+             "off with --quick)")
+    add("--profile-length", type=int, help="prompt tokens of the traced step (--budget)")
+    add("--trace-dir", type=Path, help="where the traces go (a new temp dir)")
     add("--seed", type=int, default=0)
     add("--json", type=Path, help="output (bench/results/prefill_<preset>.json)")
     args = parser.parse_args(argv)

@@ -10,12 +10,17 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
 from bench.buckets import DryRun, Output
+from bench.flops import Span, step_flops
+from bench.profile import profile_call
+from glmjax.config import ModelConfig
 from serving.compiles import CompileLog
 from serving.engine import Engine
+from serving.plan import plan_prefill
 from serving.request import SamplingParams
 
 MODES = {"coalesced": True, "ladder": False}
@@ -163,6 +168,31 @@ def decode_case(run: Run, concurrency: int) -> dict:
 
 
 CASES = {"decode": decode_case, "beside": beside_case, "cold": cold_case}
+
+
+def profile_case(run: Run, length: int, config: ModelConfig, device_kind: str,
+                 trace_dir: Path) -> dict:
+    """The first step of a cold `length`-token prompt in each session, traced once
+    (`bench.profile`): the coalesced span and the ladder's first step. An untraced prompt of
+    the same length runs first, so the step is compiled and warm. Both sessions get the
+    same prompt, so its greedy token joins the comparison of the two."""
+    args, out = run.args, {}
+    warm_up, prompt = run.prompt(length), run.prompt(length)
+    request_id = f"profile-{length}"
+    for mode, session in run.sessions.items():
+        session.add(f"{request_id}-warm-up", warm_up, 1)
+        first = plan_prefill(length, 0, block_size=args.block_size, dcp=args.dcp,
+                             budget=args.budget, coalesce=MODES[mode])[0]
+        session.engine.add_request(request_id, prompt, SamplingParams(max_tokens=1))
+        out[mode] = profile_call(
+            lambda session=session: (session.step(), session.engine.caches)[1],
+            trace_dir / mode, flops=step_flops(config, [Span(first.end - first.start, first.start)]),
+            device_kind=device_kind) | {"step_tokens": first.end - first.start}
+        for _ in range(MAX_STEPS):
+            if request_id in session.outputs:
+                break
+            session.step()
+    return dict(tokens=length, **out)
 
 
 def compare_greedy(on: dict[str, Output], off: dict[str, Output]) -> dict:

@@ -13,7 +13,7 @@ import json
 import jax
 import pytest
 
-from bench.prefill import case_list, engine_config, main, parse_args
+from bench.prefill import case_list, engine_config, main, model_config, parse_args
 
 ARGS = [
     "--quick", "--budget", "64", "--lengths", "128", "--unaligned", "100",
@@ -33,10 +33,22 @@ def test_cold_cases_alone_size_the_engine_for_the_longest_prompt():
     assert config.max_model_len == 257 and config.max_num_seqs == args.decoders + 1
 
 
-@pytest.mark.slow  # ~20-40 s on two busy cores, most of it compiling
+@pytest.mark.parametrize("preset,layers,experts", [
+    ("glm5.3-flash", 6, 288), ("kimi-linear-48b", 27, 256), ("glm5.3-flash", 4, 16)])
+def test_real_presets_at_their_full_expert_count_are_selectable(preset, layers, experts):
+    args = parse_args(["--preset", preset, "--num-layers", str(layers),
+                       "--num-experts", str(experts)])
+    config = model_config(args)
+    assert (config.num_layers, config.num_experts, config.num_experts_per_token) == (
+        layers, experts, 8)
+    assert config.kv_block_size == 512
+
+
+@pytest.mark.slow  # ~30-60 s on two busy cores, most of it compiling
 def test_quick_run_writes_every_field_and_both_schedules_agree(tmp_path):
     path = tmp_path / "prefill.json"
-    main([*ARGS, "--json", str(path)])
+    main([*ARGS, "--profile", "--profile-length", "128", "--trace-dir", str(tmp_path / "tr"),
+          "--json", str(path)])
     result = json.loads(path.read_text())
 
     assert result["complete"]
@@ -67,12 +79,24 @@ def test_quick_run_writes_every_field_and_both_schedules_agree(tmp_path):
     # Greedy tokens: the same for every request in both engines (decoders generate a
     # different number of tokens in each, so their common prefix is compared).
     tokens = result["greedy"]["tokens"]
-    assert len(tokens) == 4 + 2 + 1 + 1  # cold (2 lengths x 2), beside cold + decoder, decoder
+    # cold (2 lengths x 2), beside cold + decoder, decoder, profile prompt and its warm-up
+    assert len(tokens) == 4 + 2 + 1 + 1 + 2
     for request_id, pair in tokens.items():
         common = min(len(pair["coalesced"]), len(pair["ladder"]))
         assert common >= 1, request_id
         assert pair["coalesced"][:common] == pair["ladder"][:common], request_id
     assert result["greedy"]["identical"] and result["greedy"]["logprobs_within_design_bound"]
+
+    # One traced step per engine (the first 64-token span of a 128-token prompt in both at a
+    # budget of 64); a CPU trace names no scopes here (bench.profile), so only the totals.
+    profile = result["profile"]
+    assert profile["tokens"] == 128
+    for mode in ("coalesced", "ladder"):
+        step = profile[mode]
+        assert step["step_tokens"] == 64 and step["kernels"] > 0 and step["busy_ms"] > 0
+        assert (tmp_path / "tr" / mode).is_dir() and step["trace"].endswith(".json.gz")
+        assert step["useful_tflop"] == pytest.approx(
+            sum(step["flops_by_term"].values()) / 1e12)
 
 
 @pytest.mark.slow  # ~35 s on two cores

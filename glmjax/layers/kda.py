@@ -118,8 +118,9 @@ class KDA(nnx.Module):
                     in_specs=(s.heads, s.heads, s.heads, s.heads, s.head_scalars, s.replicated,
                               s.kda_states, s.replicated),
                     out_specs=(s.heads, s.kda_states, s.kda_snapshots), check_vma=False)
-            o, final, snapshots = scan(q, k, v, g, beta, cu_seqlens, state.recurrent,
-                                       checkpoint_offsets)
+            with jax.named_scope("kda_scan"):
+                o, final, snapshots = scan(q, k, v, g, beta, cu_seqlens, state.recurrent,
+                                           checkpoint_offsets)
             gate = self.g_b_proj(self.g_a_proj(x)).reshape(shape)
             y = self.o_proj(self.o_norm(o, gate).reshape(tokens, -1))
             return KDAResult(y, KDAState(final, conv.history),

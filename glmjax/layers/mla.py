@@ -363,8 +363,9 @@ class MLA(nnx.Module):
             return jnp.einsum("hts,shv->thv", probs.astype(v.dtype), v,
                               preferred_element_type=jnp.float32).astype(q_nope.dtype)
 
-        return _in_query_blocks(attend, self.query_block, q_nope, q_pe, index_queries, seq,
-                                pos, valid)
+        with jax.named_scope("attention"):
+            return _in_query_blocks(attend, self.query_block, q_nope, q_pe, index_queries,
+                                    seq, pos, valid)
 
     def _absorption(self, dtype) -> tuple[jax.Array, jax.Array]:
         """W_uk [C, H, nope] and W_uv [C, H, v], the two halves of kv_b_proj."""

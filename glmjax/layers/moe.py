@@ -79,8 +79,13 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [T, D] -> [T, D]."""
         with jax.named_scope("moe"):
-            weights, experts = self.route(x)
-            return self._routed(x, weights, experts) + self.shared_experts(x)
+            with jax.named_scope("router"):
+                weights, experts = self.route(x)
+            with jax.named_scope("routed_experts"):
+                routed = self._routed(x, weights, experts)
+            with jax.named_scope("shared_experts"):
+                shared = self.shared_experts(x)
+            return routed + shared
 
     def _routed(self, x, weights, experts):
         tokens, top_k = experts.shape
