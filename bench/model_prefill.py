@@ -29,6 +29,7 @@ from flax import nnx
 
 from bench.flops import Span, step_flops
 from bench.profile import print_profile, profile_call
+from glmjax import compile_cache
 from glmjax.batch import PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
@@ -69,7 +70,9 @@ def main():
                         help="trace one more prefill: time by op category, MFU (default: on "
                              "a GPU)")
     parser.add_argument("--trace-dir", type=Path, help="where the trace goes (a new temp dir)")
+    compile_cache.add_arguments(parser)
     args = parser.parse_args()
+    compile_cache.enable_from_args(args)
 
     config = ModelConfig.preset(args.preset)
     if args.num_layers or args.num_experts:

@@ -63,6 +63,7 @@ from flax import nnx
 from bench.buckets import DryRun, log, precompile, step_functions
 from bench.prefill_cases import CASES, MODES, Run, Session, compare_greedy, profile_case
 from bench.profile import print_profile
+from glmjax import compile_cache
 from glmjax.config import ModelConfig
 from glmjax.model import HybridModel
 from glmjax.random_weights import random_model
@@ -353,6 +354,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--trace-dir", type=Path, help="where the traces go (a new temp dir)")
     add("--seed", type=int, default=0)
     add("--json", type=Path, help="output (bench/results/prefill_<preset>.json)")
+    compile_cache.add_arguments(parser)
     args = parser.parse_args(argv)
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
@@ -365,6 +367,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     request_cpu_devices(args.tp)  # a mesh on a CPU: before JAX starts its backends
+    compile_cache.enable_from_args(args)
     result = run_benchmark(args)
     print_table(result)
     print(f"wrote {result['args']['json']}")

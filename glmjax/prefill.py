@@ -53,6 +53,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from glmjax import compile_cache
 from glmjax.batch import CHECKPOINT_CAPACITY, PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
@@ -375,6 +376,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=int, default=8192)
     parser.add_argument("--save-states", metavar="DIR")
     parser.add_argument("--load-states", metavar="DIR")
+    compile_cache.add_arguments(parser)
     return parser
 
 
@@ -394,6 +396,7 @@ def main(argv: Sequence[str] | None = None, *, progress: TextIO | None = sys.std
          ) -> PrefillResult:
     """Run the command line; returns the result (raises ValueError on bad arguments)."""
     args = _parser().parse_args(argv)
+    compile_cache.enable_from_args(args)
     config = dataclasses.replace(ModelConfig.preset(args.preset),
                                  kv_block_size=args.block_size)
     if args.random_tokens is not None:

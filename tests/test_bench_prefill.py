@@ -18,7 +18,7 @@ from bench.prefill import case_list, engine_config, main, model_config, parse_ar
 ARGS = [
     "--quick", "--budget", "64", "--lengths", "128", "--unaligned", "100",
     "--beside-lengths", "100", "--decoders", "1", "--concurrency", "1", "--decode-context", "64",
-    "--samples", "1", "--decode-steps", "2",
+    "--samples", "1", "--decode-steps", "2", "--no-compile-cache",
 ]  # fmt: skip
 
 
