@@ -28,12 +28,12 @@ import numpy as np
 from flax import nnx
 
 from bench.flops import Span, step_flops
-from bench.profile import print_profile, profile_call
+from bench.profile import print_profile, profile_call, traceable
 from glmjax import compile_cache
 from glmjax.batch import PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
-from glmjax.model import prefill
+from glmjax.model import prefill, prefill_step
 from glmjax.random_weights import random_model
 
 BLOCK_SIZE = 512
@@ -109,16 +109,17 @@ def main():
           f"{args.tokens} tokens, first call {compile_s:.1f} s, median {median * 1e3:.1f} ms, "
           f"{result['tokens_per_s']:.0f} tokens/s")
     if args.profile if args.profile is not None else jax.default_backend() == "gpu":
+        traced = traceable(prefill_step, donate_argnums=1, static_argnames="return_logprobs")
         state = {"caches": caches}
 
         def step():
-            out = prefill(model_state, state["caches"], batch)
+            out = traced(model_state, state["caches"], batch)
             state["caches"] = out.caches
             return out
 
-        # The executable the calls above ran (a cache hit): its HLO names the ops of a CPU
-        # trace, whose events carry no op names.
-        hlo = prefill.lower(model_state, caches, batch).compile().as_text()
+        jax.block_until_ready(step())  # compiled outside the trace
+        # Its HLO names the ops of a CPU trace, whose events carry no op names.
+        hlo = traced.lower(model_state, state["caches"], batch).compile().as_text()
         trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="model_prefill_trace_"))
         result["profile"] = profile_call(
             step, trace_dir, flops=step_flops(config, [Span(args.tokens)]),

@@ -24,10 +24,13 @@ On a CPU there is no device process: XLA's thunks run on host threads as events 
 without it every CPU op lands in "projections" or "other". The same text is the fallback
 for a GPU kernel whose annotation names no op.
 
-Command buffers (CUDA graphs) would hide per-kernel annotations, but XLA runs their thunks
-one by one while a profiler session is active (``xla_enable_command_buffers_during_profiling``
-defaults to false): the traced step can launch slower than an untraced one, its kernels
-run the same. Hence both the summed kernel time ("busy") and the device span are reported.
+Command buffers (CUDA graphs) hide the per-kernel annotations: on the H200 with jax 0.11.2
+the kernels of a step compiled with XLA's defaults reach the trace as ``hlo_op`` =
+``command_buffer_N`` with no op name (875 of 1,186 kernels of a glm5.3-flash prefill; the
+first run of this profile put the MoE at 0 ms). So the traced step is a twin of the timed
+one compiled without command buffers (`traceable`): the same kernels, each launched on
+its own, so it may launch slower than the timed step. Hence both the summed kernel time
+("busy") and the device span are reported, beside the timed step.
 
 Categories come from the `jax.named_scope`s in the op path (`SCOPES`), the first rule that
 matches wins; a kernel outside them is a projection if it is a matrix product (`GEMM_MARKS`
@@ -199,6 +202,17 @@ def kernel_events(trace: dict, hlo_texts: Iterable[str] = ()) -> list[KernelEven
 def load_trace(path: Path) -> dict:
     with gzip.open(path, "rt") as f:
         return json.load(f)
+
+
+# XLA's command buffers off: see the module docstring.
+TRACE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def traceable(fn: Callable, **jit_kwargs) -> Callable:
+    """``jax.jit(fn, **jit_kwargs)`` whose GPU kernels keep their op annotations in a trace
+    (compiled without command buffers on a GPU; a plain jit elsewhere)."""
+    options = TRACE_COMPILER_OPTIONS if jax.default_backend() == "gpu" else None
+    return jax.jit(fn, compiler_options=options, **jit_kwargs)
 
 
 def record_trace(run: Callable[[], Any], trace_dir: Path) -> Path:
