@@ -98,8 +98,9 @@ def pool_runner(fn, args, pool):
         _, box[0] = step(*args, box[0])
         return box[0]
 
-    # The first Pallas call changes JAX's tracing context (seen with jax 0.11.2 in interpret
-    # mode), so the second call traces again: warm up here, and time_calls warms up once more.
+    # In interpret mode the first Pallas call imports a module that adds a value to JAX's
+    # trace context (jax 0.11.2), so the second call traces again: warm up here, and
+    # time_calls warms up once more.
     jax.block_until_ready(call())
     return call
 
