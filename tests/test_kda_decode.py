@@ -25,13 +25,16 @@ def unit(rng, shape):
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
-def make_step(rng, rows, *, heads=2, head_k=32, head_v=32, min_decay=-5.0, dtype=jnp.float32):
-    """Random inputs of one step, [rows, ...], as float64 NumPy rounded to `dtype`."""
+def make_step(rng, rows, *, heads=2, head_k=32, head_v=32, min_decay=-5.0, fixed_decay=None,
+              dtype=jnp.float32):
+    """Random inputs of one step, [rows, ...], as float64 NumPy rounded to `dtype`; decays
+    uniform in [min_decay, 0), or all `fixed_decay`."""
     arrays = dict(
         q=unit(rng, (rows, heads, head_k)),
         k=unit(rng, (rows, heads, head_k)),
         v=rng.standard_normal((rows, heads, head_v)),
-        g=rng.uniform(min_decay, 0.0, (rows, heads, head_k)),
+        g=(rng.uniform(min_decay, 0.0, (rows, heads, head_k)) if fixed_decay is None
+           else np.full((rows, heads, head_k), fixed_decay)),
         beta=rng.uniform(0.02, 0.98, (rows, heads)),
     )
     return {n: np.asarray(jnp.asarray(x, dtype), np.float64) for n, x in arrays.items()}
@@ -123,7 +126,7 @@ class KdaDecodeCases:
         the recurrence: outputs, the rows' slots, and every other slot bit for bit."""
         slots = np.asarray(slots, np.int32)
         pool0 = make_pool(rng, num_slots, slots, **{k: v for k, v in shape.items()
-                                                    if k != "min_decay"})
+                                                    if k not in ("min_decay", "fixed_decay")})
         steps = [poison_padding(make_step(rng, len(slots), dtype=dtype, **shape), slots)
                  for _ in range(num_steps)]
         want_o, want_final = recurrence(steps, slots, pool0)
@@ -158,7 +161,7 @@ class KdaDecodeCases:
     def test_decay_at_the_lower_bound_and_beyond(self, rng):
         """g = -5 (GLM's bound) for several steps, and g = -40 (any decay): exp(g) only
         shrinks the state, so nothing overflows."""
-        self.check_steps(rng, [1, 2], num_steps=3, min_decay=-5.0 + 1e-9)
+        self.check_steps(rng, [1, 2], num_steps=3, fixed_decay=-5.0)
         self.check_steps(rng, [1, 2], min_decay=-40.0)
 
     def test_bf16_inputs(self, rng):
