@@ -40,9 +40,9 @@ from glmjax.layers.paged_cache import MLACache
 from glmjax.layers.projection import projection
 from glmjax.state_pool import (
     PoolStatus,
-    commit_decode,
+    StatePool,
     commit_prefill,
-    decode_status,
+    decode_slots,
     prefill_status,
     read_states,
 )
@@ -91,7 +91,9 @@ class HybridModel(nnx.Module):
 
         Args:
           token_ids: int32 [T]. batch: the packed metadata the layers read.
-          kda_states: per KDA layer, the initial state of each sequence.
+          kda_states: per KDA layer, the initial state of each sequence; with `decode`, the
+            layer's whole pool, advanced in place at `batch.state_slots` (and returned as
+            `kda_states`).
           mla_caches: per MLA layer, its paged cache (None: no cache, no prefix).
           decode: one token per sequence; MLA attends in absorbed form.
           plan: the mesh the layers run on (None: one device).
@@ -201,17 +203,17 @@ def decode_step(model_state: ModelState, caches: Caches, batch: DecodeBatch, *,
     """One token per row: row n appends `token_ids[n]` at cache position `positions[n]` of
     the request in KDA slot `state_slots[n]` (-1: padding row, nothing read or written) and
     MLA blocks `block_tables[n]`. `caches` is donated by `decode` and the sharded steps:
-    use the returned one."""
+    use the returned one; each KDA layer updates its pool in place (`KDA.decode`)."""
     model = nnx.merge(*model_state)
-    slots = batch.state_slots
+    # A refused step runs with every slot -1: the KDA layers then read and write no slot.
+    slots, status = decode_slots(batch.state_slots, caches.num_state_slots)
     num_rows = slots.shape[0]
-    active = (decode_status(slots, caches.num_state_slots) == PoolStatus.OK) & (slots >= 0)
+    active = slots >= 0
     packed = PackedBatch(jnp.arange(num_rows + 1, dtype=jnp.int32),
                          jnp.where(active, batch.positions, -1), batch.block_tables,
-                         jnp.full((num_rows, 1), -1, jnp.int32))
-    initial = read_states(caches.kda, slots, slots >= 0)
-    out = model.forward(batch.token_ids, packed, initial, caches.mla, decode=True, plan=plan)
-    kda, status = commit_decode(caches.kda, slots, out.kda_states)
+                         jnp.full((num_rows, 1), -1, jnp.int32), slots)
+    out = model.forward(batch.token_ids, packed, caches.kda, caches.mla, decode=True, plan=plan)
+    kda = tuple(StatePool(*pool) for pool in out.kda_states)
     logits = jnp.where(active[:, None], model.logits(out.hidden), 0.0)
     return DecodeOutput(logits, Caches(kda, tuple(out.mla_caches)), status)
 

@@ -8,7 +8,9 @@ final state back there and each retained snapshot to its checkpoint slot.
 The update is all or nothing. `prefill_status` checks the step's slot metadata; if any of
 it is invalid, no pool of any layer is written (every destination index becomes the
 out-of-range sentinel `num_slots`, which the scatter drops), so the pools come back
-bit-identical, and the status says why. Slots are indexed only along the slot axis (a
+bit-identical, and the status says why. A decode step updates the pools in place inside
+the layers (`pallas_kernels.kda_decode`); `decode_slots` refuses it the same way, by
+running it with every slot -1. Slots are indexed only along the slot axis (a
 gather / scatter with one index per slot), never through a flattened element offset, so an
 int32 slot id addresses pools of any element count.
 """
@@ -171,14 +173,16 @@ def commit_prefill(pools: Sequence[StatePool], batch: PrefillBatch,
     return tuple(new_pools), status
 
 
-def commit_decode(pools: Sequence[StatePool], state_slots: jax.Array,
-                  finals: Sequence[KDAState]) -> tuple[tuple[StatePool, ...], jax.Array]:
-    """Write each decode row's new state to its running slot, for every layer or none."""
-    num_slots = pools[0].num_slots if pools else 0
+def decode_slots(state_slots: jax.Array, num_slots: int) -> tuple[jax.Array, jax.Array]:
+    """The running slots a decode step runs with, and its int32 [] `PoolStatus`.
+
+    A decode step updates each row's slot in place in every layer's pool (the KDA layers'
+    `decode`), reading and writing only the slots it is given; so a refused step runs
+    with every slot -1 (all padding rows) and writes nothing, in any layer.
+    Returns int32 [N]: `state_slots` if the status is OK, else all -1.
+    """
     status = decode_status(state_slots, num_slots)
-    index = slot_index(state_slots, status == PoolStatus.OK, num_slots)
-    return (tuple(_scatter(pool, index, final) for pool, final in zip(pools, finals, strict=True)),
-            status)
+    return jnp.where(status == PoolStatus.OK, state_slots, jnp.int32(-1)), status
 
 
 def copy_slots(pools: Sequence[StatePool], sources: jax.Array, destinations: jax.Array

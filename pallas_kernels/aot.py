@@ -5,7 +5,9 @@
 No GPU is needed. For each device the KDA prefill is lowered under an abstract mesh whose
 device kind is that GPU, with exactly the `KernelConfig` the runtime picks for it, at the
 real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs), on both gate paths
-(bounded, as GLM's gate, and any decay, as Kimi's). Each Triton module the Pallas lowering
+(bounded, as GLM's gate, and any decay, as Kimi's); the KDA decode kernel likewise, at 1
+and 64 rows on a 256-slot pool, with the tiling the runtime picks for each (`kda_decode_bv*`
+in the table). Each Triton module the Pallas lowering
 embeds is then compiled by the official Triton compiler for that target, and ptxas reports
 registers and spills. The table shows shared memory against the
 device's per-block limit; the exit status is non-zero when a kernel fails to compile or
@@ -34,13 +36,23 @@ from jax._src.lib.mlir import ir
 from jax._src.mesh import AbstractDevice, AbstractMesh
 from jax._src.pallas.triton.lowering import _new_ir_context
 
+from pallas_kernels.kda_decode_pallas import kda_decode_pallas
 from pallas_kernels.kda_pallas import kda_prefill_pallas
-from pallas_kernels.tuning import KNOWN_DEVICES, DeviceSpec, KernelConfig, select_config
+from pallas_kernels.tuning import (
+    KNOWN_DEVICES,
+    DecodeConfig,
+    DeviceSpec,
+    KernelConfig,
+    select_config,
+    select_decode_config,
+)
 
 HEAD_COUNTS = (32, 64)
 HEAD_DIM = 128
 NUM_TOKENS = 8192
 CAPACITY = 4
+DECODE_ROWS = (1, 64)  # the decode kernel's tiling depends on the row count (tuning.py)
+DECODE_POOL_SLOTS = 256
 MAX_REGISTERS = 255  # per thread, every NVIDIA target since sm_50
 
 
@@ -90,6 +102,23 @@ def _custom_calls(op) -> list:
     return found
 
 
+def _triton_modules(spec: DeviceSpec, fn, args) -> list[TritonModule]:
+    """The Triton modules of every pallas_call in `fn(*args)` lowered for `spec`."""
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(spec)):
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    modules = []
+    for call in _custom_calls(lowered.compiler_ir("stablehlo").operation):
+        backend = ir.DictAttr(call.attributes["mhlo.backend_config"])
+        with _new_ir_context(), ir.Location.unknown():
+            module = ir.Module.parse(ir.StringAttr(backend["ir"]).value_bytes)
+            text = module.operation.get_asm(enable_debug_info=False)
+        modules.append(TritonModule(
+            name=ir.StringAttr(backend["name"]).value, ir_text=text,
+            num_warps=ir.IntegerAttr(backend["num_warps"]).value,
+            num_stages=ir.IntegerAttr(backend["num_stages"]).value))
+    return modules
+
+
 def lower_kda_prefill(spec: DeviceSpec, heads: int, config: KernelConfig | None = None, *,
                       bounded_gates: bool = False) -> list[TritonModule]:
     """The Triton modules of the bf16 KDA prefill for `spec`, by default with the config
@@ -110,19 +139,30 @@ def lower_kda_prefill(spec: DeviceSpec, heads: int, config: KernelConfig | None 
                                   bounded_gates=bounded_gates, config=config,
                                   interpret=False, exact=False)
 
-    with jax.sharding.use_abstract_mesh(_abstract_mesh(spec)):
-        lowered = jax.jit(prefill).trace(*args).lower(lowering_platforms=("cuda",))
-    modules = []
-    for call in _custom_calls(lowered.compiler_ir("stablehlo").operation):
-        backend = ir.DictAttr(call.attributes["mhlo.backend_config"])
-        with _new_ir_context(), ir.Location.unknown():
-            module = ir.Module.parse(ir.StringAttr(backend["ir"]).value_bytes)
-            text = module.operation.get_asm(enable_debug_info=False)
-        modules.append(TritonModule(
-            name=ir.StringAttr(backend["name"]).value, ir_text=text,
-            num_warps=ir.IntegerAttr(backend["num_warps"]).value,
-            num_stages=ir.IntegerAttr(backend["num_stages"]).value))
-    return modules
+    return _triton_modules(spec, prefill, args)
+
+
+def lower_kda_decode(spec: DeviceSpec, heads: int, config: DecodeConfig | None = None,
+                     *, rows: int = 64) -> list[TritonModule]:
+    """The Triton module of the KDA decode kernel for `spec` at `rows` rows of bf16 q/k/v
+    and fp32 gates (as the layer passes them) on a pool of DECODE_POOL_SLOTS slots, by
+    default with the config the runtime picks for that device and row count; named
+    `kda_decode_bv{block_v}` (the tiling differs with the row count)."""
+    config = config or select_decode_config(spec, num_rows=rows, num_heads=heads,
+                                            head_k=HEAD_DIM, head_v=HEAD_DIM)
+    shape = jax.ShapeDtypeStruct
+    rows_hk = (rows, heads, HEAD_DIM)
+    args = (shape(rows_hk, jnp.bfloat16), shape(rows_hk, jnp.bfloat16),
+            shape(rows_hk, jnp.bfloat16), shape(rows_hk, jnp.float32),
+            shape((rows, heads), jnp.float32), shape((rows,), jnp.int32),
+            shape((DECODE_POOL_SLOTS, heads, HEAD_DIM, HEAD_DIM), jnp.float32))
+
+    def decode(*arrays):
+        return kda_decode_pallas(*arrays, scale=HEAD_DIM ** -0.5, config=config,
+                                 interpret=False)
+
+    return [dataclasses.replace(module, name=f"{module.name}_bv{config.block_v}")
+            for module in _triton_modules(spec, decode, args)]
 
 
 def _ptxas_report(ptx: str, capability: int) -> tuple[int, int]:
@@ -189,6 +229,9 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
             modules = {}  # by name: the two gate paths share the scan and output kernels
             for bounded in (True, False):
                 for module in lower_kda_prefill(spec, num_heads, bounded_gates=bounded):
+                    modules.setdefault(module.name, module)
+            for rows in DECODE_ROWS:
+                for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)
             reports.extend(compile_module(module, spec, num_heads) for module in modules.values())
     return reports

@@ -126,3 +126,29 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
     raise ValueError(
         f"no KDA kernel configuration fits {spec.smem_per_block} bytes of shared memory on "
         f"{spec.name} for head_k={head_k}, head_v={head_v}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tiling of the decode kernel: one program per (row, head, value block) holds the
+    [K, block_v] fp32 state tile in registers (hashable: a jit static argument)."""
+
+    block_v: int = 32
+    num_warps: int = 4
+
+
+def select_decode_config(spec: DeviceSpec, *, num_rows: int, num_heads: int, head_k: int,
+                         head_v: int) -> DecodeConfig:
+    """Pick the decode kernel's tiling for a device and a problem shape.
+
+    The kernel streams each state once, so it needs enough programs in flight to cover
+    memory latency and a state tile that stays in registers. A [128, 32] fp32 tile over 4
+    warps is 32 registers per thread, far from spilling on sm_90 and sm_121 (the AOT check
+    reports it). Narrower value blocks (16) double the programs when there are too few to
+    give each SM four, as at one or a few rows; block_v=32 at 64 rows x 64 heads is 16,384
+    programs, a value `python -m bench.kda_decode --sweep` checks against 16 and 64.
+    """
+    block_v = min(32, head_v, max(16, 4096 // head_k))  # a tile of <= 4096 fp32 at K <= 256
+    if num_rows * num_heads * (head_v // block_v) < 4 * spec.num_sms:
+        block_v = min(16, head_v)
+    return DecodeConfig(block_v=block_v)

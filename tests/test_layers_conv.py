@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_layers_oracles import conv_oracle, cu_seqlens_of, random_lengths
 
-from glmjax.layers.conv import causal_conv1d
+from glmjax.layers.conv import causal_conv1d, conv_decode
 from glmjax.layers.packing import sequence_ids
 
 NUM_TOKENS, NUM_SEQS, CHANNELS, WIDTH, CAPACITY = 37, 5, 24, 4, 4
@@ -76,3 +76,21 @@ def test_conv_is_one_compile_for_all_lengths(rng):
             jnp.full((NUM_SEQS, CAPACITY), -1, jnp.int32),
         )
     assert conv._cache_size() - before <= 1
+
+
+def test_decode_step_equals_one_token_sequences(rng):
+    """conv_decode on a pool == causal_conv1d on one-token sequences from the same
+    histories, bit for bit; padding rows (-1) and unnamed slots are left alone."""
+    slots = np.array([3, -1, 0, 5], np.int32)
+    pool = rng.normal(size=(6, CHANNELS, WIDTH - 1)).astype(np.float32)
+    x = rng.normal(size=(len(slots), CHANNELS)).astype(np.float32)
+    weight = rng.normal(size=(CHANNELS, WIDTH)).astype(np.float32)
+    y, new_pool = jax.jit(conv_decode)(x, weight, jnp.asarray(pool), jnp.asarray(slots))
+    real = slots >= 0
+    history = np.where(real[:, None, None], pool[np.maximum(slots, 0)], 0)
+    y_ref, final, _ = conv(x, weight, jnp.arange(len(slots) + 1, dtype=jnp.int32), history,
+                           jnp.full((len(slots), 1), -1, jnp.int32))
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_array_equal(np.asarray(new_pool)[slots[real]], np.asarray(final)[real])
+    untouched = np.setdiff1d(np.arange(6), slots)
+    np.testing.assert_array_equal(np.asarray(new_pool)[untouched], pool[untouched])

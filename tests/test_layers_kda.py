@@ -214,3 +214,46 @@ def test_pallas_backend_matches_reference_backend(rng, dtype):
         np.testing.assert_allclose(
             np.asarray(a, np.float32) / scale, np.asarray(b, np.float32) / scale, atol=tol
         )
+
+
+@nnx.jit
+def run_decode(layer, x, pool, slots):
+    return layer.decode(x, pool, slots)
+
+
+@pytest.mark.parametrize(
+    "gate, backend",
+    [("sigmoid_bound", "reference"), ("softplus", "reference"), ("sigmoid_bound", "pallas")],
+)
+def test_decode_on_the_pool_matches_oracle(rng, gate, backend):
+    """One token per row on a pool (Pallas in interpret mode here): each real row's output
+    and its slot's new recurrent state and conv history match the oracle run on one-token
+    sequences from that slot; padding rows and every other slot stay bit-identical (the
+    slots nobody names hold NaN, so a stray read would show)."""
+    config = dataclasses.replace(ModelConfig.preset("tiny"), kda_gate=gate, kda_backend=backend)
+    layer = random_module(lambda: KDA(config, rngs=nnx.Rngs(0)), rng)
+    num_slots, slots = 7, np.array([4, -1, 0, 6, -1], np.int32)
+    real = slots >= 0
+    heads, dim, channels = config.kda_num_heads, config.kda_head_dim, config.conv_channels
+    recurrent = np.full((num_slots, heads, dim, dim), np.nan, np.float32)
+    conv = np.full((num_slots, channels, config.conv_kernel - 1), np.nan, np.float32)
+    recurrent[slots[real]] = 0.3 * rng.normal(size=(real.sum(), heads, dim, dim))
+    conv[slots[real]] = rng.normal(size=(real.sum(), channels, config.conv_kernel - 1))
+    x = rng.normal(size=(len(slots), config.hidden_size)).astype(np.float32)
+    y, pool = run_decode(
+        layer, jnp.asarray(x), KDAState(jnp.asarray(recurrent), jnp.asarray(conv)),
+        jnp.asarray(slots),
+    )
+    rows = int(real.sum())
+    want_y, final, _ = kda_oracle(
+        layer, config, x[real], np.arange(rows + 1, dtype=np.int32),
+        KDAState(recurrent[slots[real]], conv[slots[real]]), np.full((rows, 1), -1, np.int32),
+    )
+    np.testing.assert_allclose(np.asarray(y)[real], want_y, rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(pool.recurrent[slots[real]], final.recurrent, rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(pool.conv[slots[real]], final.conv, rtol=1e-5, atol=1e-5)
+    others = np.setdiff1d(np.arange(num_slots), slots)
+    for got, before in ((pool.recurrent, recurrent), (pool.conv, conv)):
+        np.testing.assert_array_equal(np.asarray(got)[others].view(np.uint32),
+                                      before[others].view(np.uint32))

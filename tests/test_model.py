@@ -360,3 +360,20 @@ def test_new_lengths_offsets_and_slots_do_not_recompile(setup):
             ),
         ).caches
     assert (prefill._cache_size(), decode._cache_size()) == sizes
+
+
+def test_decode_step_copies_no_kda_pool(setup):
+    """The decode step updates every KDA pool in place (the layer's backend: the kernel on
+    a GPU, XLA's gather / scatter on the CPU): no copy of a [slots, H, K, V] pool in its
+    program; with the kernel, no [rows, H, K, V] states outside it either."""
+    model_state, tokens, _ = setup
+    caches = jax.eval_shape(lambda: Caches.init(CONFIG, NUM_SLOTS, NUM_BLOCKS))
+    batch = DecodeBatch(*(jax.ShapeDtypeStruct(s, jnp.int32)
+                          for s in ((2,), (2,), (2,), (2, MAX_BLOCKS))))
+    hlo = decode.lower(model_state, caches, batch).compile().as_text()
+    heads, dim = CONFIG.kda_num_heads, CONFIG.kda_head_dim
+    pool = f"f32[{NUM_SLOTS},{heads},{dim},{dim}]"
+    copies = [line for line in hlo.splitlines() if pool in line and " copy(" in line]
+    assert not copies, copies[:3]
+    if CONFIG.resolved_kda_backend() == "pallas":
+        assert f"f32[2,{heads},{dim},{dim}]" not in hlo

@@ -207,6 +207,33 @@ def test_pallas_kda_scan_runs_per_device_under_shard_map(rng):
     assert heads_held == {heads // tp}
 
 
+@pytest.mark.gpu
+def test_pallas_kda_decode_runs_per_device_under_shard_map(rng):
+    """The decode kernel on the GPUs, each on its own heads of the pool, against the
+    jax.numpy decode on one device (padding row and unnamed slots included)."""
+    config = dataclasses.replace(ModelConfig.preset("tiny"), kda_backend="pallas")
+    layer = random_module(lambda: KDA(config, rngs=nnx.Rngs(0)), rng)
+    tp = min(4, 1 << (len(jax.devices()).bit_length() - 1))
+    plan = ShardingPlan(config, make_mesh(tp, 1))
+    heads, dim = config.kda_num_heads, config.kda_head_dim
+    x = jnp.asarray(rng.normal(size=(3, config.hidden_size)), jnp.float32)
+    slots = jnp.array([2, -1, 0], jnp.int32)
+
+    def pool():
+        return KDAState(jnp.asarray(rng.normal(size=(4, heads, dim, dim)) * 0.1, jnp.float32),
+                        jnp.asarray(rng.normal(size=(4, config.conv_channels, 3)), jnp.float32))
+
+    state = pool()
+    with jax.default_matmul_precision("highest"):
+        sharded = nnx.jit(lambda m, *a: m.decode(*a, plan=plan))(layer, x, state, slots)
+        layer.backend = "reference"
+        expected = nnx.jit(lambda m, *a: m.decode(*a))(layer, x, state, slots)
+    for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
+    heads_held = {s.data.shape[1] for s in sharded[1].recurrent.addressable_shards}
+    assert heads_held == {heads // tp}
+
+
 def test_moe_with_experts_split_over_tp_matches_the_oracle(rng):
     """Routed and shared experts with their intermediate split over 4 devices (XLA
     partitions the ragged_dot), against the per-token float64 loop."""

@@ -11,9 +11,9 @@ from glmjax.layers.kda import KDAState
 from glmjax.state_pool import (
     PoolStatus,
     StatePool,
-    commit_decode,
     commit_prefill,
     copy_slots,
+    decode_slots,
     read_states,
     slot_index,
 )
@@ -194,23 +194,21 @@ def test_read_states_gives_zeros_without_initial(rng):
         assert not np.any(state.recurrent[1:]) and not np.any(state.conv[1:])
 
 
-def test_commit_decode_writes_running_slots_or_nothing(rng):
-    pools, finals = random_pools(rng), [random_states(rng, 3) for _ in range(NUM_LAYERS)]
-    new_pools, status = jax.jit(commit_decode)(pools, jnp.array([5, -1, 2], jnp.int32), finals)
-    assert int(status) == PoolStatus.OK
-    for pool, new, final in zip(pools, new_pools, finals):
-        want = np.array(pool.recurrent)
-        want[5], want[2] = final.recurrent[0], final.recurrent[2]
-        np.testing.assert_array_equal(new.recurrent, want)
+def test_decode_slots_pass_valid_slots_and_refuse_the_rest():
     for slots, code in (
+        ([5, -1, 2], PoolStatus.OK),
+        ([-1, -1, -1], PoolStatus.OK),
         ([5, 5, 2], PoolStatus.DUPLICATE_DESTINATION),
         ([5, NUM_SLOTS, 2], PoolStatus.SLOT_OUT_OF_RANGE),
+        ([5, -2, 2], PoolStatus.SLOT_OUT_OF_RANGE),
     ):
-        new_pools, status = jax.jit(commit_decode)(pools, jnp.array(slots, jnp.int32), finals)
-        assert int(status) == code
-        assert_pools_equal(
-            new_pools, [(np.asarray(p.recurrent), np.asarray(p.conv)) for p in pools]
+        run_slots, status = jax.jit(decode_slots, static_argnums=1)(
+            jnp.array(slots, jnp.int32), NUM_SLOTS
         )
+        assert int(status) == code, slots
+        want = slots if code == PoolStatus.OK else [-1, -1, -1]
+        np.testing.assert_array_equal(run_slots, want)
+        assert run_slots.dtype == jnp.int32
 
 
 def test_copy_slots(rng):

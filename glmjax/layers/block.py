@@ -64,7 +64,9 @@ class DecoderBlock(nnx.Module):
         """Returns the new residual, the mixer's new cache and (KDA) its snapshots.
 
         `cache` is a `KDAState` for KDA, an `MLACache` (or None: no cache) for MLA. With
-        `decode`, every sequence has exactly one token and MLA attends in absorbed form.
+        `decode`, every sequence has exactly one token, MLA attends in absorbed form, and
+        KDA's `cache` is the layer's whole state pool, advanced in place at
+        `batch.state_slots` (its snapshots are None).
         `plan`: the mesh the mixers run on (None: one device).
         """
         with jax.named_scope("decoder_block"):
@@ -76,6 +78,9 @@ class DecoderBlock(nnx.Module):
             return self.mlp_residual.write(residual, y, mixing), cache, snapshots
 
     def _mix(self, x, batch: PackedBatch, cache, decode, plan):
+        if isinstance(self.mixer, KDA) and decode:
+            y, pool = self.mixer.decode(x, cache, batch.state_slots, plan=plan)
+            return y, pool, None
         if isinstance(self.mixer, KDA):
             out = self.mixer(x, batch.cu_seqlens, cache, batch.checkpoint_offsets, plan=plan)
             return out.y, out.state, out.snapshots

@@ -70,6 +70,37 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, cu_seqlens: jax.Array,
                       snapshots.astype(history.dtype))
 
 
+def conv_decode(x: jax.Array, weight: jax.Array, pool: jax.Array, state_slots: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """One token per row: the conv over each row's history in the pool and its new input,
+    and the pool with that input shifted into the row's history.
+
+    Args:
+      x: [N, C] pre-convolution inputs, one token per row.
+      weight: [C, W].
+      pool: [S, C, W - 1], every slot's history (oldest first). Donate it to the
+        enclosing jit: the update is a scatter of the rows' slots, in place.
+      state_slots: int32 [N], row n's slot; -1 for a padding row (reads a zero history,
+        writes nothing). The caller checks the slots (no repeats; see
+        `glmjax.state_pool.decode_slots`): a gather and a scatter along the slot axis.
+    Returns:
+      y [N, C] in x's dtype and the pool.
+
+    A separate XLA gather / scatter rather than part of the decode kernel: a row's history
+    is (W - 1) C = 9 H K values against H K V fp32 for its recurrent state (3.5% of the
+    bytes at glm5.3-flash's shapes, bf16 history), and XLA already moves it once each way.
+    """
+    num_slots, _, hist = pool.shape
+    index = jnp.where(state_slots >= 0, state_slots, num_slots)  # out of range: fill / drop
+    history = pool.at[index].get(mode="fill", fill_value=0).astype(x.dtype)
+    window = jnp.concatenate([history, x[:, :, None]], axis=-1)  # [N, C, W], oldest first
+    acc = jnp.zeros(x.shape, jnp.float32)
+    for j in range(hist + 1):  # the taps in causal_conv1d's order: the same rounding
+        acc = acc + window[:, :, j].astype(jnp.float32) * weight[:, j].astype(jnp.float32)
+    y = jax.nn.silu(acc).astype(x.dtype)
+    return y, pool.at[index].set(window[:, :, 1:].astype(pool.dtype), mode="drop")
+
+
 class ShortConvolution(nnx.Module):
     """Depthwise causal conv1d with SiLU over C channels, kernel width W (no bias)."""
 
@@ -82,3 +113,7 @@ class ShortConvolution(nnx.Module):
     def __call__(self, x, cu_seqlens, history, checkpoint_offsets) -> ConvResult:
         """See `causal_conv1d`; x [T, C], history [N, C, W-1]."""
         return causal_conv1d(x, self.weight[...], cu_seqlens, history, checkpoint_offsets)
+
+    def decode(self, x, pool, state_slots) -> tuple[jax.Array, jax.Array]:
+        """See `conv_decode`; x [N, C], pool [S, C, W-1], state_slots int32 [N]."""
+        return conv_decode(x, self.weight[...], pool, state_slots)

@@ -21,7 +21,7 @@ from glmjax.config import ModelConfig
 from glmjax.layers.conv import ShortConvolution
 from glmjax.layers.norms import GatedRMSNorm, l2_normalize
 from glmjax.layers.projection import projection
-from pallas_kernels import kda_prefill
+from pallas_kernels import kda_decode, kda_prefill
 from pallas_kernels.kda import MIN_GATE_LOWER_BOUND
 
 if TYPE_CHECKING:
@@ -49,7 +49,8 @@ def _dt_bias_init(key, shape, dtype):
 
 
 class KDA(nnx.Module):
-    """One KDA layer over a packed batch; reads and returns states, never a pool."""
+    """One KDA layer: over a packed batch (`__call__`), reading and returning states; or
+    one token per row (`decode`), advancing the rows' states in the layer's pool in place."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         heads, dim, hidden = config.kda_num_heads, config.kda_head_dim, config.hidden_size
@@ -125,3 +126,35 @@ class KDA(nnx.Module):
             y = self.o_proj(self.o_norm(o, gate).reshape(tokens, -1))
             return KDAResult(y, KDAState(final, conv.history),
                              KDAState(snapshots, conv.snapshots))
+
+    def decode(self, x: jax.Array, pool: KDAState, state_slots: jax.Array, *,
+               plan: ShardingPlan | None = None) -> tuple[jax.Array, KDAState]:
+        """One token per row, on the layer's state pool.
+
+        Args: x [N, D]; pool: every slot's state (recurrent fp32 [S, H, K, V], conv
+        [S, 3 H K, W - 1]), donated by the caller's jit: row n's slot is updated in place;
+        state_slots int32 [N], checked by the caller (`glmjax.state_pool.decode_slots`):
+        -1 marks a padding row, which reads zeros and writes nothing.
+        Returns y [N, D] and the pool. On a mesh the step runs per device on its own heads
+        (shard_map), as the prefill scan.
+        """
+        with jax.named_scope("kda_decode"):
+            rows, shape = x.shape[0], (x.shape[0], self.num_heads, self.head_dim)
+            qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+            mixed, conv_pool = self.conv.decode(qkv, pool.conv, state_slots)
+            q, k, v = (part.reshape(shape) for part in jnp.split(mixed, 3, axis=-1))
+            q, k = l2_normalize(q), l2_normalize(k)
+            g = self.decay(x)
+            beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [N, H]
+            step = functools.partial(kda_decode, backend=self.backend)
+            if plan is not None:
+                s = plan.specs
+                step = jax.shard_map(
+                    step, mesh=plan.mesh,
+                    in_specs=(s.heads, s.heads, s.heads, s.heads, s.head_scalars, s.replicated,
+                              s.kda_states),
+                    out_specs=(s.heads, s.kda_states), check_vma=False)
+            o, recurrent = step(q, k, v, g, beta, state_slots, pool.recurrent)
+            gate = self.g_b_proj(self.g_a_proj(x)).reshape(shape)
+            y = self.o_proj(self.o_norm(o, gate).reshape(rows, -1))
+            return y, KDAState(recurrent, conv_pool)
