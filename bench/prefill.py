@@ -139,9 +139,6 @@ def dry_run(args, buckets: BatchBuckets, vocab_size: int, compile_log: CompileLo
 
 def run_benchmark(args) -> dict:
     start = time.perf_counter()
-    if args.compilation_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     if args.profile is None:
         args.profile = not args.quick and jax.default_backend() == "gpu"
     config = model_config(args)
@@ -346,7 +343,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="decode-context-parallel ranks, dividing --tp (with --tp 1: emulated)")
     add("--single-bucket", action="store_true", default=None, help="pad to the largest bucket")
     add("--compile-workers", type=int, help="threads compiling buckets ahead (4)")
-    add("--compilation-cache", help="persistent XLA compilation cache folder")
     add("--profile", action=argparse.BooleanOptionalAction,
         help="trace one step per engine: time by op category, MFU (default: on a GPU, "
              "off with --quick)")
