@@ -301,29 +301,48 @@ class Engine:
         return outputs
 
     def _run(self, step: ScheduledStep) -> dict[str, _Draw]:
-        """Copies, the model's prefill and decode, retain copies and sampling of one step."""
+        """Copies, the model's prefill and decode, retain copies and sampling of one step,
+        dispatched back to back; then the step's one blocking device-to-host transfer
+        fetches every call's pool status with the draws.
+
+        Checking the statuses only then is safe: each call is transactional, and whatever
+        ran after a refused call wrote only into blocks and slots of the step's own
+        requests, which a refused step fails (``_fail_step``), registering nothing."""
         prefill_batch, decode_batch = self.builder.build(step)
+        statuses = []  # (what, PoolStatus as a device scalar)
         # Every call donates the caches: keep self.caches on the live buffers throughout.
         if step.block_copies:
             self.caches = self.steps.copy_kv_blocks(self.caches, *self._pairs(step.block_copies))
             self._counts["kv_block_copies"] += len(step.block_copies)
         if step.resume_state_copies:
-            self._copy_slots(step, step.resume_state_copies, "resume copies")
+            statuses.append(("resume copies", self._copy_slots(step.resume_state_copies)))
         prefill_logits = decode_logits = None
         if prefill_batch is not None:
             out = self.steps.prefill(self._model_state, self.caches, jax.device_put(prefill_batch))
-            self.caches = out.caches
-            self._check(out.status, step, "prefill")
-            prefill_logits = out.logits
+            self.caches, prefill_logits = out.caches, out.logits
+            statuses.append(("prefill", out.status))
         if decode_batch is not None:
             out = self.steps.decode(self._model_state, self.caches, jax.device_put(decode_batch))
-            self.caches = out.caches
-            self._check(out.status, step, "decode")
-            decode_logits = out.logits
+            self.caches, decode_logits = out.caches, out.logits
+            statuses.append(("decode", out.status))
         if step.retain_state_copies:
-            self._copy_slots(step, step.retain_state_copies, "retain copies")
+            statuses.append(("retain copies", self._copy_slots(step.retain_state_copies)))
+        calls, order = self._dispatch_sampling(step, prefill_logits, decode_logits)
+        codes, drawn = jax.device_get(([status for _, status in statuses], calls))
+        for (what, _), code in zip(statuses, codes):
+            if PoolStatus(int(code)) is not PoolStatus.OK:
+                raise StepRefusedError(f"step {step.step_id}: the model refused the {what} "
+                                       f"({PoolStatus(int(code)).name}); the caches are unchanged")
         self._count_cached_tokens(step)
-        return self._sample(step, prefill_logits, decode_logits)
+        draws = {}
+        for sampled, request_ids in zip(drawn, order):
+            for k, request_id in enumerate(request_ids):
+                top = zip(sampled.top_ids[k].tolist(), sampled.top_logprobs[k].tolist(),
+                          strict=True)
+                draws[request_id] = _Draw(
+                    int(sampled.tokens[k]), float(sampled.logprobs[k]), tuple(top)
+                )
+        return draws
 
     def _fail_step(self, step: ScheduledStep, error: Exception) -> list[RequestOutput]:
         """Fails the step's requests (or, with the caches gone, every live request)."""
@@ -409,20 +428,14 @@ class Engine:
         pairs[:, : len(copies)] = np.asarray(copies, np.int32).T
         return pairs[0], pairs[1]
 
-    def _copy_slots(self, step: ScheduledStep, copies, what: str) -> None:
+    def _copy_slots(self, copies) -> jax.Array:
+        """Copies state slots (every KDA layer); the copy's PoolStatus, on the device."""
         self.caches, status = self.steps.copy_state_slots(self.caches, *self._pairs(copies))
-        self._check(status, step, what)
+        return status
 
-    def _check(self, status: jax.Array, step: ScheduledStep, what: str) -> None:
-        status = PoolStatus(int(status))
-        if status is not PoolStatus.OK:
-            raise StepRefusedError(
-                f"step {step.step_id}: the model refused the {what} ({status.name}); the "
-                f"caches are unchanged"
-            )
-
-    def _sample(self, step: ScheduledStep, prefill_logits, decode_logits) -> dict[str, _Draw]:
-        """{request_id: its draw} for every request the step samples.
+    def _dispatch_sampling(self, step: ScheduledStep, prefill_logits, decode_logits):
+        """The sampler calls of every request the step samples, not yet fetched: a list
+        of ``Sampled`` (device arrays) and, for each, the request ids of its rows.
 
         Prefill and decode rows are sampled by separate calls of one sampler whose row
         count is fixed, so it compiles once per logits bucket, never per pair of them."""
@@ -439,14 +452,7 @@ class Engine:
             params = [self._sampling_row(request_id) for _, request_id in rows]
             calls.append(_sample_rows(logits, index, SamplingTensors.host(params, self._rows)))
             order.append([request_id for _, request_id in rows])
-        draws = {}
-        for drawn, request_ids in zip(jax.device_get(calls), order):
-            for k, request_id in enumerate(request_ids):
-                top = zip(drawn.top_ids[k].tolist(), drawn.top_logprobs[k].tolist(), strict=True)
-                draws[request_id] = _Draw(
-                    int(drawn.tokens[k]), float(drawn.logprobs[k]), tuple(top)
-                )
-        return draws
+        return calls, order
 
     def _sampling_row(self, request_id: str) -> tuple[float, int, float, int, int]:
         """(temperature, top_k, top_p, seed, output token index) of a request's next draw."""

@@ -115,9 +115,21 @@ def test_a_fault_fails_only_its_step_and_the_engine_serves_on(model_state, clean
     assert_idle(engine)
 
 
-def test_a_refused_step_fails_its_requests_and_writes_nothing(model_state, clean):  # noqa: F811
+def retained(engine, tokens) -> list[np.ndarray]:
+    """What the prefix cache holds for ``tokens``: its retained state (every KDA pool's
+    row) and its KV blocks (every MLA layer's)."""
+    hit = engine.prefix_cache.lookup(tokens)
+    assert hit.state_slot is not None and hit.block_ids, hit
+    blocks = np.asarray(hit.block_ids)
+    return ([np.array(leaf[hit.state_slot]) for leaf in jax.tree.leaves(engine.caches.kda)]
+            + [np.array(leaf[blocks]) for leaf in jax.tree.leaves(engine.caches.mla)])
+
+
+def test_a_refused_step_fails_its_requests_and_touches_nothing_retained(model_state, clean):  # noqa: F811
     engine = make_engine(model_state)
-    engine.add_request(*SECOND, GREEDY)
+    run(engine, [FIRST])
+    engine.add_request(*SECOND, GREEDY)  # resumes from what FIRST retained
+    before = retained(engine, SECOND[1])
     build = engine.builder.build
 
     def corrupt(step):  # a snapshot destination equal to the running slot: refused
@@ -129,11 +141,10 @@ def test_a_refused_step_fails_its_requests_and_writes_nothing(model_state, clean
         return prefill._replace(checkpoint_slots=slots, checkpoint_offsets=offsets), decode
 
     engine.builder.build = corrupt
-    before = [np.array(x) for x in jax.tree.leaves(engine.caches)]
     (output,) = engine.step()
     assert output.finish_reason is FinishReason.ERROR and output.request_id == SECOND[0]
-    for old, new in zip(before, jax.tree.leaves(engine.caches)):
-        np.testing.assert_array_equal(old, np.asarray(new))
+    for old, new in zip(before, retained(engine, SECOND[1]), strict=True):
+        np.testing.assert_array_equal(old, new)
     assert_idle(engine)
     engine.builder.build = build
     assert run(engine, [SECOND])[SECOND[0]].output_token_ids == clean[SECOND[0]].output_token_ids
@@ -174,3 +185,26 @@ def test_out_of_range_sampling_is_refused_at_admission(model_state, sampling, ma
         engine.add_request("x", BASE[:10], SamplingParams(**sampling))
     assert not engine.has_unfinished()
     assert_idle(engine)
+
+
+def test_one_blocking_transfer_per_step(model_state, monkeypatch):  # noqa: F811
+    """Copies, prefill, decode, sampling and the pool statuses come back in one
+    ``jax.device_get`` per step; any other device-to-host transfer (``int(status)``,
+    ``np.asarray``) would raise under the transfer guard."""
+    engine = make_engine(model_state)
+    run(engine, [FIRST])  # compiles; SECOND then resumes from its retained state
+    fetches = []
+    device_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda tree: fetches.append(1) or device_get(tree))
+    steps, schedule = [], engine.scheduler.schedule
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: steps.append(schedule()) or steps[-1])
+    engine.add_request(*SECOND, GREEDY)
+    with jax.transfer_guard_device_to_host("disallow"):
+        while engine.has_unfinished():
+            if len(steps) == 1:  # THIRD prefills beside SECOND's decodes
+                engine.add_request(*THIRD, GREEDY)
+            before = len(fetches)
+            engine.step()
+            assert len(fetches) - before == int(not steps[-1].is_empty), steps[-1]
+    kinds = {(bool(s.prefills), bool(s.decodes), bool(s.resume_state_copies)) for s in steps}
+    assert (True, True, False) in kinds and (True, False, True) in kinds, kinds
