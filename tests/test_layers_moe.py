@@ -1,5 +1,6 @@
-"""MoE (sigmoid router, biased selection, ragged_dot experts) and the SwiGLU MLP against
-per-token, per-expert float64 loops."""
+"""MoE (sigmoid router, biased selection, grouped-GEMM experts) and the SwiGLU MLP against
+per-token, per-expert float64 loops, on every grouped-GEMM implementation that runs on the
+CPU (ours in Pallas interpret mode, with and without its fusions)."""
 
 import dataclasses
 
@@ -11,6 +12,7 @@ from test_layers_oracles import f64, moe_oracle, random_module, swiglu_oracle
 
 from glmjax.config import ModelConfig
 from glmjax.layers.moe import MLP, MoE, swiglu
+from pallas_kernels import moe_experts
 
 VARIANTS = {
     "tiny": {},  # 4 experts top-2, clamp 10
@@ -36,9 +38,23 @@ def moe_params(moe: MoE) -> dict:
     }
 
 
+# (moe_backend, fusions of the Pallas path)
+BACKENDS = {
+    "ragged_dot": ("ragged_dot", ()),
+    "pallas-plain": ("pallas", ()),
+    "pallas-fused": ("pallas", moe_experts.FUSIONS),
+    "pallas-gather-only": ("pallas", ("gather",)),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_moe_matches_per_token_loop(rng, variant):
-    config = dataclasses.replace(ModelConfig.preset("tiny"), **VARIANTS[variant])
+def test_moe_matches_per_token_loop(rng, monkeypatch, variant, backend):
+    moe_backend, fusions = BACKENDS[backend]
+    monkeypatch.setattr(moe_experts, "DEFAULT_FUSIONS", fusions)
+    config = dataclasses.replace(
+        ModelConfig.preset("tiny"), moe_backend=moe_backend, **VARIANTS[variant]
+    )
     moe = random_module(lambda: MoE(config, rngs=nnx.Rngs(0)), rng)
     x = (rng.normal(size=(19, config.hidden_size)) * 4).astype(np.float32)  # reach the clamp
     y = nnx.jit(lambda m, x: m(x))(moe, jnp.asarray(x))

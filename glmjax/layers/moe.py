@@ -8,7 +8,8 @@ Routing of token x over E experts, top-k:
     y = sum_{e in chosen} w_e * expert_e(x) + shared_expert(x)
 
 Grouped top-k is not implemented: both real presets use one expert group. Routed experts run
-as three `jax.lax.ragged_dot`s over the token copies sorted by expert.
+as grouped GEMMs over the token copies sorted by expert (`pallas_kernels.moe_experts`), on
+the implementation `config.moe_backend` names or the device's default.
 """
 
 from __future__ import annotations
@@ -21,15 +22,10 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.layers.projection import projection
+from pallas_kernels.gmm import default_implementation
+from pallas_kernels.moe_experts import routed_experts, swiglu
 
-
-def swiglu(gate: jax.Array, up: jax.Array, limit: float | None) -> jax.Array:
-    """``silu(gate) * up``; with a limit, gate is clamped above at `limit` and up to
-    [-limit, limit] first (the DeepSeek / GLM "swiglu_limit" form)."""
-    if limit is not None:
-        gate = jnp.minimum(gate, limit)
-        up = jnp.clip(up, -limit, limit)
-    return jax.nn.silu(gate) * up
+__all__ = ["MLP", "MoE", "swiglu"]
 
 
 class MLP(nnx.Module):
@@ -57,6 +53,7 @@ class MoE(nnx.Module):
         self.top_k = config.num_experts_per_token
         self.scaling = config.routed_scaling_factor
         self.limit = config.swiglu_limit
+        self.backend = config.moe_backend or default_implementation()
         self.router = nnx.Linear(hidden, experts, use_bias=False, dtype=jnp.float32,
                                  param_dtype=config.param_dtype, rngs=rngs)
         self.e_score_correction_bias = nnx.Param(jnp.zeros((experts,), jnp.float32))
@@ -83,17 +80,5 @@ class MoE(nnx.Module):
             return self._routed(x, weights, experts) + self.shared_experts(x)
 
     def _routed(self, x, weights, experts):
-        tokens, top_k = experts.shape
-        flat = experts.reshape(-1)  # [T * k], copy i belongs to token i // k
-        order = jnp.argsort(flat, stable=True)
-        group_sizes = jnp.bincount(flat, length=self.w_gate.shape[0]).astype(jnp.int32)
-        xs = x[order // top_k]  # [T * k, D] sorted by expert
-
-        def grouped(lhs, w):
-            return jax.lax.ragged_dot(lhs, w[...].astype(x.dtype), group_sizes,
-                                      preferred_element_type=jnp.float32).astype(x.dtype)
-
-        h = swiglu(grouped(xs, self.w_gate), grouped(xs, self.w_up), self.limit)
-        ys = grouped(h, self.w_down)
-        ys = jnp.zeros_like(ys).at[order].set(ys).reshape(tokens, top_k, -1)  # unsort
-        return jnp.einsum("tk,tkd->td", weights, ys.astype(jnp.float32)).astype(x.dtype)
+        return routed_experts(x, weights, experts, self.w_gate[...], self.w_up[...],
+                              self.w_down[...], limit=self.limit, implementation=self.backend)
