@@ -4,6 +4,7 @@ memory floor, at both presets' real shapes (`pallas_kernels.moe_shapes`).
     python -m bench.moe                        # 512, 2048, 8192 tokens, both presets
     python -m bench.moe --tokens 8192 --out bench/results/moe_8k.json
     python -m bench.moe --quick                # CPU smoke run: tiny shapes, interpret mode
+    python -m bench.moe --tokens 8192 --sweep 40   # also 40 other tilings of our kernel
 
 Two parts per (preset, tokens):
   gemm:   one gate-shaped grouped GEMM, sorted rows [T * k, D] x [E, D, I] (the unit of the
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import json
 import platform
 import statistics
@@ -37,7 +40,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import gmm_tokamax, moe_experts
 from pallas_kernels.gmm import grouped_matmul, grouped_matmul_reference
+from pallas_kernels.gmm_tuning import GmmConfig, estimate_shared_memory, select_gmm_config
 from pallas_kernels.moe_shapes import MOE_SHAPES, TOKEN_COUNTS, MoEShape
+from pallas_kernels.tuning import device_spec
 
 RESULTS = Path(__file__).parent / "results"
 BANDWIDTHS = {"h200": 4.8e12, "gb10": 273e9}  # bytes/s: the floors' assumed bandwidths
@@ -54,7 +59,8 @@ PALLAS_FUSIONS = {
 
 def time_calls(call, inputs, *, iters, samples):
     """Median ms per call over `samples` batches of `iters` queued calls, inputs rotated."""
-    jax.block_until_ready(call(*inputs[0]))
+    for args in inputs:  # warm-up: compiles, and a first call's one-time retrace
+        jax.block_until_ready(call(*args))
     times = []
     for _ in range(samples):
         start = time.perf_counter()
@@ -144,18 +150,21 @@ def run_case(shape: MoEShape, tokens: int, args, record):
         record(row)
 
     # Part 1: one gate-shaped grouped GEMM over rows already sorted by expert.
+    # The weights are arguments, never closed over: jit would embed them as constants.
     sorted_inputs = []
     for x, _, experts in routings:
         order, sizes = moe_experts.sort_by_expert(experts, shape.experts)
-        sorted_inputs.append((x[order // shape.top_k], sizes))
-    expected = chunked_reference(*sorted_inputs[0][:1], w_gate, sorted_inputs[0][1])
+        sorted_inputs.append((x[order // shape.top_k], w_gate, sizes))
+    expected = chunked_reference(*sorted_inputs[0])
     gemm_floor = shape.experts * shape.hidden * shape.inter * 2
     for impl in implementations(args.quick):
-        call = jax.jit(lambda lhs, sizes, impl=impl: grouped_matmul(
-            lhs, w_gate, sizes, implementation=impl))
+        call = jax.jit(functools.partial(grouped_matmul, implementation=impl))
         measure("gemm", impl, call, sorted_inputs, expected, gemm_flops, gemm_floor)
-    dense = jax.jit(lambda lhs, sizes: jnp.dot(lhs, w_gate[0],
-                                               preferred_element_type=jnp.float32)
+    for config in sweep_configs(args, shape, rows):
+        call = jax.jit(functools.partial(grouped_matmul, implementation="pallas", config=config))
+        measure("gemm", f"pallas {config_label(config)}", call, sorted_inputs, expected,
+                gemm_flops, gemm_floor)
+    dense = jax.jit(lambda lhs, w, sizes: jnp.dot(lhs, w[0], preferred_element_type=jnp.float32)
                     .astype(lhs.dtype))
     measure("gemm", "dense", dense, sorted_inputs, None, gemm_flops,
             shape.hidden * shape.inter * 2)
@@ -164,25 +173,49 @@ def run_case(shape: MoEShape, tokens: int, args, record):
     # Part 2: the whole routed-expert computation.
     expected = reference_moe(*routings[0], *weights_, shape.swiglu_limit)
     moe_flops, floor = shape.useful_flops(tokens), shape.weight_bytes()
+    moe_inputs = [(*routing, *weights_) for routing in routings]
     variants = [(impl, impl, ()) for impl in implementations(args.quick) if impl != "pallas"]
     variants += [(name, "pallas", fusions) for name, fusions in PALLAS_FUSIONS.items()]
     for name, impl, fusions in variants:
-        call = jax.jit(lambda x, w, e, impl=impl, fusions=fusions: moe_experts.routed_experts(
-            x, w, e, w_gate, w_up, w_down, limit=shape.swiglu_limit, implementation=impl,
-            fusions=fusions))
-        measure("moe", name, call, routings, expected, moe_flops, floor)
+        call = jax.jit(functools.partial(moe_experts.routed_experts, limit=shape.swiglu_limit,
+                                         implementation=impl, fusions=fusions))
+        measure("moe", name, call, moe_inputs, expected, moe_flops, floor)
 
-    def dense_moe(x, w, e):
+    def dense_moe(x, w, e, w_gate, w_up, w_down):
         xs = jnp.repeat(x, shape.top_k, axis=0)  # the same rows, one expert's weights
         h = moe_experts.swiglu(xs @ w_gate[0], xs @ w_up[0], shape.swiglu_limit)
         return (h @ w_down[0]).reshape(tokens, shape.top_k, -1).sum(1)
 
-    measure("moe", "dense", jax.jit(dense_moe), routings, None, moe_flops,
+    measure("moe", "dense", jax.jit(dense_moe), moe_inputs, None, moe_flops,
             3 * shape.hidden * shape.inter * 2)
 
 
+def config_label(config: GmmConfig) -> str:
+    return (f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} "
+            f"s{config.num_stages} z{config.swizzle}")
+
+
+def sweep_configs(args, shape: MoEShape, rows: int) -> list[GmmConfig]:
+    """With --sweep: tilings around the device's pick that fit its shared memory."""
+    if not args.sweep:
+        return []
+    spec = device_spec()
+    picked = select_gmm_config(spec, rows=rows, k=shape.hidden, n=shape.inter,
+                               num_groups=shape.experts)
+    configs = []
+    for bm, bn, bk, warps, stages, swizzle in itertools.product(
+            (64, 128), (128, 256), (32, 64), (4, 8), (3, 4), (4, 8, 16)):
+        config = GmmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                           num_stages=stages, swizzle=swizzle)
+        if (config != picked and shape.inter % bn == 0 and shape.hidden % bk == 0
+                and (bm == 128 or warps == 4)
+                and estimate_shared_memory(config) <= spec.smem_per_block):
+            configs.append(config)
+    return configs[:args.sweep]
+
+
 def format_row(row) -> str:
-    head = f"{row['preset']:16} {row['tokens']:6} {row['part']:5} {row['impl']:21}"
+    head = f"{row['preset']:16} {row['tokens']:6} {row['part']:5} {row['impl']:30}"
     if "error" in row:
         return f"{head} {row['error'][:80]}"
     err = f"{row['rel_error']:.1e}" if "rel_error" in row else "-"
@@ -199,6 +232,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rotate", type=int, default=3, help="input sets cycled per sample")
     parser.add_argument("--out", type=Path, default=RESULTS / "moe.json")
     parser.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
+    parser.add_argument("--sweep", type=int, default=0, metavar="N",
+                        help="also time up to N other Pallas tilings on the gemm part")
     args = parser.parse_args(argv)
     if args.quick:
         shapes, args.tokens = [QUICK_SHAPE], [24]
@@ -214,7 +249,7 @@ def main(argv=None) -> int:
     results = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                    host=platform.node(), args={k: str(v) for k, v in vars(args).items()},
                    shapes=[dataclasses.asdict(s) for s in shapes], rows=[])
-    print(f"{'preset':16} {'tokens':>6} {'part':5} {'impl':21} {'ms':>9} {'TFLOP/s':>8} "
+    print(f"{'preset':16} {'tokens':>6} {'part':5} {'impl':30} {'ms':>9} {'TFLOP/s':>8} "
           f"{'rel err':>8} {'floor H200':>9} {'floor GB10':>9}")
 
     def record(row):
