@@ -15,7 +15,7 @@ import pytest
 
 from glmjax.config import ModelConfig
 from pallas_kernels import moe_experts
-from pallas_kernels.gmm import grouped_matmul
+from pallas_kernels.gmm import grouped_matmul, pallas_config
 from pallas_kernels.gmm_pallas import Epilogue, gmm_pallas, num_work_items, work_schedule
 from pallas_kernels.gmm_tuning import GmmConfig, estimate_shared_memory, select_gmm_config
 from pallas_kernels.moe_shapes import MOE_SHAPES
@@ -77,11 +77,8 @@ class GmmCases:
         return jnp.asarray(rng.standard_normal(shape), dtype)
 
     def pallas(self, lhs, rhs, sizes, epilogue=PLAIN, **extras):
-        num_groups, k, n = rhs[0].shape
         rows = extras["row_tokens"].shape[0] if epilogue.gather else lhs.shape[0]
-        config = self.CONFIG or select_gmm_config(H200 if self.INTERPRET else _device_spec(),
-                                                  rows=rows, k=k, n=n, num_groups=num_groups,
-                                                  num_rhs=len(rhs))
+        config = pallas_config(rows, rhs[0], num_rhs=len(rhs), config=self.CONFIG)
         return gmm_pallas(lhs, tuple(rhs), jnp.asarray(sizes), config=config,
                           epilogue=epilogue, interpret=self.INTERPRET, **extras)
 
@@ -168,12 +165,6 @@ class GmmCases:
         assert run._cache_size() == 1
 
 
-def _device_spec():
-    from pallas_kernels.tuning import device_spec
-
-    return device_spec()
-
-
 class TestGmmInterpret(GmmCases):
     INTERPRET = True
     CONFIG = GmmConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=1, swizzle=3)
@@ -193,11 +184,13 @@ class TestGmmGpu(GmmCases):
         x = self.random(rng, (tokens, shape.hidden), jnp.bfloat16)
         ids = np.argsort(rng.random((tokens, shape.experts)), axis=1)[:, :shape.top_k]
         weights = jnp.asarray(rng.uniform(0, 1, (tokens, shape.top_k)), jnp.float32)
-        scale = shape.hidden ** -0.5
-        w_gate, w_up = (self.random(rng, (shape.experts, shape.hidden, shape.inter),
-                                    jnp.bfloat16) * scale for _ in range(2))
-        w_down = self.random(rng, (shape.experts, shape.inter, shape.hidden),
-                             jnp.bfloat16) * shape.inter ** -0.5
+        # Weights drawn on the device: at 288 experts they are 7 GB of bf16.
+        keys = jax.random.split(jax.random.key(int(rng.integers(1 << 31))), 3)
+        up_shape = (shape.experts, shape.hidden, shape.inter)
+        w_gate, w_up = (jax.random.normal(key, up_shape, jnp.bfloat16) * shape.hidden ** -0.5
+                        for key in keys[:2])
+        w_down = (jax.random.normal(keys[2], (shape.experts, shape.inter, shape.hidden),
+                                    jnp.bfloat16) * shape.inter ** -0.5)
         args = (x, weights, jnp.asarray(ids, jnp.int32), w_gate, w_up, w_down)
         out = moe_experts.routed_experts(*args, limit=shape.swiglu_limit,
                                          implementation="pallas", fusions=fusions)

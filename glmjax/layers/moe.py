@@ -15,6 +15,7 @@ the implementation `config.moe_backend` names or the device's default.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,9 @@ from glmjax.config import ModelConfig
 from glmjax.layers.projection import projection
 from pallas_kernels.gmm import default_implementation
 from pallas_kernels.moe_experts import routed_experts, swiglu
+
+if TYPE_CHECKING:
+    from glmjax.sharding import ShardingPlan
 
 __all__ = ["MLP", "MoE", "swiglu"]
 
@@ -39,7 +43,9 @@ class MLP(nnx.Module):
         self.up_proj = linear(config.hidden_size, intermediate_size)
         self.down_proj = linear(intermediate_size, config.hidden_size)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, plan: ShardingPlan | None = None) -> jax.Array:
+        """x [T, D] -> [T, D]; XLA partitions the projections on a mesh (`plan` unused)."""
+        del plan
         with jax.named_scope("mlp"):
             return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
@@ -73,12 +79,28 @@ class MoE(nnx.Module):
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
         return weights * self.scaling, experts.astype(jnp.int32)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [T, D] -> [T, D]."""
+    def __call__(self, x: jax.Array, *, plan: ShardingPlan | None = None) -> jax.Array:
+        """x [T, D] -> [T, D]. On a mesh (`plan`) a Pallas or tokamax grouped GEMM runs per
+        device on its slice of the intermediate (shard_map; XLA cannot partition a custom
+        kernel and would gather every expert's weights), ragged_dot is left to XLA."""
         with jax.named_scope("moe"):
             weights, experts = self.route(x)
-            return self._routed(x, weights, experts) + self.shared_experts(x)
+            return self._routed(x, weights, experts, plan) + self.shared_experts(x)
 
-    def _routed(self, x, weights, experts):
-        return routed_experts(x, weights, experts, self.w_gate[...], self.w_up[...],
-                              self.w_down[...], limit=self.limit, implementation=self.backend)
+    def _routed(self, x, weights, experts, plan):
+        experts_fn = functools.partial(routed_experts, limit=self.limit,
+                                       implementation=self.backend)
+        routed = experts_fn
+        if plan is not None and self.backend != "ragged_dot":
+            s = plan.specs
+
+            def per_device(*args):  # partial sums of the down projection over the TP slices
+                return jax.lax.psum(experts_fn(*args), s.expert_column[2])
+
+            # check_vma off: a pallas_call does not declare how its outputs vary.
+            routed = jax.shard_map(
+                per_device, mesh=plan.mesh,
+                in_specs=(s.tokens, s.tokens, s.tokens, s.expert_column, s.expert_column,
+                          s.expert_row),
+                out_specs=s.tokens, check_vma=False)
+        return routed(x, weights, experts, self.w_gate[...], self.w_up[...], self.w_down[...])
