@@ -170,15 +170,23 @@ def gmm_pallas(lhs, rhs, group_sizes, *, row_tokens=None, row_scale=None, row_de
     """
     rows = row_tokens.shape[0] if epilogue.gather else lhs.shape[0]
     num_groups, _, n = rhs[0].shape
+    if rows == 0:
+        return jnp.zeros((0, n), lhs.dtype)
     bm = config.block_m
     padded = pl.cdiv(rows, bm) * bm
-    # Every tile's row slice stays in bounds (interpret mode clamps out-of-bounds slices).
-    pad = functools.partial(jnp.pad, pad_width=(0, padded - rows))
+
+    def pad(x):
+        """Every tile's row slice stays in bounds (interpret mode clamps out-of-bounds
+        slices); MoE row counts (tokens x top-k) are usually whole tiles already."""
+        if padded == rows:
+            return x
+        return jnp.pad(x, [(0, padded - rows)] + [(0, 0)] * (x.ndim - 1))
+
     extras = []
     if epilogue.gather:
         extras.append(pad(row_tokens.astype(jnp.int32)))
     else:
-        lhs = jnp.pad(lhs, ((0, padded - rows), (0, 0)))
+        lhs = pad(lhs)
     if epilogue.combine:
         extras += [pad(row_scale.astype(jnp.float32)),
                    jnp.concatenate([row_dest.astype(jnp.int32),
