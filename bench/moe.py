@@ -128,15 +128,12 @@ def implementations(quick: bool) -> list[str]:
 def run_case(shape: MoEShape, tokens: int, args, record):
     """Time and check both parts of one (preset, tokens) case; `record(row)` stores a row."""
     timing = dict(iters=args.iters, samples=args.samples)
-    weights_ = make_weights(shape, jax.random.key(0))
-    w_gate, w_up, w_down = weights_
+    expert_weights = make_weights(shape, jax.random.key(0))
     routings = [make_routing(shape, tokens, jax.random.key(1 + i)) for i in range(args.rotate)]
-    rows = tokens * shape.top_k
-    gemm_flops = 2 * rows * shape.hidden * shape.inter
     base = dict(preset=shape.preset, tokens=tokens, experts=shape.experts)
 
-    def measure(part, impl, call, inputs, expected, flops, floor_bytes):
-        row = dict(base, part=part, impl=impl, useful_tflop=flops / 1e12)
+    def measure(part, impl, call, inputs, expected, flops, floor_bytes, **extra):
+        row = dict(base, part=part, impl=impl, useful_tflop=flops / 1e12, **extra)
         row.update({f"floor_ms_{name}": floor_bytes / bw * 1e3 for name, bw in BANDWIDTHS.items()})
         try:
             ms = time_calls(call, inputs, **timing)
@@ -149,7 +146,17 @@ def run_case(shape: MoEShape, tokens: int, args, record):
                             else f"{type(error).__name__}: {text[:300]}")
         record(row)
 
-    # Part 1: one gate-shaped grouped GEMM over rows already sorted by expert.
+    if "gemm" in args.parts:
+        run_gemm_part(shape, tokens, args, expert_weights, routings, measure)
+    if "moe" in args.parts:
+        run_moe_part(shape, tokens, args, expert_weights, routings, measure)
+
+
+def run_gemm_part(shape: MoEShape, tokens: int, args, expert_weights, routings, measure):
+    """One gate-shaped grouped GEMM over rows already sorted by expert."""
+    w_gate = expert_weights[0]
+    rows = tokens * shape.top_k
+    gemm_flops = 2 * rows * shape.hidden * shape.inter
     # The weights are arguments, never closed over: jit would embed them as constants.
     sorted_inputs = []
     for x, _, experts in routings:
@@ -157,10 +164,13 @@ def run_case(shape: MoEShape, tokens: int, args, record):
         sorted_inputs.append((x[order // shape.top_k], w_gate, sizes))
     expected = chunked_reference(*sorted_inputs[0])
     gemm_floor = shape.experts * shape.hidden * shape.inter * 2
+    picked = select_gmm_config(device_spec(), rows=rows, k=shape.hidden, n=shape.inter,
+                               num_groups=shape.experts)
     for impl in implementations(args.quick):
         call = jax.jit(functools.partial(grouped_matmul, implementation=impl))
-        measure("gemm", impl, call, sorted_inputs, expected, gemm_flops, gemm_floor)
-    for config in sweep_configs(args, shape, rows):
+        extra = dict(config=config_label(picked)) if impl == "pallas" else {}
+        measure("gemm", impl, call, sorted_inputs, expected, gemm_flops, gemm_floor, **extra)
+    for config in sweep_configs(args, shape, picked):
         call = jax.jit(functools.partial(grouped_matmul, implementation="pallas", config=config))
         measure("gemm", f"pallas {config_label(config)}", call, sorted_inputs, expected,
                 gemm_flops, gemm_floor)
@@ -168,12 +178,13 @@ def run_case(shape: MoEShape, tokens: int, args, record):
                     .astype(lhs.dtype))
     measure("gemm", "dense", dense, sorted_inputs, None, gemm_flops,
             shape.hidden * shape.inter * 2)
-    del expected, sorted_inputs
 
-    # Part 2: the whole routed-expert computation.
-    expected = reference_moe(*routings[0], *weights_, shape.swiglu_limit)
+
+def run_moe_part(shape: MoEShape, tokens: int, args, expert_weights, routings, measure):
+    """The whole routed-expert computation: sort, gate, up, SwiGLU, down, combine."""
+    expected = reference_moe(*routings[0], *expert_weights, shape.swiglu_limit)
     moe_flops, floor = shape.useful_flops(tokens), shape.weight_bytes()
-    moe_inputs = [(*routing, *weights_) for routing in routings]
+    moe_inputs = [(*routing, *expert_weights) for routing in routings]
     variants = [(impl, impl, ()) for impl in implementations(args.quick) if impl != "pallas"]
     variants += [(name, "pallas", fusions) for name, fusions in PALLAS_FUSIONS.items()]
     for name, impl, fusions in variants:
@@ -182,6 +193,7 @@ def run_case(shape: MoEShape, tokens: int, args, record):
         measure("moe", name, call, moe_inputs, expected, moe_flops, floor)
 
     def dense_moe(x, w, e, w_gate, w_up, w_down):
+        del w, e
         xs = jnp.repeat(x, shape.top_k, axis=0)  # the same rows, one expert's weights
         h = moe_experts.swiglu(xs @ w_gate[0], xs @ w_up[0], shape.swiglu_limit)
         return (h @ w_down[0]).reshape(tokens, shape.top_k, -1).sum(1)
@@ -195,13 +207,11 @@ def config_label(config: GmmConfig) -> str:
             f"s{config.num_stages} z{config.swizzle}")
 
 
-def sweep_configs(args, shape: MoEShape, rows: int) -> list[GmmConfig]:
-    """With --sweep: tilings around the device's pick that fit its shared memory."""
+def sweep_configs(args, shape: MoEShape, picked: GmmConfig) -> list[GmmConfig]:
+    """With --sweep: tilings other than the device's pick that fit its shared memory."""
     if not args.sweep:
         return []
     spec = device_spec()
-    picked = select_gmm_config(spec, rows=rows, k=shape.hidden, n=shape.inter,
-                               num_groups=shape.experts)
     configs = []
     for bm, bn, bk, warps, stages, swizzle in itertools.product(
             (64, 128), (128, 256), (32, 64), (4, 8), (3, 4), (4, 8, 16)):
@@ -232,6 +242,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rotate", type=int, default=3, help="input sets cycled per sample")
     parser.add_argument("--out", type=Path, default=RESULTS / "moe.json")
     parser.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
+    parser.add_argument("--parts", nargs="+", choices=["gemm", "moe"], default=["gemm", "moe"])
     parser.add_argument("--sweep", type=int, default=0, metavar="N",
                         help="also time up to N other Pallas tilings on the gemm part")
     args = parser.parse_args(argv)
