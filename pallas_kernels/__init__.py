@@ -1,12 +1,17 @@
-"""Checkpointing KDA prefill scan: Pallas GPU kernel and jax.numpy / NumPy oracles."""
+"""Pallas kernels: the checkpointing KDA prefill scan and the MoE grouped GEMM, each with
+its jax.numpy / NumPy oracles."""
 
+from pallas_kernels.gmm import grouped_matmul
 from pallas_kernels.kda import kda_prefill
+from pallas_kernels.moe_experts import routed_experts
 from pallas_kernels.reference import kda_chunked_reference, kda_recurrent_reference
 from pallas_kernels.validation import validate_checkpoint_metadata
 
 __all__ = [
+    "grouped_matmul",
     "kda_chunked_reference",
     "kda_prefill",
     "kda_recurrent_reference",
+    "routed_experts",
     "validate_checkpoint_metadata",
 ]
