@@ -69,7 +69,7 @@ def _check(x, weights, experts, w_gate, w_up, w_down, fusions):
 
 def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, limit: float | None,
                    implementation: str | None = None, fusions: tuple[str, ...] | None = None,
-                   interpret: bool | None = None):
+                   interpret: bool | None = None, out_dtype=None):
     """The weighted sum of each token's top-k experts.
 
     Args:
@@ -80,9 +80,11 @@ def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, limit: float | 
       implementation: one of `pallas_kernels.gmm.IMPLEMENTATIONS`, None from the device.
       fusions: subset of FUSIONS for the "pallas" implementation (None: DEFAULT_FUSIONS);
         ignored by the others, which run the same glue in jax.numpy.
+      out_dtype: of the result (None: x.dtype); the sum over a token's copies is fp32.
 
-    Returns [T, D] in x.dtype.
+    Returns [T, D] in out_dtype.
     """
+    out_dtype = out_dtype or x.dtype
     fusions = DEFAULT_FUSIONS if fusions is None else tuple(fusions)
     _check(x, weights, experts, w_gate, w_up, w_down, fusions)
     implementation = resolve(implementation)
@@ -116,10 +118,10 @@ def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, limit: float | 
                      row_scale=weights.reshape(-1)[order], row_dest=order,
                      epilogue=Epilogue(combine=True))
         ys = ys.reshape(tokens, top_k, -1).astype(jnp.float32)
-        return jnp.sum(ys, axis=1).astype(x.dtype)
+        return jnp.sum(ys, axis=1).astype(out_dtype)
     ys = gemm(h, w_down)
     ys = jnp.zeros_like(ys).at[order].set(ys).reshape(tokens, top_k, -1)  # unsort
-    return jnp.einsum("tk,tkd->td", weights, ys.astype(jnp.float32)).astype(x.dtype)
+    return jnp.einsum("tk,tkd->td", weights, ys.astype(jnp.float32)).astype(out_dtype)
 
 
 def _pallas(lhs, rhs, group_sizes, *, rows, interpret, epilogue, row_tokens=None,

@@ -94,8 +94,9 @@ class MoE(nnx.Module):
         if plan is not None and self.backend != "ragged_dot":
             s = plan.specs
 
-            def per_device(*args):  # partial sums of the down projection over the TP slices
-                return jax.lax.psum(experts_fn(*args), s.expert_column[2])
+            def per_device(*args):  # fp32 partial sums of the down projection over TP
+                partial = experts_fn(*args, out_dtype=jnp.float32)
+                return jax.lax.psum(partial, s.expert_column[2]).astype(x.dtype)
 
             # check_vma off: a pallas_call does not declare how its outputs vary.
             routed = jax.shard_map(
