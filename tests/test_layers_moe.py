@@ -14,7 +14,7 @@ from test_layers_oracles import f64, moe_oracle, random_module, swiglu_oracle
 from glmjax.config import ModelConfig
 from glmjax.layers.moe import MLP, MoE, swiglu
 from glmjax.sharding import ShardingPlan, make_mesh
-from pallas_kernels import moe_experts
+from pallas_kernels import gmm_tokamax, moe_experts
 
 VARIANTS = {
     "tiny": {},  # 4 experts top-2, clamp 10
@@ -120,3 +120,23 @@ def test_pallas_experts_run_per_device_on_a_mesh(rng, monkeypatch, fusions):
     expected = moe_oracle(moe_params(moe), f64(x), top_k=config.num_experts_per_token,
                           scaling=config.routed_scaling_factor, limit=config.swiglu_limit)
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["pallas", "tokamax"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_moe_on_the_gpu_matches_per_token_loop(rng, variant, backend):
+    """The GPU grouped GEMMs in the layer, bf16 as served, against the float64 loop on
+    the same bf16-rounded parameters (tokamax only where it is installed, sm_90 / sm_100)."""
+    if backend == "tokamax" and not gmm_tokamax.supported():
+        pytest.skip("tokamax is not installed or this GPU has no Mosaic GPU kernel")
+    config = dataclasses.replace(ModelConfig.preset("tiny"), moe_backend=backend,
+                                 dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                 **VARIANTS[variant])
+    moe = random_module(lambda: MoE(config, rngs=nnx.Rngs(0)), rng)
+    x = jnp.asarray(rng.normal(size=(200, config.hidden_size)) * 4, jnp.bfloat16)
+    y = nnx.jit(lambda m, x: m(x))(moe, x)
+    expected = moe_oracle(moe_params(moe), f64(x), top_k=config.num_experts_per_token,
+                          scaling=config.routed_scaling_factor, limit=config.swiglu_limit)
+    error = np.linalg.norm(f64(y) - expected) / np.linalg.norm(expected)
+    assert error < 2e-2, error
