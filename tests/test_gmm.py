@@ -123,8 +123,8 @@ class GmmCases:
         expected[dest] = gmm_oracle(lhs, rhs, sizes) * scale[:, None]
         assert_close(out, expected, jnp.float32)
 
-    @pytest.mark.parametrize("fusions", [(), ("gather",), ("swiglu",), moe_experts.FUSIONS],
-                             ids=["plain", "gather", "swiglu", "all"])
+    # No fusion and all fusions run in the MoE layer's tests.
+    @pytest.mark.parametrize("fusions", [("gather",), ("swiglu",)], ids=["gather", "swiglu"])
     def test_routed_experts(self, rng, fusions):
         tokens, top_k, experts, hidden, inter = 23, 3, 16, self.K, self.N
         x = self.random(rng, (tokens, hidden), jnp.float32) * 3

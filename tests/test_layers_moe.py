@@ -45,7 +45,6 @@ BACKENDS = {
     "ragged_dot": ("ragged_dot", ()),
     "pallas-plain": ("pallas", ()),
     "pallas-fused": ("pallas", moe_experts.FUSIONS),
-    "pallas-gather-only": ("pallas", ("gather",)),
 }
 
 
