@@ -67,14 +67,18 @@ def select_gmm_config(spec: DeviceSpec, *, rows: int, k: int, n: int, num_groups
                       num_rhs: int = 1, operand_bytes: int = BF16_BYTES) -> GmmConfig:
     """The tiling for `rows` sorted rows over `num_groups` groups, [K, N] weights.
 
-    Few rows per group (decode-sized batches over many experts) make every m tile mostly
-    masked rows: block_m drops to 64 below 64 rows per group on average. Tiles shrink to
-    the problem (tests, small models); stages drop while the estimate exceeds the limit.
+    Few rows per group (below 64 on average: e.g. 512 tokens x top-8 over 288 experts)
+    make the launch a stream of expert weights with mostly masked rows: block_m drops to 64
+    and the weight tile to 128 columns in all (64 per stack when fused), so that a few
+    programs per SM keep more loads in flight. Tiles shrink to the problem (tests, small
+    models); stages drop while the estimate exceeds the limit. (The starting points are
+    reasoned, not yet swept on the H200: `python -m bench.moe --sweep`.)
     """
     major = spec.compute_capability[0]
     config = _TABLE.get((major, num_rhs == 2), _TABLE[(12, num_rhs == 2)])
     if rows < 64 * num_groups:
-        config = dataclasses.replace(config, block_m=64, num_warps=4)
+        config = dataclasses.replace(config, block_m=64, num_warps=4,
+                                     block_n=min(config.block_n, 128 // num_rhs))
     config = dataclasses.replace(
         config, block_m=min(config.block_m, _pow2_at_least_16(rows)),
         block_n=_largest_dividing(config.block_n, n), block_k=_largest_dividing(config.block_k, k))
