@@ -10,6 +10,10 @@
   (`python -m bench.prefill`): median cold TTFT against prompt length, coalesced and
   ladder, each point labelled with the ladder / coalesced ratio. Skipped or failed lengths
   are left out.
+- docs/img/<stem>_<preset>_<part>.png from each bench/results/moe*.json (`python -m
+  bench.moe`): useful TFLOP/s against tokens, one series per implementation, with the
+  memory floor (every expert's weights read once at 4.8 TB/s) as the TFLOP/s it allows.
+  Failed (e.g. out-of-memory) points are left out.
 """
 
 from __future__ import annotations
@@ -103,6 +107,36 @@ def prefill_figure(plt, results: dict, path: Path) -> bool:
     return True
 
 
+def moe_figures(plt, results: dict, out: Path, stem: str) -> list[Path]:
+    """Per preset and part ("gemm": one grouped GEMM, "moe": the routed experts): useful
+    TFLOP/s against tokens, per implementation, and the memory floor's bound."""
+    written = []
+    for preset, part in sorted({(r["preset"], r["part"]) for r in results["rows"]}):
+        rows = [r for r in results["rows"] if r["preset"] == preset and r["part"] == part]
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            points = sorted((r["tokens"], r["tflops"]) for r in rows
+                            if r["impl"] == impl and "tflops" in r)
+            if points:
+                ax.plot(*zip(*points), "o-", label=impl)
+        floor = sorted({(r["tokens"], r["useful_tflop"] / r["floor_ms_h200"] * 1e3)
+                        for r in rows if r["impl"] != "dense"})
+        ax.plot(*zip(*floor), "k--", label="memory floor (all experts' weights, 4.8 TB/s)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens (each routed to top-k experts)")
+        ax.set_ylabel("useful TFLOP/s")
+        what = "one gate-shaped grouped GEMM" if part == "gemm" else "routed experts"
+        ax.set_title(f"{preset}, {rows[0]['experts']} experts: {what} ({results['device']})",
+                     fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        path = out / f"{stem}_{preset}_{part}.png"
+        _save(fig, path)
+        written.append(path)
+    return written
+
+
 def _save(fig, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -129,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
             written.append(path)
         else:
             print(f"{source}: no cold length with both schedules measured; no figure")
+    for source in sorted(args.results.glob("moe*.json")):
+        written += moe_figures(plt, json.loads(source.read_text()), args.out, source.stem)
     if not written:
         raise SystemExit(f"no benchmark results in {args.results}")
     return written

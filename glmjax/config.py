@@ -16,9 +16,11 @@ import jax.numpy as jnp
 LayerType = Literal["kda", "mla"]
 KDAGate = Literal["softplus", "sigmoid_bound"]
 KDABackend = Literal["pallas", "reference"]
+MoEBackend = Literal["ragged_dot", "pallas", "tokamax"]
 
 KDA_GATES = ("softplus", "sigmoid_bound")
 KDA_BACKENDS = ("pallas", "reference")
+MOE_BACKENDS = ("ragged_dot", "pallas", "tokamax")  # pallas_kernels.gmm.IMPLEMENTATIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     kv_block_size: int = 512  # tokens per physical MLA cache block (DESIGN section 6, P)
     kda_backend: KDABackend | None = None  # None: "pallas" on a GPU, "reference" elsewhere
+    # Routed experts' grouped GEMM; None: pallas_kernels.gmm.default_implementation (the
+    # device's: "ragged_dot" on the CPU, "pallas" on a GPU).
+    moe_backend: MoEBackend | None = None
     dtype: Any = jnp.bfloat16  # activations and caches
     param_dtype: Any = jnp.bfloat16
 
@@ -93,6 +98,9 @@ class ModelConfig:
         if self.kda_backend not in (None, *KDA_BACKENDS):
             raise ValueError(f"kda_backend must be None or one of {KDA_BACKENDS}, "
                              f"got {self.kda_backend!r}")
+        if self.moe_backend not in (None, *MOE_BACKENDS):
+            raise ValueError(f"moe_backend must be None or one of {MOE_BACKENDS}, "
+                             f"got {self.moe_backend!r}")
         if self.num_experts_per_token > self.num_experts:
             raise ValueError(f"num_experts_per_token={self.num_experts_per_token} exceeds "
                              f"num_experts={self.num_experts}")

@@ -1,15 +1,19 @@
-"""Checkpointing KDA prefill scan and the KDA decode step: Pallas GPU kernels and jax.numpy /
-NumPy oracles."""
+"""Pallas kernels: the checkpointing KDA prefill scan, the KDA decode step and the MoE grouped
+GEMM, each with its jax.numpy / NumPy oracles."""
 
+from pallas_kernels.gmm import grouped_matmul
 from pallas_kernels.kda import kda_prefill
 from pallas_kernels.kda_decode import kda_decode
+from pallas_kernels.moe_experts import routed_experts
 from pallas_kernels.reference import kda_chunked_reference, kda_recurrent_reference
 from pallas_kernels.validation import validate_checkpoint_metadata
 
 __all__ = [
+    "grouped_matmul",
     "kda_chunked_reference",
     "kda_decode",
     "kda_prefill",
     "kda_recurrent_reference",
+    "routed_experts",
     "validate_checkpoint_metadata",
 ]

@@ -7,7 +7,11 @@ device kind is that GPU, with exactly the `KernelConfig` the runtime picks for i
 real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs), on both gate paths
 (bounded, as GLM's gate, and any decay, as Kimi's); the KDA decode kernel likewise, at 1
 and 64 rows on a 256-slot pool, with the tiling the runtime picks for each (`kda_decode_bv*`
-in the table). Each Triton module the Pallas lowering
+in the table); the MLA prefill flash attention at both presets' heads and head dims
+(`ATTENTION_SHAPES`) with the tuning table's config. So is the routed experts' grouped GEMM
+(`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered, gathered +
+SwiGLU, down, down + combine) at both presets' real shapes (`pallas_kernels.moe_shapes`)
+with the `GmmConfig` the runtime picks at 512 and 8192 tokens. Each Triton module the Pallas lowering
 embeds is then compiled by the official Triton compiler for that target, and ptxas reports
 registers and spills. The table shows shared memory against the
 device's per-block limit; the exit status is non-zero when a kernel fails to compile or
@@ -36,8 +40,16 @@ from jax._src.lib.mlir import ir
 from jax._src.mesh import AbstractDevice, AbstractMesh
 from jax._src.pallas.triton.lowering import _new_ir_context
 
+from pallas_kernels.attention_pallas import (
+    FlashConfig,
+    flash_attention_pallas,
+    select_flash_config,
+)
+from pallas_kernels.gmm_pallas import gmm_pallas
+from pallas_kernels.gmm_tuning import GmmConfig, select_gmm_config
 from pallas_kernels.kda_decode_pallas import kda_decode_pallas
 from pallas_kernels.kda_pallas import kda_prefill_pallas
+from pallas_kernels.moe_shapes import MOE_SHAPES, GemmSpec, gemm_specs
 from pallas_kernels.tuning import (
     KNOWN_DEVICES,
     DecodeConfig,
@@ -51,9 +63,12 @@ HEAD_COUNTS = (32, 64)
 HEAD_DIM = 128
 NUM_TOKENS = 8192
 CAPACITY = 4
+MAX_REGISTERS = 255  # per thread, every NVIDIA target since sm_50
 DECODE_ROWS = (1, 64)  # the decode kernel's tiling depends on the row count (tuning.py)
 DECODE_POOL_SLOTS = 256
-MAX_REGISTERS = 255  # per thread, every NVIDIA target since sm_50
+# MLA prefill attention (heads, qk dim, v dim): kimi-linear-48b, glm5.3-flash.
+ATTENTION_SHAPES = ((32, 192, 128), (64, 256, 256))
+GMM_TOKENS = (512, 8192)  # the two ends of bench.moe: they get different tilings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +85,7 @@ class TritonModule:
 class KernelReport:
     kernel: str
     device: str
-    heads: int
+    heads: int  # KDA heads; 0 for the grouped GEMM (see `shape`)
     compiled: bool
     shared_bytes: int | None = None
     registers: int | None = None
@@ -78,6 +93,7 @@ class KernelReport:
     sass_instructions: int | None = None
     shared_limit: int = 0
     error: str = ""
+    shape: str = ""  # grouped GEMM: preset, tokens and tiling
 
     @property
     def ok(self) -> bool:
@@ -102,23 +118,6 @@ def _custom_calls(op) -> list:
     return found
 
 
-def _triton_modules(spec: DeviceSpec, fn, args) -> list[TritonModule]:
-    """The Triton modules of every pallas_call in `fn(*args)` lowered for `spec`."""
-    with jax.sharding.use_abstract_mesh(_abstract_mesh(spec)):
-        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    modules = []
-    for call in _custom_calls(lowered.compiler_ir("stablehlo").operation):
-        backend = ir.DictAttr(call.attributes["mhlo.backend_config"])
-        with _new_ir_context(), ir.Location.unknown():
-            module = ir.Module.parse(ir.StringAttr(backend["ir"]).value_bytes)
-            text = module.operation.get_asm(enable_debug_info=False)
-        modules.append(TritonModule(
-            name=ir.StringAttr(backend["name"]).value, ir_text=text,
-            num_warps=ir.IntegerAttr(backend["num_warps"]).value,
-            num_stages=ir.IntegerAttr(backend["num_stages"]).value))
-    return modules
-
-
 def lower_kda_prefill(spec: DeviceSpec, heads: int, config: KernelConfig | None = None, *,
                       bounded_gates: bool = False) -> list[TritonModule]:
     """The Triton modules of the bf16 KDA prefill for `spec`, by default with the config
@@ -139,7 +138,7 @@ def lower_kda_prefill(spec: DeviceSpec, heads: int, config: KernelConfig | None 
                                   bounded_gates=bounded_gates, config=config,
                                   interpret=False, exact=False)
 
-    return _triton_modules(spec, prefill, args)
+    return _triton_modules(prefill, args, spec)
 
 
 def lower_kda_decode(spec: DeviceSpec, heads: int, config: DecodeConfig | None = None,
@@ -162,7 +161,65 @@ def lower_kda_decode(spec: DeviceSpec, heads: int, config: DecodeConfig | None =
                                  interpret=False)
 
     return [dataclasses.replace(module, name=f"{module.name}_bv{config.block_v}")
-            for module in _triton_modules(spec, decode, args)]
+            for module in _triton_modules(decode, args, spec)]
+
+
+def lower_flash_attention(spec: DeviceSpec, heads: int, head_qk: int, head_v: int,
+                          config: FlashConfig | None = None) -> list[TritonModule]:
+    """The Triton module of the bf16 MLA prefill attention for `spec` at one preset's heads
+    and head dims, by default with the tuning table's config for that device."""
+    config = config or select_flash_config(head_qk=head_qk, head_v=head_v, spec=spec)
+    shape = jax.ShapeDtypeStruct
+    args = (shape((NUM_TOKENS, heads, head_qk), jnp.bfloat16),
+            shape((NUM_TOKENS, heads, head_qk), jnp.bfloat16),
+            shape((NUM_TOKENS, heads, head_v), jnp.bfloat16),
+            shape((NUM_TOKENS,), jnp.int32), shape((NUM_TOKENS,), jnp.int32))
+
+    def attend(*arrays):
+        return flash_attention_pallas(*arrays, scale=head_qk ** -0.5, config=config,
+                                      interpret=False)
+
+    return _triton_modules(attend, args, spec)
+
+
+def lower_gmm(spec: DeviceSpec, gemm: GemmSpec,
+              config: GmmConfig | None = None) -> tuple[TritonModule, GmmConfig]:
+    """The Triton module of one grouped-GEMM launch for `spec` and the tiling it used (by
+    default the runtime's pick for that device and shape)."""
+    num_groups, k, n = gemm.rhs[0].shape
+    config = config or select_gmm_config(spec, rows=gemm.rows, k=k, n=n, num_groups=num_groups,
+                                         num_rhs=len(gemm.rhs))
+    row_ints = jax.ShapeDtypeStruct((gemm.rows,), jnp.int32)
+    extras = {}
+    if gemm.epilogue.gather:
+        extras["row_tokens"] = row_ints
+    if gemm.epilogue.combine:
+        extras["row_scale"] = jax.ShapeDtypeStruct((gemm.rows,), jnp.float32)
+        extras["row_dest"] = row_ints
+
+    def call(lhs, rhs, group_sizes, extras):
+        return gmm_pallas(lhs, rhs, group_sizes, config=config, epilogue=gemm.epilogue,
+                          interpret=False, **extras)
+
+    (module,) = _triton_modules(call, (gemm.lhs, gemm.rhs, gemm.group_sizes, extras), spec)
+    return module, config
+
+
+def _triton_modules(fn, args, spec: DeviceSpec) -> list[TritonModule]:
+    """The Triton modules embedded in `fn(*args)` lowered for CUDA under `spec`'s mesh."""
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(spec)):
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    modules = []
+    for call in _custom_calls(lowered.compiler_ir("stablehlo").operation):
+        backend = ir.DictAttr(call.attributes["mhlo.backend_config"])
+        with _new_ir_context(), ir.Location.unknown():
+            module = ir.Module.parse(ir.StringAttr(backend["ir"]).value_bytes)
+            text = module.operation.get_asm(enable_debug_info=False)
+        modules.append(TritonModule(
+            name=ir.StringAttr(backend["name"]).value, ir_text=text,
+            num_warps=ir.IntegerAttr(backend["num_warps"]).value,
+            num_stages=ir.IntegerAttr(backend["num_stages"]).value))
+    return modules
 
 
 def _ptxas_report(ptx: str, capability: int) -> tuple[int, int]:
@@ -197,21 +254,42 @@ def _sass_instructions(cubin: bytes, capability: int) -> int:
     return len(_SASS_INSTRUCTION.findall(result.stdout))
 
 
-def compile_module(module: TritonModule, spec: DeviceSpec, heads: int) -> KernelReport:
-    """Compile one Triton module for `spec` with the official Triton compiler."""
+def _run_ttir_passes(path: Path, target, options: dict) -> str:
+    """The module after Triton's TTIR passes. `triton.compile` skips the passes of the stage
+    its IR file is in, but the runtime (XLA's Triton pipeline) runs them on Pallas' TTIR,
+    and they shape the kernel: e.g. `combine` folds `acc + dot(a, b)` into the dot's
+    accumulator, without which a matmul loop holds two accumulators and spills."""
+    from triton._C.libtriton import ir as triton_ir
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(target)
+    context = triton_ir.context()
+    triton_ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = triton_ir.parse_mlir_module(str(path), context)
+    module.context = context
+    backend.make_ttir(module, {}, backend.parse_options(options), target.arch)
+    return str(module)
+
+
+def compile_module(module: TritonModule, spec: DeviceSpec, heads: int, *, kernel: str = "",
+                   shape: str = "") -> KernelReport:
+    """Compile one Triton module for `spec` with the official Triton compiler (reported as
+    `kernel`, by default the module's name)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     capability = spec.compute_capability[0] * 10 + spec.compute_capability[1]
-    base = dict(kernel=module.name, device=spec.name, heads=heads,
-                shared_limit=spec.smem_per_block)
+    base = dict(kernel=kernel or module.name, device=spec.name, heads=heads,
+                shared_limit=spec.smem_per_block, shape=shape)
+    target = GPUTarget("cuda", capability, 32)
+    options = dict(num_warps=module.num_warps, num_stages=module.num_stages)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, f"{module.name}.ttir")
         path.write_text(module.ir_text)
         try:
-            kernel = triton.compile(str(path), target=GPUTarget("cuda", capability, 32),
-                                    options=dict(num_warps=module.num_warps,
-                                                 num_stages=module.num_stages))
+            path.write_text(_run_ttir_passes(path, target, options))
+            kernel = triton.compile(str(path), target=target, options=options)
             registers, spills = _ptxas_report(kernel.asm["ptx"], capability)
             sass = _sass_instructions(kernel.asm["cubin"], capability)
         except Exception as error:  # reported in the table; the exit status says it failed
@@ -234,6 +312,28 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                 for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)
             reports.extend(compile_module(module, spec, num_heads) for module in modules.values())
+        for num_heads, head_qk, head_v in ATTENTION_SHAPES:
+            for module in lower_flash_attention(spec, num_heads, head_qk, head_v):
+                reports.append(compile_module(module, spec, num_heads))
+    return reports
+
+
+def check_gmm(names: list[str], tokens: tuple[int, ...] = GMM_TOKENS,
+              kernels: tuple[str, ...] | None = None) -> list[KernelReport]:
+    """Every grouped-GEMM launch of both presets' MoE layers (`kernels`: only those names)."""
+    reports = []
+    for name in names:
+        spec = KNOWN_DEVICES[name]
+        for shape in MOE_SHAPES:
+            for num_tokens in tokens:
+                for gemm in gemm_specs(shape, num_tokens):
+                    if kernels is not None and gemm.name not in kernels:
+                        continue
+                    module, config = lower_gmm(spec, gemm)
+                    label = (f"{shape.preset} T={num_tokens} {config.block_m}x{config.block_n}"
+                             f"x{config.block_k} w{config.num_warps} s{config.num_stages}")
+                    reports.append(compile_module(module, spec, 0, kernel=gemm.name,
+                                                  shape=label))
     return reports
 
 
@@ -245,10 +345,12 @@ def format_table(reports: list[KernelReport]) -> str:
             lines.append(
                 f"{r.kernel:16} {r.device:12} {r.heads:3} {'yes':8} {r.shared_bytes:8} "
                 f"{r.shared_limit:8} {r.shared_limit - r.shared_bytes:9} {r.registers:5} "
-                f"{r.spill_bytes:7} {r.sass_instructions:6}  {'ok' if r.ok else 'OVER LIMIT'}")
+                f"{r.spill_bytes:7} {r.sass_instructions:6}  {'ok' if r.ok else 'OVER LIMIT'}"
+                f"{'  ' + r.shape if r.shape else ''}")
         else:
             lines.append(f"{r.kernel:16} {r.device:12} {r.heads:3} {'no':8} {'':>8} "
-                         f"{r.shared_limit:8} {'':>9} {'':>5} {'':>7} {'':>6}  {r.error}")
+                         f"{r.shared_limit:8} {'':>9} {'':>5} {'':>7} {'':>6}  {r.error}"
+                         f"{'  ' + r.shape if r.shape else ''}")
     return "\n".join(lines)
 
 
@@ -257,7 +359,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=[*KNOWN_DEVICES, "all"], default="all")
     args = parser.parse_args(argv)
     names = list(KNOWN_DEVICES) if args.device == "all" else [args.device]
-    reports = check_devices(names)
+    reports = check_devices(names) + check_gmm(names)
     print(format_table(reports))
     return 0 if all(r.ok for r in reports) else 1
 

@@ -76,3 +76,16 @@ def test_table_marks_failures():
     assert not failed.ok and not over.ok
     table = aot.format_table([failed, over])
     assert "boom" in table and "OVER LIMIT" in table
+
+
+@pytest.mark.parametrize("device", ["gb10", "h200"])
+def test_grouped_gemm_compiles_within_limits(device):
+    """The MoE layer's grouped GEMMs (plain, gathered + SwiGLU, down + combine) at both
+    presets' real shapes, 8192 tokens (the CLI also covers 512 tokens and every variant)."""
+    kernels = ("gmm", "gmm_gather_swiglu", "gmm_combine")
+    reports = aot.check_gmm([device], tokens=(8192,), kernels=kernels)
+    assert sorted(r.kernel for r in reports) == sorted(kernels * len(aot.MOE_SHAPES))
+    for report in reports:
+        assert report.compiled, report.error
+        assert report.ok, aot.format_table([report])
+        assert report.spill_bytes == 0, aot.format_table([report])

@@ -67,14 +67,14 @@ class DecoderBlock(nnx.Module):
         `decode`, every sequence has exactly one token, MLA attends in absorbed form, and
         KDA's `cache` is the layer's whole state pool, advanced in place at
         `batch.state_slots` (its snapshots are None).
-        `plan`: the mesh the mixers run on (None: one device).
+        `plan`: the mesh the mixers and the routed experts run on (None: one device).
         """
         with jax.named_scope("decoder_block"):
             x, mixing = self.mixer_residual.read(residual)
             y, cache, snapshots = self._mix(self.input_layernorm(x), batch, cache, decode, plan)
             residual = self.mixer_residual.write(residual, y, mixing)
             x, mixing = self.mlp_residual.read(residual)
-            y = self.mlp(self.post_attention_layernorm(x))
+            y = self.mlp(self.post_attention_layernorm(x), plan=plan)
             return self.mlp_residual.write(residual, y, mixing), cache, snapshots
 
     def _mix(self, x, batch: PackedBatch, cache, decode, plan):

@@ -8,12 +8,14 @@ Routing of token x over E experts, top-k:
     y = sum_{e in chosen} w_e * expert_e(x) + shared_expert(x)
 
 Grouped top-k is not implemented: both real presets use one expert group. Routed experts run
-as three `jax.lax.ragged_dot`s over the token copies sorted by expert.
+as grouped GEMMs over the token copies sorted by expert (`pallas_kernels.moe_experts`), on
+the implementation `config.moe_backend` names or the device's default.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -21,15 +23,13 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.layers.projection import projection
+from pallas_kernels.gmm import default_implementation
+from pallas_kernels.moe_experts import routed_experts, swiglu
 
+if TYPE_CHECKING:
+    from glmjax.sharding import ShardingPlan
 
-def swiglu(gate: jax.Array, up: jax.Array, limit: float | None) -> jax.Array:
-    """``silu(gate) * up``; with a limit, gate is clamped above at `limit` and up to
-    [-limit, limit] first (the DeepSeek / GLM "swiglu_limit" form)."""
-    if limit is not None:
-        gate = jnp.minimum(gate, limit)
-        up = jnp.clip(up, -limit, limit)
-    return jax.nn.silu(gate) * up
+__all__ = ["MLP", "MoE", "swiglu"]
 
 
 class MLP(nnx.Module):
@@ -43,7 +43,9 @@ class MLP(nnx.Module):
         self.up_proj = linear(config.hidden_size, intermediate_size)
         self.down_proj = linear(intermediate_size, config.hidden_size)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, plan: ShardingPlan | None = None) -> jax.Array:
+        """x [T, D] -> [T, D]; XLA partitions the projections on a mesh (`plan` unused)."""
+        del plan
         with jax.named_scope("mlp"):
             return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
@@ -57,6 +59,7 @@ class MoE(nnx.Module):
         self.top_k = config.num_experts_per_token
         self.scaling = config.routed_scaling_factor
         self.limit = config.swiglu_limit
+        self.backend = config.moe_backend or default_implementation()
         self.router = nnx.Linear(hidden, experts, use_bias=False, dtype=jnp.float32,
                                  param_dtype=config.param_dtype, rngs=rngs)
         self.e_score_correction_bias = nnx.Param(jnp.zeros((experts,), jnp.float32))
@@ -76,29 +79,34 @@ class MoE(nnx.Module):
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
         return weights * self.scaling, experts.astype(jnp.int32)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [T, D] -> [T, D]."""
+    def __call__(self, x: jax.Array, *, plan: ShardingPlan | None = None) -> jax.Array:
+        """x [T, D] -> [T, D]. On a mesh (`plan`) a Pallas or tokamax grouped GEMM runs per
+        device on its slice of the intermediate (shard_map; XLA cannot partition a custom
+        kernel and would gather every expert's weights), ragged_dot is left to XLA."""
         with jax.named_scope("moe"):
             with jax.named_scope("router"):
                 weights, experts = self.route(x)
             with jax.named_scope("routed_experts"):
-                routed = self._routed(x, weights, experts)
+                routed = self._routed(x, weights, experts, plan)
             with jax.named_scope("shared_experts"):
                 shared = self.shared_experts(x)
             return routed + shared
 
-    def _routed(self, x, weights, experts):
-        tokens, top_k = experts.shape
-        flat = experts.reshape(-1)  # [T * k], copy i belongs to token i // k
-        order = jnp.argsort(flat, stable=True)
-        group_sizes = jnp.bincount(flat, length=self.w_gate.shape[0]).astype(jnp.int32)
-        xs = x[order // top_k]  # [T * k, D] sorted by expert
+    def _routed(self, x, weights, experts, plan):
+        experts_fn = functools.partial(routed_experts, limit=self.limit,
+                                       implementation=self.backend)
+        routed = experts_fn
+        if plan is not None and self.backend != "ragged_dot":
+            s = plan.specs
 
-        def grouped(lhs, w):
-            return jax.lax.ragged_dot(lhs, w[...].astype(x.dtype), group_sizes,
-                                      preferred_element_type=jnp.float32).astype(x.dtype)
+            def per_device(*args):  # fp32 partial sums of the down projection over TP
+                partial = experts_fn(*args, out_dtype=jnp.float32)
+                return jax.lax.psum(partial, s.expert_column[2]).astype(x.dtype)
 
-        h = swiglu(grouped(xs, self.w_gate), grouped(xs, self.w_up), self.limit)
-        ys = grouped(h, self.w_down)
-        ys = jnp.zeros_like(ys).at[order].set(ys).reshape(tokens, top_k, -1)  # unsort
-        return jnp.einsum("tk,tkd->td", weights, ys.astype(jnp.float32)).astype(x.dtype)
+            # check_vma off: a pallas_call does not declare how its outputs vary.
+            routed = jax.shard_map(
+                per_device, mesh=plan.mesh,
+                in_specs=(s.tokens, s.tokens, s.tokens, s.expert_column, s.expert_column,
+                          s.expert_row),
+                out_specs=s.tokens, check_vma=False)
+        return routed(x, weights, experts, self.w_gate[...], self.w_up[...], self.w_down[...])

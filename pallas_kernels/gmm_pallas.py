@@ -1,0 +1,210 @@
+"""The grouped GEMM as one Pallas kernel lowered through Triton.
+
+Rows of the lhs are sorted by group (expert). The launch is a list of work items, each one
+(m tile, group) pair that holds at least one row: a tile spanning two groups is visited
+once per group, with the other group's rows masked on load and store. The list is built
+inside jit from `group_sizes` (`work_schedule`) and has a STATIC length
+
+    cdiv(M, block_m) + min(E, M)
+
+(every non-empty group adds at most one work item beyond the tiles; the rows past
+sum(group_sizes) form one extra "padding" group whose items store zeros), so one compiled
+kernel serves every routing and the cost scales with the rows, not with E: items past the
+real count exit at once.
+
+Grid: one axis of work items x n tiles, swizzled (`GmmConfig.swizzle` work items share a
+window across all n tiles) so a group's [K, block_n] weight slab and a tile's rows stay in
+L2 while in use. Each program runs the k loop (fori_loop over block_k slices) into an fp32
+accumulator.
+
+Fusions, each a static switch:
+  gather:  lhs is x [T, K] and `row_tokens` [M] names the token of each sorted row, so the
+           sorted copies [M, K] are never materialised;
+  swiglu:  two weight stacks (gate, up) into two accumulators, SwiGLU (with its clamp
+           limit) in the epilogue, h written directly;
+  combine: the epilogue scales row r by `row_scale[r]` (the router's combine weight) and
+           stores it at row `row_dest[r]` (the copy's place in token-major order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gmm_tuning import GmmConfig
+from pallas_kernels.tiles import iota
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """Static description of what the kernel computes beyond lhs @ rhs."""
+
+    gather: bool = False
+    swiglu: bool = False
+    limit: float | None = None
+    combine: bool = False
+
+
+def num_work_items(rows: int, num_groups: int, block_m: int) -> int:
+    """The static bound on (m tile, group) pairs: tiles + min(E, M) (see module doc)."""
+    return pl.cdiv(rows, block_m) + min(num_groups, rows)
+
+
+def work_schedule(group_sizes, *, rows: int, block_m: int):
+    """int32 [W] arrays (group, tile, first row, end row) of each work item, W static.
+
+    Group E is the padding group (rows sum(group_sizes)..rows); items past the real count
+    are empty (first row == end row). Group sizes are clipped so rows never exceed `rows`.
+    """
+    num_groups = group_sizes.shape[0]
+    sizes = jnp.concatenate([group_sizes.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+    ends = jnp.minimum(jnp.cumsum(sizes), rows)
+    ends = ends.at[-1].set(rows)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    first_tile = starts // block_m
+    tiles = jnp.where(ends > starts, (ends - 1) // block_m - first_tile + 1, 0)
+    tiles_end = jnp.cumsum(tiles)
+    w = jnp.arange(num_work_items(rows, num_groups, block_m), dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tiles_end, w, side="right"), num_groups)
+    group = group.astype(jnp.int32)
+    tile = first_tile[group] + w - (tiles_end[group] - tiles[group])
+    lo = jnp.maximum(starts[group], tile * block_m)
+    hi = jnp.minimum(ends[group], (tile + 1) * block_m)
+    hi = jnp.where(w < tiles_end[-1], hi, lo)
+    return group, tile.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def _kernel(group_ref, tile_ref, lo_ref, hi_ref, *refs, config: GmmConfig, epilogue: Epilogue,
+            num_work: int, num_n: int, num_groups: int, precision):
+    """One work item x one n tile: acc = sum_k lhs[rows, k] @ rhs[group, k, cols]."""
+    refs = list(refs)
+    out_ref = refs.pop()
+    row_tokens_ref = refs.pop(0) if epilogue.gather else None
+    scale_ref, dest_ref = (refs.pop(0), refs.pop(0)) if epilogue.combine else (None, None)
+    lhs_ref, *rhs_refs = refs
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+
+    # Swizzle: `config.swizzle` consecutive work items take every n tile in turn.
+    pid = pl.program_id(0)
+    window = config.swizzle * num_n
+    first = (pid // window) * config.swizzle
+    width = jnp.minimum(num_work - first, config.swizzle)
+    w = first + (pid % window) % width
+    n = (pid % window) // width
+
+    group, tile, lo, hi = group_ref[w], tile_ref[w], lo_ref[w], hi_ref[w]
+    row0 = tile * bm
+    rows = pl.ds(row0, bm)
+    cols = pl.ds(n * bn, bn)
+    row_ids = row0 + iota((bm,), 0)
+    valid_1d = (row_ids >= lo) & (row_ids < hi)
+    valid = valid_1d[:, None]
+
+    # Gathered rows and scattered stores index with two broadcast int arrays ([R, 1] rows,
+    # [1, C] columns): Pallas interpret mode cannot mix an int array with a slice.
+    col_ids = (n * bn + iota((bn,), 0))[None, :]
+
+    def store(value, dest_rows):
+        target = (out_ref.at[dest_rows[:, None], col_ids] if epilogue.combine
+                  else out_ref.at[rows, cols])
+        plgpu.store(target, value.astype(out_ref.dtype), mask=valid)
+
+    def dest_rows():
+        # Masked-off lanes point past the end: interpret mode's masked scatter writes every
+        # lane (the old value where masked), and a real row there could undo a valid write.
+        if not epilogue.combine:
+            return None
+        return plgpu.load(dest_ref.at[rows], mask=valid_1d, other=out_ref.shape[0])
+
+    @pl.when((hi > lo) & (group < num_groups))
+    def _():
+        if epilogue.gather:
+            tokens = plgpu.load(row_tokens_ref.at[rows], mask=valid_1d, other=0)[:, None]
+
+        def body(i, accs):
+            ks = pl.ds(i * bk, bk)
+            at = (lhs_ref.at[tokens, (i * bk + iota((bk,), 0))[None, :]] if epilogue.gather
+                  else lhs_ref.at[rows, ks])
+            a = plgpu.load(at, mask=valid, other=0)
+            return tuple(acc + jnp.dot(a, rhs[group, ks, cols], precision=precision,
+                                       preferred_element_type=jnp.float32)
+                         for acc, rhs in zip(accs, rhs_refs))
+
+        zero = jnp.zeros((bm, bn), jnp.float32)
+        accs = lax.fori_loop(0, lhs_ref.shape[1] // bk, body, (zero,) * len(rhs_refs))
+        out = accs[0]
+        if epilogue.swiglu:
+            gate, up = accs
+            if epilogue.limit is not None:
+                gate = jnp.minimum(gate, epilogue.limit)
+                up = jnp.clip(up, -epilogue.limit, epilogue.limit)
+            out = gate * jax.nn.sigmoid(gate) * up
+        if epilogue.combine:
+            scale = plgpu.load(scale_ref.at[rows], mask=valid_1d, other=0)
+            out = out * scale[:, None]
+        store(out, dest_rows())
+
+    @pl.when((hi > lo) & (group == num_groups))
+    def _():
+        store(jnp.zeros((bm, bn), jnp.float32), dest_rows())
+
+
+@functools.partial(jax.jit, static_argnames=("config", "epilogue", "interpret"))
+def gmm_pallas(lhs, rhs, group_sizes, *, row_tokens=None, row_scale=None, row_dest=None,
+               config: GmmConfig, epilogue: Epilogue, interpret: bool):
+    """The kernel (arguments already validated by `pallas_kernels.gmm`).
+
+    Args:
+      lhs: [M, K] rows sorted by group, or x [T, K] with `row_tokens` int32 [M] (gather).
+      rhs: tuple of one [E, K, N] weight stack, or (gate, up) for the swiglu epilogue.
+      group_sizes: int32 [E]; rows past their sum come out zero.
+      row_scale: fp32 [M] and row_dest int32 [M] (a permutation of 0..M-1) for combine.
+
+    Returns [M, N] in lhs.dtype (row r at row_dest[r] under combine).
+    """
+    rows = row_tokens.shape[0] if epilogue.gather else lhs.shape[0]
+    num_groups, _, n = rhs[0].shape
+    if rows == 0:
+        return jnp.zeros((0, n), lhs.dtype)
+    bm = config.block_m
+    padded = pl.cdiv(rows, bm) * bm
+
+    def pad(x):
+        """Every tile's row slice stays in bounds (interpret mode clamps out-of-bounds
+        slices); MoE row counts (tokens x top-k) are usually whole tiles already."""
+        if padded == rows:
+            return x
+        return jnp.pad(x, [(0, padded - rows)] + [(0, 0)] * (x.ndim - 1))
+
+    extras = []
+    if epilogue.gather:
+        extras.append(pad(row_tokens.astype(jnp.int32)))
+    else:
+        lhs = pad(lhs)
+    if epilogue.combine:
+        extras += [pad(row_scale.astype(jnp.float32)),
+                   jnp.concatenate([row_dest.astype(jnp.int32),
+                                    jnp.arange(rows, padded, dtype=jnp.int32)])]
+    schedule = work_schedule(group_sizes, rows=padded, block_m=bm)
+    num_work = schedule[0].shape[0]
+    num_n = n // config.block_n
+    precision = (lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else lax.Precision.DEFAULT)
+    call = pl.pallas_call(
+        functools.partial(_kernel, config=config, epilogue=epilogue, num_work=num_work,
+                          num_n=num_n, num_groups=num_groups, precision=precision),
+        out_shape=jax.ShapeDtypeStruct((padded, n), lhs.dtype),
+        grid=(num_work * num_n,),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret,
+        name="_".join(["gmm"] + [part for part in ("gather", "swiglu", "combine")
+                                 if getattr(epilogue, part)]),
+    )
+    out = call(*schedule, *extras, lhs, *rhs)
+    return out[:rows] if padded != rows else out
