@@ -16,9 +16,11 @@ import jax.numpy as jnp
 LayerType = Literal["kda", "mla"]
 KDAGate = Literal["softplus", "sigmoid_bound"]
 KDABackend = Literal["pallas", "reference"]
+MLAAttention = Literal["reference", "pallas", "cudnn"]
 
 KDA_GATES = ("softplus", "sigmoid_bound")
 KDA_BACKENDS = ("pallas", "reference")
+MLA_ATTENTIONS = ("reference", "pallas", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     kv_block_size: int = 512  # tokens per physical MLA cache block (DESIGN section 6, P)
     kda_backend: KDABackend | None = None  # None: "pallas" on a GPU, "reference" elsewhere
+    # MLA prefill attention implementation (pallas_kernels.attention); None: by device.
+    mla_attention: MLAAttention | None = None
     dtype: Any = jnp.bfloat16  # activations and caches
     param_dtype: Any = jnp.bfloat16
 
@@ -93,6 +97,9 @@ class ModelConfig:
         if self.kda_backend not in (None, *KDA_BACKENDS):
             raise ValueError(f"kda_backend must be None or one of {KDA_BACKENDS}, "
                              f"got {self.kda_backend!r}")
+        if self.mla_attention not in (None, *MLA_ATTENTIONS):
+            raise ValueError(f"mla_attention must be None or one of {MLA_ATTENTIONS}, "
+                             f"got {self.mla_attention!r}")
         if self.num_experts_per_token > self.num_experts:
             raise ValueError(f"num_experts_per_token={self.num_experts_per_token} exceeds "
                              f"num_experts={self.num_experts}")

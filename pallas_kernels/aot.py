@@ -5,10 +5,11 @@
 No GPU is needed. For each device the KDA prefill is lowered under an abstract mesh whose
 device kind is that GPU, with exactly the `KernelConfig` the runtime picks for it, at the
 real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs), on both gate paths
-(bounded, as GLM's gate, and any decay, as Kimi's). Each Triton module the Pallas lowering
-embeds is then compiled by the official Triton compiler for that target, and ptxas reports
-registers and spills. The table shows shared memory against the
-device's per-block limit; the exit status is non-zero when a kernel fails to compile or
+(bounded, as GLM's gate, and any decay, as Kimi's); so is the MLA prefill flash attention
+at both presets' heads and head dims (`ATTENTION_SHAPES`) with the tuning table's config.
+Each Triton module the Pallas lowering embeds is then compiled by the official Triton
+compiler for that target, and ptxas reports registers and spills. The table shows shared
+memory against the device's per-block limit; the exit status is non-zero when a kernel fails to compile or
 exceeds a limit (register spills are reported, they cost speed, not correctness). The SASS
 column counts the kernel's static instructions (`cuobjdump -sass`): straight-line code too
 large for the instruction cache stalls the warps (docs/KERNEL.md), so it is a speed proxy
@@ -34,6 +35,11 @@ from jax._src.lib.mlir import ir
 from jax._src.mesh import AbstractDevice, AbstractMesh
 from jax._src.pallas.triton.lowering import _new_ir_context
 
+from pallas_kernels.attention_pallas import (
+    FlashConfig,
+    flash_attention_pallas,
+    select_flash_config,
+)
 from pallas_kernels.kda_pallas import kda_prefill_pallas
 from pallas_kernels.tuning import KNOWN_DEVICES, DeviceSpec, KernelConfig, select_config
 
@@ -41,6 +47,8 @@ HEAD_COUNTS = (32, 64)
 HEAD_DIM = 128
 NUM_TOKENS = 8192
 CAPACITY = 4
+# MLA prefill attention (heads, qk dim, v dim): kimi-linear-48b, glm5.3-flash.
+ATTENTION_SHAPES = ((32, 192, 128), (64, 256, 256))
 MAX_REGISTERS = 255  # per thread, every NVIDIA target since sm_50
 
 
@@ -110,8 +118,31 @@ def lower_kda_prefill(spec: DeviceSpec, heads: int, config: KernelConfig | None 
                                   bounded_gates=bounded_gates, config=config,
                                   interpret=False, exact=False)
 
+    return _triton_modules(prefill, args, spec)
+
+
+def lower_flash_attention(spec: DeviceSpec, heads: int, head_qk: int, head_v: int,
+                          config: FlashConfig | None = None) -> list[TritonModule]:
+    """The Triton module of the bf16 MLA prefill attention for `spec` at one preset's heads
+    and head dims, by default with the tuning table's config for that device."""
+    config = config or select_flash_config(head_qk=head_qk, head_v=head_v, spec=spec)
+    shape = jax.ShapeDtypeStruct
+    args = (shape((NUM_TOKENS, heads, head_qk), jnp.bfloat16),
+            shape((NUM_TOKENS, heads, head_qk), jnp.bfloat16),
+            shape((NUM_TOKENS, heads, head_v), jnp.bfloat16),
+            shape((NUM_TOKENS,), jnp.int32), shape((NUM_TOKENS,), jnp.int32))
+
+    def attend(*arrays):
+        return flash_attention_pallas(*arrays, scale=head_qk ** -0.5, config=config,
+                                      interpret=False)
+
+    return _triton_modules(attend, args, spec)
+
+
+def _triton_modules(fn, args, spec: DeviceSpec) -> list[TritonModule]:
+    """Every pallas_call of `fn(*args)` lowered for a GPU of kind `spec`, as Triton IR."""
     with jax.sharding.use_abstract_mesh(_abstract_mesh(spec)):
-        lowered = jax.jit(prefill).trace(*args).lower(lowering_platforms=("cuda",))
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     modules = []
     for call in _custom_calls(lowered.compiler_ir("stablehlo").operation):
         backend = ir.DictAttr(call.attributes["mhlo.backend_config"])
@@ -191,6 +222,9 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                 for module in lower_kda_prefill(spec, num_heads, bounded_gates=bounded):
                     modules.setdefault(module.name, module)
             reports.extend(compile_module(module, spec, num_heads) for module in modules.values())
+        for num_heads, head_qk, head_v in ATTENTION_SHAPES:
+            for module in lower_flash_attention(spec, num_heads, head_qk, head_v):
+                reports.append(compile_module(module, spec, num_heads))
     return reports
 
 

@@ -44,14 +44,21 @@ class FlashConfig:
     num_stages: int = 2
 
 
-# Per compute capability major, then by the widest head dim (qk or v) up to the key:
+# Per compute capability major, then by the widest head dim (qk or v) up to the key.
 # sm_12x (GB10) has 99 KB of shared memory per block, sm_90/sm_100 227 KB, sm_80 163 KB.
-# Checked by `python -m pallas_kernels.aot`; speed on the H200 by `python -m bench.attention`.
+# Shared memory, registers and spills come from `python -m pallas_kernels.aot` (Triton 3.9):
+# GB10 qk 192 / v 128: 73,728 B, 168 registers; qk 256 / v 256: 69,632 B, 172 registers
+# (64 x 64 blocks with 8 warps need 106,496 B there; 4 warps spill); H200: 131,072 B, 253
+# registers and 163,840 B, 253 registers, no spills (128 x 64 blocks at 256 spill 1.7 KB).
+# Speed on the H200: `python -m bench.attention`.
+_SMALL = FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)
 TUNING = {
-    12: {128: FlashConfig(64, 64, 4, 2), 256: FlashConfig(64, 32, 4, 2)},
-    9: {128: FlashConfig(128, 64, 8, 3), 256: FlashConfig(128, 64, 8, 2)},
-    10: {128: FlashConfig(128, 64, 8, 3), 256: FlashConfig(128, 64, 8, 2)},
-    8: {128: FlashConfig(128, 64, 4, 2), 256: FlashConfig(64, 64, 4, 2)},
+    12: {128: _SMALL, 192: FlashConfig(64, 64, 8, 2), 256: FlashConfig(64, 32, 8, 2)},
+    9: {128: FlashConfig(128, 64, 8, 2), 192: FlashConfig(128, 64, 8, 2),
+        256: FlashConfig(64, 64, 8, 2)},
+    10: {128: FlashConfig(128, 64, 8, 2), 192: FlashConfig(128, 64, 8, 2),
+         256: FlashConfig(64, 64, 8, 2)},
+    8: {128: _SMALL, 192: FlashConfig(64, 64, 8, 2), 256: FlashConfig(64, 32, 8, 2)},
 }
 
 
