@@ -3,6 +3,7 @@
     python -m bench.model_prefill --preset tiny --tokens 2048            # CPU
     python -m bench.model_prefill --preset kimi-linear-48b --num-layers 4 --num-experts 8 \\
         --tokens 8192                                                    # H200
+    ... --mla-attention pallas|cudnn|reference     # MLA prefill attention (default: by device)
 
 Random weights (normal * 0.02, norm gains 1): throughput does not depend on the values.
 Prints compile time, the median time of `--repeats` jitted prefills (each synchronised),
@@ -12,6 +13,7 @@ tokens/s, and writes JSON to bench/results/model_prefill_<preset>_<tokens>.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -24,9 +26,10 @@ from flax import nnx
 
 from glmjax.batch import PrefillBatch
 from glmjax.caches import Caches
-from glmjax.config import ModelConfig
+from glmjax.config import MLA_ATTENTIONS, ModelConfig
 from glmjax.model import prefill
 from glmjax.random_weights import random_model
+from pallas_kernels.attention import default_implementation
 
 BLOCK_SIZE = 512
 RESULTS = Path(__file__).parent / "results"
@@ -58,11 +61,14 @@ def main():
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--mla-attention", choices=MLA_ATTENTIONS,
+                        help="MLA prefill attention implementation (default: by device)")
     args = parser.parse_args()
 
     config = ModelConfig.preset(args.preset)
     if args.num_layers:
         config = config.replace_depth(args.num_layers, args.num_experts)
+    config = dataclasses.replace(config, mla_attention=args.mla_attention)
     model_state = nnx.split(random_model(config, seed=0))
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, args.tokens)
     batch = cold_prompt_batch(tokens)
@@ -88,6 +94,7 @@ def main():
         preset=args.preset, num_layers=len(config.layer_types),
         layer_types=list(config.layer_types), tokens=args.tokens,
         device=jax.devices()[0].device_kind, kda_backend=config.resolved_kda_backend(),
+        mla_attention=config.mla_attention or default_implementation(),
         first_call_s=compile_s, median_s=median, samples_s=times,
         tokens_per_s=args.tokens / median,
     )

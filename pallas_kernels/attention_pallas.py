@@ -112,7 +112,9 @@ def _flash_kernel(schedule_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, 
                   block_q, block_k, qk_pieces, v_pieces, scale_log2, num_queries, num_keys,
                   precision):
     """One query block x head: online softmax over the key blocks its rows can see."""
-    qb, h = pl.program_id(0), pl.program_id(1)
+    # Last query blocks first: under a causal mask they see the most keys, so the longest
+    # programs start early and the short ones fill the tail of the launch.
+    qb, h = pl.num_programs(0) - 1 - pl.program_id(0), pl.program_id(1)
     rows = pl.ds(qb * block_q, block_q)
     row_ok = qb * block_q + iota((block_q, 1), 0) < num_queries  # [BQ, 1]
     start, end = start_ref[rows, :], end_ref[rows, :]  # [BQ, 1]
