@@ -27,7 +27,7 @@ LSE weights, scattered back to each rank's own heads (`merge_partial_attention`)
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from glmjax.layers.paged_cache import (
     write_paged,
     write_paged_local,
 )
+from glmjax.layers.prefill_keys import CachedPrefix, PackedKeys, sequence_keys
 from glmjax.layers.projection import projection
 from pallas_kernels.attention import prefill_attention
 
@@ -53,23 +54,6 @@ if TYPE_CHECKING:
     from glmjax.sharding import ShardingPlan
 
 PREFILL_QUERY_BLOCK = 1024  # queries per block of the DSA-selected prefill attention
-
-
-class _Prefix(NamedTuple):
-    """Every sequence's cached blocks in position order (valid or not)."""
-
-    latent: jax.Array  # [N, C, kv_lora + qk_rope], C = M * P
-    index: jax.Array | None  # [N, C, dsa_head_dim]
-
-
-class _Keys(NamedTuple):
-    """A packed set of S keys: latents, DSA index keys, owning sequence and position."""
-
-    latent: jax.Array  # [S, kv_lora + qk_rope]
-    index: jax.Array | None  # [S, dsa_head_dim]
-    seq: jax.Array  # int32 [S]
-    pos: jax.Array  # int32 [S]
-    valid: jax.Array  # bool [S]
 
 
 def softmax_with_lse(scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -207,20 +191,21 @@ class MLA(nnx.Module):
                 prefix = self._cached_prefix(cache, block_table, plan)
                 cache = self._write(cache, block_table, seq, pos, valid, latent, index_keys,
                                     plan)
-            keys, cu_keys, prefix_used = _sequence_keys(prefix, latent, index_keys, cu_seqlens,
-                                                        prefix_lens)
+            keys, cu_keys, prefix_used = sequence_keys(prefix, latent, index_keys, cu_seqlens,
+                                                       prefix_lens)
             dense = functools.partial(self._attend_dense, q_nope, q_pe, keys, cu_seqlens,
                                       cu_keys, plan)
             if self.indexer is None:
                 out = dense()
             else:
-                index_queries = self.indexer.queries(x, q_latent)
-                query_pos = prefix_used[seq] + jnp.arange(tokens, dtype=jnp.int32) - cu_seqlens[seq]
-                selected = functools.partial(self._attend_selected, q_nope, q_pe,
-                                             index_queries, keys, seq, query_pos, valid)
+                query_pos = (prefix_used[seq] + jnp.arange(tokens, dtype=jnp.int32)
+                             - cu_seqlens[seq])
+                selected = functools.partial(
+                    self._attend_selected, q_nope, q_pe, self.indexer.queries(x, q_latent),
+                    keys, seq, query_pos, valid)
+                max_keys = tokens + (0 if prefix is None else prefix.latent.shape[1])
                 out = self._dense_or_selected(dense, selected, cu_seqlens, prefix_used,
-                                              max_keys=keys.seq.shape[0] if prefix is None
-                                              else prefix.latent.shape[1] + tokens)
+                                              max_keys=max_keys)
             return self.o_proj(out.reshape(tokens, -1)), cache
 
     def decode(self, x: jax.Array, cache: MLACache, block_table: jax.Array,
@@ -323,7 +308,7 @@ class MLA(nnx.Module):
             raise ValueError("an MLA layer with a DSA indexer needs cache.index_keys, and one "
                              "without must not have them")
 
-    def _cached_prefix(self, cache, block_table, plan) -> _Prefix:
+    def _cached_prefix(self, cache, block_table, plan) -> CachedPrefix:
         """Every sequence's cached blocks in position order (valid or not), [N, M * P, ...]."""
         if plan is None:
             latent = read_paged(cache.latent, block_table)  # [N, M * P, L]
@@ -339,7 +324,7 @@ class MLA(nnx.Module):
             )(cache.latent, block_table)
         index = (None if cache.index_keys is None
                  else read_paged(cache.index_keys, block_table))
-        return _Prefix(latent, index)
+        return CachedPrefix(latent, index)
 
     def _write(self, cache, block_table, seq, pos, valid, latent, index_keys, plan
                ) -> MLACache:
@@ -362,13 +347,13 @@ class MLA(nnx.Module):
         )(cache.latent, block_table, seq, pos, latent, valid)
         return MLACache(pages, index)
 
-    def _expand(self, keys: _Keys, dtype):
+    def _expand(self, keys: PackedKeys, dtype):
         """Latents [S, L] -> k_nope [S, H, nope], k_pe [S, rope], v [S, H, v] (kv_b_proj)."""
         kv = self.kv_b_proj(keys.latent[:, :self.kv_lora].astype(dtype))
         kv = kv.reshape(keys.latent.shape[0], self.num_heads, self.nope + self.v_dim)
         return kv[..., :self.nope], keys.latent[:, self.kv_lora:].astype(dtype), kv[..., self.nope:]
 
-    def _attend_dense(self, q_nope, q_pe, keys: _Keys, cu_seqlens, cu_keys, plan):
+    def _attend_dense(self, q_nope, q_pe, keys: PackedKeys, cu_seqlens, cu_keys, plan):
         """Causal over each sequence's prefix and itself, by `prefill_attention`:
         q [T, H, *] -> [T, H, v]. On a mesh each device attends with its own heads."""
         k_nope, k_pe, v = self._expand(keys, q_nope.dtype)
@@ -391,15 +376,16 @@ class MLA(nnx.Module):
     def _dense_or_selected(self, dense, selected, cu_seqlens, prefix_used, *, max_keys: int):
         """DSA: where no query sees more than top_k keys, the indexer would select every
         visible key, so dense attention gives exactly the same result without it. Static
-        when no sequence can hold more than top_k keys; otherwise decided on the device
-        from the batch (both branches compiled once, never retraced on lengths)."""
+        when no sequence can hold more than top_k keys (max_keys: a sequence's key
+        capacity); otherwise decided on the device from the batch (both branches compiled
+        once, never retraced on lengths)."""
         if max_keys <= self.indexer.top_k:
             return dense()
         lens = jnp.diff(cu_seqlens)
         widest = jnp.max(jnp.where(lens > 0, prefix_used + lens, 0))
         return lax.cond(widest <= self.indexer.top_k, dense, selected)
 
-    def _attend_selected(self, q_nope, q_pe, index_queries, keys: _Keys, seq, pos, valid):
+    def _attend_selected(self, q_nope, q_pe, index_queries, keys: PackedKeys, seq, pos, valid):
         """Non-absorbed over the keys the DSA indexer selects for each query (a [H, block,
         S] score tensor per block of `query_block` queries): q [T, H, *] -> [T, H, v]."""
         k_nope, k_pe, v = self._expand(keys, q_nope.dtype)
@@ -433,41 +419,3 @@ class MLA(nnx.Module):
                                          latent, mask, kv_lora=self.kv_lora, scale=self.scale)
         return jnp.einsum("nhc,chv->nhv", out_latent.astype(w_uv.dtype), w_uv,
                           preferred_element_type=jnp.float32).astype(q_nope.dtype)
-
-
-def _sequence_keys(prefix: _Prefix | None, latent, index_keys, cu_seqlens, prefix_lens
-                   ) -> tuple[_Keys, jax.Array, jax.Array]:
-    """Each sequence's keys packed contiguously: its used prefix, then its new tokens.
-
-    Args:
-      prefix: the cached blocks [N, C, ...] (None: no cache, no prefix); latent [T, L],
-        index_keys [T, d_I] or None: the new tokens; cu_seqlens int32 [N + 1];
-        prefix_lens int32 [N].
-    Returns:
-      the keys (S = N * C + T rows, or T without a cache; rows past the last sequence are
-      padding), cu_keys int32 [N + 1] (sequence n's keys are rows cu_keys[n]:cu_keys[n + 1])
-      and the prefix length each sequence attends to (prefix_lens clipped to [0, C]).
-    """
-    tokens = latent.shape[0]
-    if prefix is None:
-        seq, valid = sequence_ids(cu_seqlens, tokens)
-        pos = jnp.arange(tokens, dtype=jnp.int32) - cu_seqlens[seq]
-        return (_Keys(latent, index_keys, seq, pos, valid), cu_seqlens,
-                jnp.zeros_like(prefix_lens))
-    num_seqs, capacity = prefix.latent.shape[:2]
-    used = jnp.clip(prefix_lens, 0, capacity)
-    cu_keys = jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                               jnp.cumsum(used + jnp.diff(cu_seqlens)).astype(jnp.int32)])
-    seq, valid = sequence_ids(cu_keys, num_seqs * capacity + tokens)
-    pos = jnp.arange(seq.shape[0], dtype=jnp.int32) - cu_keys[seq]
-    # Row of concat(prefix rows [N * C], new rows [T]) that holds each key.
-    source = jnp.where(pos < used[seq], seq * capacity + pos,
-                       num_seqs * capacity + cu_seqlens[seq] + pos - used[seq])
-    source = jnp.where(valid, source, 0)
-
-    def gather(cached, new):
-        return None if new is None else jnp.concatenate(
-            [cached.reshape(num_seqs * capacity, -1).astype(new.dtype), new])[source]
-
-    return (_Keys(gather(prefix.latent, latent), gather(prefix.index, index_keys), seq, pos,
-                  valid), cu_keys, used)
