@@ -3,6 +3,7 @@
     python -m bench.attention                         # every case, every implementation
     python -m bench.attention --cases glm-8K,glm-8x1K --impls pallas,cudnn
     python -m bench.attention --quick                 # CPU smoke: tiny shapes, interpret mode
+    python -m bench.attention --impls pallas --sweep  # also every tiling in SWEEP
 
 Cases, at both presets' MLA head shapes (kimi-linear-48b: 32 heads, qk 192 = nope 128 +
 rope 64, v 128; glm5.3-flash: 64 heads, qk 256, v 256), bf16: one causal 8K span, a packed
@@ -44,6 +45,10 @@ CASES = {f"{p}-{s}": (p, s) for p in PRESETS for s in SPANS}
 QUICK = {"tiny-100": ((2, 48, 32), [100], [0]), "tiny-3x40+prefix": ((2, 48, 32), [40] * 3,
                                                                     [0, 17, 64])}
 IMPLEMENTATIONS = ("pallas", "cudnn", "reference")
+# Tilings that compile for sm_90 at both head shapes (`python -m pallas_kernels.aot`).
+SWEEP = (FlashConfig(128, 64, 8, 2), FlashConfig(128, 64, 8, 3), FlashConfig(64, 64, 8, 2),
+         FlashConfig(64, 64, 8, 3), FlashConfig(128, 32, 8, 2), FlashConfig(64, 32, 4, 2),
+         FlashConfig(128, 128, 8, 2))
 
 
 def make_inputs(heads, head_qk, head_v, lens, prefixes, seed=0):
@@ -89,20 +94,23 @@ def run_case(name, shape, lens, prefixes, impls, args):
     heads, head_qk, head_v = shape
     inputs = make_inputs(heads, head_qk, head_v, lens, prefixes)
     flops = causal_flops(heads, head_qk, head_v, lens, prefixes)
-    config = FlashConfig(16, 16) if args.quick else None
+    variants = {impl: (impl, FlashConfig(16, 16) if args.quick else None) for impl in impls}
+    if args.sweep and "pallas" in impls:
+        variants.update({f"pallas {c.block_q}x{c.block_k} w{c.num_warps} s{c.num_stages}":
+                         ("pallas", c) for c in SWEEP})
     rows, outputs = {}, {}
-    for impl in impls:
-        fn = jax.jit(lambda i, impl=impl: prefill_attention(
-            **i, implementation=impl, config=config if impl == "pallas" else None)[0])
+    for row, (impl, config) in variants.items():
+        fn = jax.jit(lambda i, impl=impl, config=config: prefill_attention(
+            **i, implementation=impl, config=config)[0])
         try:
             ms = time_calls(lambda fn=fn: fn(inputs), iters=args.iters, samples=args.samples)
-        except Exception as error:  # out of memory, cuDNN refusing a shape: a row says so
-            rows[impl] = {"error": f"{type(error).__name__}: {error}"[:300]}
-            print(f"{name} {impl}: {rows[impl]['error']}", flush=True)
+        except Exception as error:  # out of memory, a shape refused: the row says so
+            rows[row] = {"error": f"{type(error).__name__}: {error}"[:300]}
+            print(f"{name} {row}: {rows[row]['error']}", flush=True)
             continue
-        outputs[impl] = fn(inputs)
-        rows[impl] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
-        print(f"{name} {impl}: {ms:.3f} ms, {rows[impl]['tflops']:.1f} TFLOP/s", flush=True)
+        outputs[row] = fn(inputs)
+        rows[row] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
+        print(f"{name} {row}: {ms:.3f} ms, {rows[row]['tflops']:.1f} TFLOP/s", flush=True)
     if "reference" in outputs:
         for impl, out in outputs.items():
             rows[impl]["error_vs_reference"] = relative_error(out, outputs["reference"])
@@ -113,16 +121,16 @@ def run_case(name, shape, lens, prefixes, impls, args):
 
 
 def format_table(results) -> str:
-    lines = [f"{'case':18} {'impl':10} {'ms':>9} {'TFLOP/s':>8} {'err':>9}"]
+    lines = [f"{'case':18} {'impl':24} {'ms':>9} {'TFLOP/s':>8} {'err':>9}"]
     for name, case in results.items():
         for impl, row in case["rows"].items():
             if not isinstance(row, dict):
                 continue
             if "error" in row:
-                lines.append(f"{name:18} {impl:10} {row['error'][:60]}")
+                lines.append(f"{name:18} {impl:24} {row['error'][:60]}")
             else:
                 err = row.get("error_vs_reference")
-                lines.append(f"{name:18} {impl:10} {row['ms']:9.3f} {row['tflops']:8.1f} "
+                lines.append(f"{name:18} {impl:24} {row['ms']:9.3f} {row['tflops']:8.1f} "
                              f"{'' if err is None else f'{err:9.1e}'}")
     for preset in PRESETS:  # the packing bar: 8 x 1K at most 1/4 of one 8K span
         single, packed = results.get(f"{preset}-8K"), results.get(f"{preset}-8x1K")
@@ -142,6 +150,7 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS))
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true", help="also time every SWEEP tiling")
     parser.add_argument("--quick", action="store_true",
                         help="CPU smoke test: tiny shapes, Pallas in interpret mode")
     parser.add_argument("--out", type=Path, default=RESULTS / "attention.json")
