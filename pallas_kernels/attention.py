@@ -25,6 +25,8 @@ Implementations behind the one signature (`IMPLEMENTATIONS`):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,6 +106,7 @@ def validate_attention_metadata(cu_seqlens_q, cu_seqlens_k, num_queries: int,
                          f"{int(cu_k[n + 1] - cu_k[n])} keys (keys = prefix + the queries' own)")
 
 
+@functools.partial(jax.jit, static_argnames=("scale",))
 def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale: float):
     """jax.numpy `prefill_attention` (fp32 softmax), `REFERENCE_QUERY_BLOCK` queries at a
     time so the [H, block, S] scores stay bounded."""
