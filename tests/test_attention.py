@@ -216,3 +216,27 @@ def test_shape_and_implementation_errors(rng):
     inputs["v"] = inputs["v"][:-1]
     with pytest.raises(ValueError, match="same S"):
         prefill_attention(**inputs)
+
+
+def test_cudnn_path_lowers_for_cuda_on_any_host(monkeypatch):
+    """The cuDNN path traced and lowered for CUDA here (the backend's device checks faked
+    as an H200 with cuDNN 9.10): one causal call over the spans' own tokens and one
+    padding-masked call over their prefixes, at kimi's head dims (v padded to 192)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    from pallas_kernels.attention_cudnn import attention_cudnn
+
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(cudnn, "is_cuda_compute_capability_equal", lambda capability: False)
+    shape = jax.ShapeDtypeStruct
+    args = (shape((100, 4, 192), jnp.bfloat16), shape((300, 4, 192), jnp.bfloat16),
+            shape((300, 4, 128), jnp.bfloat16), shape((5,), jnp.int32),
+            shape((5,), jnp.int32))
+    traced = jax.jit(lambda *a: attention_cudnn(*a, scale=0.1)).trace(*args)
+    out, lse = traced.out_info
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((100, 4, 128), jnp.bfloat16,
+                                                           (100, 4), jnp.float32)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__cudnn$fmhaSoftmax") == 2
+    assert "PADDING_CAUSAL" in text and "\\22PADDING\\22" in text
