@@ -3,6 +3,7 @@
     python -m bench.model_prefill --preset tiny --tokens 2048            # CPU
     python -m bench.model_prefill --preset kimi-linear-48b --num-layers 4 --num-experts 8 \\
         --tokens 8192                                                    # H200
+    ... --mla-attention pallas|cudnn|reference     # MLA prefill attention (default: by device)
 
 Random weights (normal * 0.02, norm gains 1): throughput does not depend on the values.
 Prints compile time, the median time of `--repeats` jitted prefills (each synchronised),
@@ -16,6 +17,7 @@ in the JSON). `--num-layers` and `--num-experts` cut the preset, each on its own
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -32,9 +34,10 @@ from bench.profile import print_profile, profile_call, traceable
 from glmjax import compile_cache
 from glmjax.batch import PrefillBatch
 from glmjax.caches import Caches
-from glmjax.config import ModelConfig
+from glmjax.config import MLA_ATTENTIONS, ModelConfig
 from glmjax.model import prefill, prefill_step
 from glmjax.random_weights import random_model
+from pallas_kernels.attention import default_implementation
 
 BLOCK_SIZE = 512
 RESULTS = Path(__file__).parent / "results"
@@ -71,12 +74,15 @@ def main():
                              "a GPU)")
     parser.add_argument("--trace-dir", type=Path, help="where the trace goes (a new temp dir)")
     compile_cache.add_arguments(parser)
+    parser.add_argument("--mla-attention", choices=MLA_ATTENTIONS,
+                        help="MLA prefill attention implementation (default: by device)")
     args = parser.parse_args()
     compile_cache.enable_from_args(args)
 
     config = ModelConfig.preset(args.preset)
     if args.num_layers or args.num_experts:
         config = config.replace_depth(args.num_layers or config.num_layers, args.num_experts)
+    config = dataclasses.replace(config, mla_attention=args.mla_attention)
     model_state = nnx.split(random_model(config, seed=0))
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, args.tokens)
     batch = cold_prompt_batch(tokens)
@@ -102,8 +108,10 @@ def main():
         preset=args.preset, model=config.name, num_layers=len(config.layer_types),
         num_experts=config.num_experts, layer_types=list(config.layer_types),
         tokens=args.tokens, device=jax.devices()[0].device_kind,
-        kda_backend=config.resolved_kda_backend(), first_call_s=compile_s, median_s=median,
-        samples_s=times, tokens_per_s=args.tokens / median,
+        kda_backend=config.resolved_kda_backend(),
+        mla_attention=config.mla_attention or default_implementation(),
+        first_call_s=compile_s, median_s=median, samples_s=times,
+        tokens_per_s=args.tokens / median,
     )
     print(f"{args.preset} ({result['num_layers']} layers) on {result['device']}: "
           f"{args.tokens} tokens, first call {compile_s:.1f} s, median {median * 1e3:.1f} ms, "

@@ -17,10 +17,12 @@ LayerType = Literal["kda", "mla"]
 KDAGate = Literal["softplus", "sigmoid_bound"]
 KDABackend = Literal["pallas", "reference"]
 MoEBackend = Literal["ragged_dot", "pallas", "tokamax"]
+MLAAttention = Literal["reference", "pallas", "cudnn"]
 
 KDA_GATES = ("softplus", "sigmoid_bound")
 KDA_BACKENDS = ("pallas", "reference")
 MOE_BACKENDS = ("ragged_dot", "pallas", "tokamax")  # pallas_kernels.gmm.IMPLEMENTATIONS
+MLA_ATTENTIONS = ("reference", "pallas", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,8 @@ class ModelConfig:
     # Routed experts' grouped GEMM; None: pallas_kernels.gmm.default_implementation (the
     # device's: "ragged_dot" on the CPU, "pallas" on a GPU).
     moe_backend: MoEBackend | None = None
+    # MLA prefill attention implementation (pallas_kernels.attention); None: by device.
+    mla_attention: MLAAttention | None = None
     dtype: Any = jnp.bfloat16  # activations and caches
     param_dtype: Any = jnp.bfloat16
 
@@ -101,6 +105,9 @@ class ModelConfig:
         if self.moe_backend not in (None, *MOE_BACKENDS):
             raise ValueError(f"moe_backend must be None or one of {MOE_BACKENDS}, "
                              f"got {self.moe_backend!r}")
+        if self.mla_attention not in (None, *MLA_ATTENTIONS):
+            raise ValueError(f"mla_attention must be None or one of {MLA_ATTENTIONS}, "
+                             f"got {self.mla_attention!r}")
         if self.num_experts_per_token > self.num_experts:
             raise ValueError(f"num_experts_per_token={self.num_experts_per_token} exceeds "
                              f"num_experts={self.num_experts}")

@@ -1,6 +1,7 @@
-"""Pallas kernels: the checkpointing KDA prefill scan, the KDA decode step and the MoE grouped
-GEMM, each with its jax.numpy / NumPy oracles."""
+"""Pallas kernels and their jax.numpy / NumPy oracles: the checkpointing KDA prefill scan,
+the KDA decode step, the MoE grouped GEMM and the MLA prefill attention."""
 
+from pallas_kernels.attention import prefill_attention, validate_attention_metadata
 from pallas_kernels.gmm import grouped_matmul
 from pallas_kernels.kda import kda_prefill
 from pallas_kernels.kda_decode import kda_decode
@@ -14,6 +15,8 @@ __all__ = [
     "kda_decode",
     "kda_prefill",
     "kda_recurrent_reference",
+    "prefill_attention",
     "routed_experts",
+    "validate_attention_metadata",
     "validate_checkpoint_metadata",
 ]

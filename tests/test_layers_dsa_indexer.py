@@ -4,7 +4,18 @@ top-k selection otherwise, in continuation prefill and in decode."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_layers_mla import decode_case, make_config, make_layer
+from flax import nnx
+from test_layers_mla import (
+    NUM_BLOCKS,
+    NUM_SEQS,
+    decode_case,
+    make_config,
+    make_layer,
+    oracle,
+    pack,
+    prefill,
+    random_block_table,
+)
 from test_layers_oracles import f64, rms_norm
 
 from glmjax.layers.mla import MLA
@@ -58,6 +69,64 @@ def test_select_keeps_at_most_top_k_visible_keys(rng):
     chosen = np.asarray(layer.indexer.select(q, weights, keys, visible))
     np.testing.assert_array_equal(chosen.sum(-1), np.minimum(4, np.arange(1, 7)))
     assert not np.any(chosen & ~np.asarray(visible))
+
+
+def test_select_is_the_visible_mask_wherever_top_k_covers_it(rng):
+    """The indexer may be skipped exactly where no query sees more than top_k keys: there
+    its selection is every visible key, whatever the scores (ties and all-zero included)."""
+    top_k = 6
+    layer = make_layer(dsa_config(top_k=top_k), rng)
+    for trial in range(20):
+        queries, keys = 12, 40
+        counts = rng.integers(0, top_k + 1, size=queries)
+        visible = np.zeros((queries, keys), bool)
+        for r, count in enumerate(counts):
+            visible[r, rng.choice(keys, size=count, replace=False)] = True
+        q = rng.normal(size=(queries, 4, 32)) * (trial % 2)  # odd trials only: all-zero scores
+        weights = rng.normal(size=(queries, 4))
+        chosen = layer.indexer.select(jnp.asarray(q, jnp.float32),
+                                      jnp.asarray(weights, jnp.float32),
+                                      jnp.asarray(rng.normal(size=(keys, 32)), jnp.float32),
+                                      jnp.asarray(visible))
+        np.testing.assert_array_equal(chosen, visible)
+
+
+class AlwaysSelect(MLA):
+    """MLA that never skips the indexer, to compare against the skip."""
+
+    def _dense_or_selected(self, dense, selected, *args, **kwargs):
+        return selected()
+
+
+class PoisonedSelect(MLA):
+    """MLA whose indexer path returns NaN: finite outputs prove the skip was taken."""
+
+    def _attend_selected(self, q_nope, *args):
+        return jnp.full((*q_nope.shape[:2], self.v_dim), jnp.nan, q_nope.dtype)
+
+
+def test_skipping_the_indexer_equals_selecting(rng):
+    """top_k equal to the longest context (8 cached + 12 new keys): the skip (dense flash
+    attention) and the indexer's selection give the same outputs, and both the oracle's."""
+    config = dsa_config(top_k=20)
+    layer = make_layer(config, rng)
+    selecting, poisoned = (nnx.eval_shape(lambda c=c: c(config, rngs=nnx.Rngs(0)))
+                           for c in (AlwaysSelect, PoisonedSelect))
+    nnx.update(selecting, nnx.state(layer))
+    nnx.update(poisoned, nnx.state(layer))
+    seqs = [rng.normal(size=(n, config.hidden_size)) for n in (20, 13, 9, 0)]
+    table = random_block_table(rng)
+    cache = MLACache.zeros(config, NUM_BLOCKS)
+    x, cu = pack([s[:8] for s in seqs])
+    _, cache = prefill(layer, x, cu, cache, table, jnp.zeros((NUM_SEQS,), jnp.int32))
+    x, cu = pack([s[8:] for s in seqs])
+    prefixes = jnp.array([8, 8, 8, 0], jnp.int32)  # the last row: no tokens
+    y_skip, _ = prefill(layer, x, cu, cache, table, prefixes)
+    y_select, _ = prefill(selecting, x, cu, cache, table, prefixes)
+    np.testing.assert_array_equal(prefill(poisoned, x, cu, cache, table, prefixes)[0], y_skip)
+    np.testing.assert_allclose(y_skip, y_select, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y_skip[cu[0]:cu[1]], oracle(layer, config, seqs[0])[8:],
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_cache_without_index_keys_is_refused(rng):

@@ -147,6 +147,13 @@ def test_continuation_and_absorbed_decode(rng, variant):
     decode_case(rng, config, make_layer(config, rng))
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_continuation_through_the_flash_kernel(rng, variant):
+    """The same case with prefill attention in the Pallas kernel (interpret mode here)."""
+    config = make_config(**VARIANTS[variant], mla_attention="pallas")
+    continuation_case(rng, config, make_layer(config, rng))
+
+
 def test_decode_inactive_row_leaves_cache_untouched(rng):
     config = make_config()
     layer = make_layer(config, rng)

@@ -6,10 +6,15 @@ one unrotated key part shared by all heads). With W_uk, W_uv the two halves of k
     score[t, s] = scale * (q_nope[t] . (c_kv[s] W_uk) + q_pe[t] . k_pe[s])
     out[t]      = sum_s softmax(score)[t, s] * (c_kv[s] W_uv)
 
-Prefill expands every key's latent through kv_b_proj (non-absorbed); decode folds W_uk into
-the query and W_uv after the weighted sum (absorbed), so it reads only latents. Both are the
-same function of the cache, up to rounding. Prefill attends `query_block` queries at a time,
-so its [H, T, S] scores stay bounded at long prompts.
+Prefill packs each sequence's keys contiguously (its cached prefix up to prefix_lens,
+then its new tokens), expands their latents through kv_b_proj (non-absorbed) and attends
+with the flash op `pallas_kernels.prefill_attention`: no score tensor in memory, and a
+packed batch costs what its sequences cost. With a DSA indexer, a batch in which some
+query sees more than top_k keys goes through the indexer's selection instead (a masked
+[H, query_block, S] score tensor per block of queries); otherwise the indexer would select
+every visible key and is skipped. Decode folds W_uk into the query and W_uv after the
+weighted sum (absorbed), so it reads only latents. Both are the same function of the cache,
+up to rounding.
 
 Under a `glmjax.sharding.ShardingPlan` the latent cache is split by token over the dcp
 ranks (`DCPLayout`). Prefill all-gathers the cached prefix over dcp and attends as on one
@@ -22,7 +27,7 @@ LSE weights, scattered back to each rank's own heads (`merge_partial_attention`)
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -41,22 +46,14 @@ from glmjax.layers.paged_cache import (
     write_paged,
     write_paged_local,
 )
+from glmjax.layers.prefill_keys import CachedPrefix, PackedKeys, sequence_keys
 from glmjax.layers.projection import projection
+from pallas_kernels.attention import prefill_attention
 
 if TYPE_CHECKING:
     from glmjax.sharding import ShardingPlan
 
-PREFILL_QUERY_BLOCK = 1024  # queries per attention block in prefill
-
-
-class _Keys(NamedTuple):
-    """A packed set of S keys: latents, DSA index keys, owning sequence and position."""
-
-    latent: jax.Array  # [S, kv_lora + qk_rope]
-    index: jax.Array | None  # [S, dsa_head_dim]
-    seq: jax.Array  # int32 [S]
-    pos: jax.Array  # int32 [S]
-    valid: jax.Array  # bool [S]
+PREFILL_QUERY_BLOCK = 1024  # queries per block of the DSA-selected prefill attention
 
 
 def softmax_with_lse(scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -164,6 +161,7 @@ class MLA(nnx.Module):
         self.o_proj = linear(heads * self.v_dim, hidden)
         self.indexer = None if config.dsa_top_k is None else DSAIndexer(config, rngs=rngs)
         self.query_block = PREFILL_QUERY_BLOCK
+        self.attention = config.mla_attention
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array, cache: MLACache | None = None,
                  block_table: jax.Array | None = None, prefix_lens: jax.Array | None = None,
@@ -187,16 +185,27 @@ class MLA(nnx.Module):
             pos = prefix_lens[seq] + jnp.arange(tokens, dtype=jnp.int32) - cu_seqlens[seq]
             q_nope, q_pe, q_latent = self._queries(x)
             latent, index_keys = self._latent(x), self._index_keys(x)
-            keys = _Keys(latent, index_keys, seq, pos, valid)
+            prefix = None
             if cache is not None:
                 self._check_cache(cache)
-                prefix = self._cached_prefix(cache, block_table, prefix_lens, plan)
-                keys = _concat(prefix, keys)
+                prefix = self._cached_prefix(cache, block_table, plan)
                 cache = self._write(cache, block_table, seq, pos, valid, latent, index_keys,
                                     plan)
-            index_queries = (None if self.indexer is None
-                             else self.indexer.queries(x, q_latent))
-            out = self._attend_expanded(q_nope, q_pe, index_queries, keys, seq, pos, valid)
+            keys, cu_keys, prefix_used = sequence_keys(prefix, latent, index_keys, cu_seqlens,
+                                                       prefix_lens)
+            dense = functools.partial(self._attend_dense, q_nope, q_pe, keys, cu_seqlens,
+                                      cu_keys, plan)
+            if self.indexer is None:
+                out = dense()
+            else:
+                query_pos = (prefix_used[seq] + jnp.arange(tokens, dtype=jnp.int32)
+                             - cu_seqlens[seq])
+                selected = functools.partial(
+                    self._attend_selected, q_nope, q_pe, self.indexer.queries(x, q_latent),
+                    keys, seq, query_pos, valid)
+                max_keys = tokens + (0 if prefix is None else prefix.latent.shape[1])
+                out = self._dense_or_selected(dense, selected, cu_seqlens, prefix_used,
+                                              max_keys=max_keys)
             return self.o_proj(out.reshape(tokens, -1)), cache
 
     def decode(self, x: jax.Array, cache: MLACache, block_table: jax.Array,
@@ -299,8 +308,8 @@ class MLA(nnx.Module):
             raise ValueError("an MLA layer with a DSA indexer needs cache.index_keys, and one "
                              "without must not have them")
 
-    def _cached_prefix(self, cache, block_table, prefix_lens, plan) -> _Keys:
-        """The cached prefix of every sequence as packed keys, [N * M * P]."""
+    def _cached_prefix(self, cache, block_table, plan) -> CachedPrefix:
+        """Every sequence's cached blocks in position order (valid or not), [N, M * P, ...]."""
         if plan is None:
             latent = read_paged(cache.latent, block_table)  # [N, M * P, L]
         else:
@@ -313,13 +322,9 @@ class MLA(nnx.Module):
                 in_specs=(plan.specs.mla_latent, plan.specs.replicated),
                 out_specs=plan.specs.replicated, check_vma=False,
             )(cache.latent, block_table)
-        num_seqs, span = latent.shape[:2]
-        seq = jnp.repeat(jnp.arange(num_seqs, dtype=jnp.int32), span)
-        pos = jnp.tile(jnp.arange(span, dtype=jnp.int32), num_seqs)
-        index = (None if cache.index_keys is None else
-                 read_paged(cache.index_keys, block_table).reshape(num_seqs * span, -1))
-        return _Keys(latent.reshape(num_seqs * span, -1), index, seq, pos,
-                     pos < prefix_lens[seq])
+        index = (None if cache.index_keys is None
+                 else read_paged(cache.index_keys, block_table))
+        return CachedPrefix(latent, index)
 
     def _write(self, cache, block_table, seq, pos, valid, latent, index_keys, plan
                ) -> MLACache:
@@ -342,19 +347,53 @@ class MLA(nnx.Module):
         )(cache.latent, block_table, seq, pos, latent, valid)
         return MLACache(pages, index)
 
-    def _attend_expanded(self, q_nope, q_pe, index_queries, keys: _Keys, seq, pos, valid):
-        """Non-absorbed, causal within each sequence: q [T, H, *] over the packed keys
-        (narrowed by the DSA indexer when there is one) -> [T, H, v]."""
-        kv = self.kv_b_proj(keys.latent[:, :self.kv_lora].astype(q_nope.dtype))
+    def _expand(self, keys: PackedKeys, dtype):
+        """Latents [S, L] -> k_nope [S, H, nope], k_pe [S, rope], v [S, H, v] (kv_b_proj)."""
+        kv = self.kv_b_proj(keys.latent[:, :self.kv_lora].astype(dtype))
         kv = kv.reshape(keys.latent.shape[0], self.num_heads, self.nope + self.v_dim)
-        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
-        k_pe = keys.latent[:, self.kv_lora:].astype(q_pe.dtype)
+        return kv[..., :self.nope], keys.latent[:, self.kv_lora:].astype(dtype), kv[..., self.nope:]
+
+    def _attend_dense(self, q_nope, q_pe, keys: PackedKeys, cu_seqlens, cu_keys, plan):
+        """Causal over each sequence's prefix and itself, by `prefill_attention`:
+        q [T, H, *] -> [T, H, v]. On a mesh each device attends with its own heads."""
+        k_nope, k_pe, v = self._expand(keys, q_nope.dtype)
+        q = jnp.concatenate([q_nope, q_pe], axis=-1)
+        k = jnp.concatenate(
+            [k_nope, jnp.broadcast_to(k_pe[:, None], (*k_pe.shape[:1], self.num_heads,
+                                                     self.rope))], axis=-1)
+        attend = functools.partial(prefill_attention, scale=self.scale,
+                                   implementation=self.attention)
+        if plan is not None:
+            s = plan.specs
+            # check_vma off: a pallas_call does not declare how its outputs vary.
+            attend = jax.shard_map(
+                attend, mesh=plan.mesh,
+                in_specs=(s.heads, s.heads, s.heads, s.replicated, s.replicated),
+                out_specs=(s.heads, s.head_scalars), check_vma=False)
+        out, _ = attend(q, k, v, cu_seqlens, cu_keys)
+        return out
+
+    def _dense_or_selected(self, dense, selected, cu_seqlens, prefix_used, *, max_keys: int):
+        """DSA: where no query sees more than top_k keys, the indexer would select every
+        visible key, so dense attention gives exactly the same result without it. Static
+        when no sequence can hold more than top_k keys (max_keys: a sequence's key
+        capacity); otherwise decided on the device from the batch (both branches compiled
+        once, never retraced on lengths)."""
+        if max_keys <= self.indexer.top_k:
+            return dense()
+        lens = jnp.diff(cu_seqlens)
+        widest = jnp.max(jnp.where(lens > 0, prefix_used + lens, 0))
+        return lax.cond(widest <= self.indexer.top_k, dense, selected)
+
+    def _attend_selected(self, q_nope, q_pe, index_queries, keys: PackedKeys, seq, pos, valid):
+        """Non-absorbed over the keys the DSA indexer selects for each query (a [H, block,
+        S] score tensor per block of `query_block` queries): q [T, H, *] -> [T, H, v]."""
+        k_nope, k_pe, v = self._expand(keys, q_nope.dtype)
 
         def attend(q_nope, q_pe, index_queries, seq, pos, valid):
             mask = ((keys.seq[None] == seq[:, None]) & (keys.pos[None] <= pos[:, None])
                     & keys.valid[None] & valid[:, None])  # [T, S]
-            if self.indexer is not None:
-                mask = self.indexer.select(*index_queries, keys.index, mask)
+            mask = self.indexer.select(*index_queries, keys.index, mask)
             scores = (jnp.einsum("thd,shd->hts", q_nope, k_nope,
                                  preferred_element_type=jnp.float32)
                       + jnp.einsum("thr,sr->hts", q_pe, k_pe,
@@ -381,7 +420,3 @@ class MLA(nnx.Module):
                                          latent, mask, kv_lora=self.kv_lora, scale=self.scale)
         return jnp.einsum("nhc,chv->nhv", out_latent.astype(w_uv.dtype), w_uv,
                           preferred_element_type=jnp.float32).astype(q_nope.dtype)
-
-
-def _concat(a: _Keys, b: _Keys) -> _Keys:
-    return _Keys(*(None if x is None else jnp.concatenate([x, y]) for x, y in zip(a, b)))
