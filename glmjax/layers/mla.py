@@ -370,7 +370,8 @@ class MLA(nnx.Module):
                 attend, mesh=plan.mesh,
                 in_specs=(s.heads, s.heads, s.heads, s.replicated, s.replicated),
                 out_specs=(s.heads, s.head_scalars), check_vma=False)
-        out, _ = attend(q, k, v, cu_seqlens, cu_keys)
+        with jax.named_scope("attention"):
+            out, _ = attend(q, k, v, cu_seqlens, cu_keys)
         return out
 
     def _dense_or_selected(self, dense, selected, cu_seqlens, prefix_used, *, max_keys: int):
