@@ -51,7 +51,7 @@ IDLE_GAUGES = (
     "glmjax_kv_blocks_used",
     "glmjax_state_slots_used",
 )
-DEFAULT_SERVER_ARGS = "--preset tiny --block-size 64 --max-model-len 1024 --max-num-seqs 16"
+DEFAULT_SERVER_ARGS = "--preset tiny"  # what `make serve` runs
 
 
 @dataclasses.dataclass(frozen=True)
