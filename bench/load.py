@@ -34,6 +34,7 @@ import asyncio
 import dataclasses
 import json
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -373,6 +374,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so that a server this command started is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         workload = WorkloadOptions(
             **{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkloadOptions)}

@@ -37,6 +37,8 @@ from schemathesis.specs.openapi.checks import (
 from bench.local_server import LocalServer
 from serving import api
 
+pytestmark = pytest.mark.slow  # a server start (compiles) and some 150 requests: ~30 s
+
 MAX_MODEL_LEN = 128
 SMALL_MAX_TOKENS = 2
 NO_SERVER_ERRORS_EXAMPLES = 15  # per operation and mode
@@ -214,6 +216,18 @@ def test_known_attacks_get_4xx_and_leave_the_server_healthy(server, name):
     assert 400 <= response.status_code < 500, (response.status_code, response.text[:500])
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert _healthy(server.url), server.log_tail(20)
+
+
+@pytest.mark.parametrize(
+    "method, path, status",
+    [("GET", "/nope", 404), ("GET", C, 405), ("DELETE", "/health", 405), ("PUT", CHAT, 405)],
+)
+def test_unknown_routes_and_methods_get_openai_errors(server, method, path, status):
+    response = httpx.request(method, server.url + path, timeout=REQUEST_TIMEOUT_S)
+    assert response.status_code == status
+    assert set(response.json().get("error", ())) == {"message", "type", "param", "code"}, (
+        response.text
+    )
 
 
 def test_no_server_errors(server):

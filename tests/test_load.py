@@ -53,6 +53,7 @@ def _details(report: dict) -> str:
     return json.dumps({k: report[k] for k in keys}, indent=1)[:6000]
 
 
+@pytest.mark.slow
 def test_the_load_exercised_what_it_should(report):
     """Not a vacuous pass: every send was made, some disconnected, the prefix cache was hit."""
     assert report["not_sent"] == 0 and report["sends"] == WORKLOAD.requests
@@ -61,12 +62,14 @@ def test_the_load_exercised_what_it_should(report):
     assert report["completed"] + report["wrong"] >= WORKLOAD.requests // 2
 
 
+@pytest.mark.slow
 def test_nothing_failed_and_nothing_wrong(report):
     assert report["failed"] == 0, _details(report)
     assert not report["reference_failed"], _details(report)
     assert report["wrong"] == 0, _details(report)
 
 
+@pytest.mark.slow
 def test_back_to_idle_and_healthy(report):
     assert report["idle_after_load"], _details(report)
     assert report["health_after"]["status"] == 200, _details(report)
@@ -74,6 +77,7 @@ def test_back_to_idle_and_healthy(report):
     assert ok(report)
 
 
+@pytest.mark.slow
 def test_no_compile_under_load(report):
     """The warm-up compiles what requests within the limits reach (issue 19, deliverable 6)."""
     assert report["compiles_during_load"] == 0, report["compiled_during_load"]
