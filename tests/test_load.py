@@ -10,6 +10,10 @@ import json
 
 import pytest
 
+# The GPU image lacks it; `make test-gpu` still collects this file.
+pytest.importorskip("httpx")
+
+
 from bench.load import RunOptions, ok, run_load, table
 from bench.load_workload import CHAT, WorkloadOptions, make_bodies, make_sends
 from bench.local_server import LocalServer, check_loopback
