@@ -355,18 +355,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=DEFAULT_SERVER_ARGS,
         help="arguments of the python -m serving.server this command starts",
     )
-    p.add_argument("--clients", type=int, default=r.clients)
+    p.add_argument("--clients", type=int, default=r.clients, help="concurrent clients")
     p.add_argument(
         "--duration", type=float, default=r.duration_s, help="seconds; no send starts after"
     )
-    p.add_argument("--request-timeout", type=float, default=r.request_timeout_s)
-    p.add_argument("--reference", choices=("before", "after"), default=r.reference)
-    p.add_argument("--idle-timeout", type=float, default=r.idle_timeout_s)
+    p.add_argument(
+        "--request-timeout", type=float, default=r.request_timeout_s, help="seconds per send"
+    )
+    p.add_argument(
+        "--reference",
+        choices=("before", "after"),
+        default=r.reference,
+        help="when the temperature-0 bodies are sent alone",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=r.idle_timeout_s,
+        help="seconds for the server to go back to idle after the load",
+    )
     for field in dataclasses.fields(WorkloadOptions):
         p.add_argument(
             "--" + field.name.replace("_", "-"),
             type=type(getattr(w, field.name)),
             default=getattr(w, field.name),
+            help="see bench.load_workload.WorkloadOptions",
         )
     p.add_argument("--out", type=Path, default=Path("bench/results/load.json"))
     return p.parse_args(argv)
