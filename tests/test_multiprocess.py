@@ -1,0 +1,203 @@
+"""TP4 over four processes, as four hosts run it: four local processes with one CPU device
+each (``jax.distributed``, gloo collectives), the tiny preset on a (tp 4, dcp) mesh.
+
+Each test starts its processes once and checks several things, as every start compiles
+the model four times over on the CI's two cores. The children compile with LLVM's
+optimisations off (``XLA_FLAGS``): it halves the compile time and changes no result here.
+"""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from glmjax import distributed
+from glmjax.random_weights import random_model
+from serving.engine import Engine, EngineConfig
+from serving.request import SamplingParams
+from serving.server import build_config, parse_args
+from serving.tokenizer import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+PROCESSES = 4
+START_TIMEOUT_S = 420
+KILL_BOUND_S = 30  # a killed process ends every process within this (heartbeat timeout 10 s)
+TOLERANCE = 2e-6  # max |mesh - one device| / max |one device|, fp32 (see test_numerics)
+CHILD_ENV = {
+    "JAX_PLATFORMS": "cpu",
+    "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+    "PYTHONPATH": str(ROOT),
+}
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(command: list[str], logs: Path, num_processes: int = PROCESSES, extra=None
+          ) -> list[subprocess.Popen]:
+    """`command` plus the multi-process flags, once per process; output to logs/p<i>.txt."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | CHILD_ENV
+    processes = []
+    for i in range(num_processes):
+        args = [*command, "--coordinator", coordinator, "--num-processes", str(num_processes),
+                "--process-id", str(i), *(extra(i) if extra else [])]
+        with open(logs / f"p{i}.txt", "w") as log:
+            processes.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT))
+    return processes
+
+
+def wait_all(processes: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
+    """Exit codes after at most `timeout_s` (None: still running, then killed)."""
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for p in processes:
+        try:
+            codes.append(p.wait(max(deadline - time.monotonic(), 0.1)))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return codes
+
+
+def log_text(logs: Path, i: int) -> str:
+    return (logs / f"p{i}.txt").read_text(errors="replace")
+
+
+def test_numerics_match_one_device(tmp_path):
+    """Logits of a prefill with 3 retained snapshots and 2 decode steps, every retained
+    KDA state (recurrent and conv) and the MLA caches (gathered from the four processes'
+    shards, in token order) against one device, at dcp 1, 2 and 4."""
+    out = tmp_path / "results.json"
+    processes = start([sys.executable, "tests/multiprocess_worker.py", "--dcp", "1,2,4",
+                       "--out", str(out)], tmp_path)
+    codes = wait_all(processes, START_TIMEOUT_S)
+    assert codes == [0] * PROCESSES, log_text(tmp_path, 0)[-3000:]
+    results = json.loads(out.read_text())
+    assert sorted(results) == ["1", "2", "4"]
+    for dcp, r in results.items():
+        assert r["processes"] == PROCESSES and r["dcp"] == int(dcp)
+        assert len(r["checkpoints"]) >= 3
+        d = r["differences"]
+        for kind in ("prefill_logits", "decode_logits", "kda_recurrent", "kda_conv",
+                     "mla_latent"):
+            assert d[kind]["max_rel"] <= TOLERANCE, (dcp, kind, d[kind])
+        for slot, by_slot in d["kda_states_by_slot"].items():
+            for kind in ("recurrent", "conv"):
+                assert by_slot[kind]["max_rel"] <= TOLERANCE, (dcp, slot, kind, by_slot)
+
+
+SERVER_ARGS = ["--preset", "tiny", "--tp", "4", "--dcp", "2", "--block-size", "16",
+               "--max-num-batched-tokens", "64", "--max-model-len", "256", "--max-num-seqs",
+               "4", "--num-state-slots", "16", "--single-bucket", "--log-level", "warning"]
+PROMPTS = ["The four processes share one model. " * 2, "Tensor parallel over hosts!"]
+MAX_TOKENS = 8
+
+
+def reference_tokens() -> list[list[str]]:
+    """Greedy tokens (their texts) of one process on one device (dcp emulated), same
+    flags."""
+    args = parse_args(SERVER_ARGS)
+    config = build_config(args)
+    engine = Engine(config, random_model(config, args.seed), EngineConfig(
+        max_model_len=256, block_size=16, dcp=2, budget=64, max_num_seqs=4,
+        num_kv_blocks=64, num_state_slots=16, single_bucket=True))
+    tokenizer = ByteTokenizer(config.vocab_size)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), tokenizer.encode(prompt),
+                           SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                          ignore_eos=True))
+    done = engine.run_until_done()
+    return [[tokenizer.token_text(t) for t in done[str(i)].output_token_ids]
+            for i in range(len(PROMPTS))]
+
+
+def complete(client: httpx.Client, prompt: str, max_tokens: int = MAX_TOKENS) -> httpx.Response:
+    return client.post("/v1/completions", json={
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "logprobs": 1})
+
+
+def tokens(response: httpx.Response) -> list[str]:
+    """The texts of the completion's tokens."""
+    return response.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def test_server_greedy_cached_and_kill(tmp_path):
+    """The four-process server answers the one-process greedy tokens, cold and from its
+    prefix cache; killing one process fails the request in flight with a 503 and ends
+    all four within KILL_BOUND_S."""
+    port = free_port()
+    processes = start([sys.executable, "-m", "serving.server", *SERVER_ARGS], tmp_path,
+                      extra=lambda i: ["--port", str(port)])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        expected = pool.submit(reference_tokens)
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert all(p.poll() is None for p in processes), log_text(tmp_path, 0)[-3000:]
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if client.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(2)
+        cold = [complete(client, prompt) for prompt in PROMPTS]
+        cached = complete(client, PROMPTS[0])
+        expected = expected.result()
+        for response in (*cold, cached):
+            assert response.status_code == 200, response.text
+        assert [tokens(r) for r in cold] == expected
+        assert cached.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert tokens(cached) == expected[0]
+
+        in_flight = pool.submit(complete, client, "a long one", 200)
+        time.sleep(3)
+        processes[2].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        response = in_flight.result()
+        assert response.status_code == 503, response.text
+        codes = wait_all(processes, KILL_BOUND_S - (time.monotonic() - killed_at))
+    assert None not in codes, f"still running {KILL_BOUND_S} s after the kill: {codes}"
+    assert all(code != 0 for code in codes), codes
+    assert "process 2 sent no heartbeat" in log_text(tmp_path, 0)
+
+
+def test_mismatched_flags_refused(tmp_path):
+    """Two processes started with different seeds both refuse to start, naming the flag."""
+    processes = start([sys.executable, "-m", "serving.server", "--tp", "2"], tmp_path, 2,
+                      extra=lambda i: ["--seed", str(i)])
+    codes = wait_all(processes, 120)
+    assert codes == [1, 1], codes
+    for i in range(2):
+        assert "different flags: --seed: process 0=0, process 1=1" in log_text(tmp_path, i)
+
+
+def test_multi_process_flags_need_a_coordinator():
+    args = parse_args(["--num-processes", "4"])
+    with pytest.raises(ValueError, match="needs --coordinator"):
+        distributed.initialize(args, tp=4, flags=vars(args))
+
+
+def test_comparable_flags_leave_out_per_process_ones():
+    flags = vars(parse_args(["--tp", "4", "--port", "9000", "--process-id", "3"]))
+    kept = distributed.comparable_flags(flags)
+    assert "port" not in kept and "process_id" not in kept and kept["tp"] == 4
+    assert kept["weights"] is None and "jax_version" in kept
