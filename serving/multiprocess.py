@@ -7,7 +7,7 @@
         ...                               # serve; a watch() fails requests if a follower dies
         stop_followers(channel)
     else:                                 # every other process
-        sys.exit(follow(steps, nnx.split(model), group))   # each announced call, until stop
+        follow(steps, nnx.split(model), group)   # each announced call, until stop
 
 JAX's multi-controller runtime runs one jitted program only when every process calls it,
 with the same global shapes, in the same order. The scheduler (planner, allocators,
@@ -120,7 +120,9 @@ def leader_steps(steps: ModelSteps, channel: StepChannel) -> ModelSteps:
     def announced(name: str, call: Callable, *host_args):
         channel.announce(name, *host_args)
         try:
-            return call()
+            # A device call returns before it runs: wait, so that a failed collective
+            # raises here (the engine reads each step's status at once anyway).
+            return jax.block_until_ready(call())
         except Exception as error:
             raise DeviceLostError(
                 f"{name} (call {channel.calls - 1}) failed on process 0 after it was sent to "
@@ -169,22 +171,37 @@ def stop_followers(channel: StepChannel) -> None:
     channel.announce(STOP)
 
 
+def _exit_now(status: int) -> None:
+    """Ends the process at once: ``sys.exit`` would first wait in JAX's shutdown barrier
+    for process 0 (up to 300 s) while this process's heartbeats go on, so process 0
+    would not notice that it is gone."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def follow(steps: ModelSteps, model_state, group: ProcessGroup, *,
-           channel: StepChannel | None = None) -> int:
+           channel: StepChannel | None = None) -> None:
     """A follower's loop: runs every call process 0 announces, with its own copy of the
-    weights (``model_state``, unplaced) and caches, until process 0 says stop. Returns
-    the exit status: 0 after a stop, 1 after a failed call (logged)."""
+    weights (``model_state``, unplaced) and caches. Returns when process 0 says stop; a
+    failed call or SIGTERM ends the process (status 1) at once."""
     channel = channel or StepChannel(group)
     beat(group)
+
+    def terminated(*_):
+        logger.error("process %d: SIGTERM; the process group stops", group.process_id)
+        _exit_now(1)
+
     # JAX's preemption notifier takes SIGTERM; a follower should still end on it.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"process {group.process_id}: SIGTERM"))
+    signal.signal(signal.SIGTERM, terminated)
     placed, caches = None, None
     while True:
         name, args = channel.receive()
         try:
             if name == STOP:
                 logger.info("process %d: process 0 stopped; exiting", group.process_id)
-                return 0
+                return
             if name == "place":
                 placed = steps.place(model_state)
             elif name == "init_caches":
@@ -206,7 +223,7 @@ def follow(steps: ModelSteps, model_state, group: ProcessGroup, *,
         except Exception:
             logger.exception("process %d: call %d (%s) failed; the process group stops",
                              group.process_id, channel.calls - 1, name)
-            return 1
+            _exit_now(1)
 
 
 def beat(group: ProcessGroup, *, interval_s: float = HEARTBEAT_S) -> threading.Thread:
@@ -259,11 +276,10 @@ def watch(group: ProcessGroup, *, is_dead: Callable[[], bool],
         if reason is None:
             return
         logger.critical("%s; the process group cannot go on: process 0 fails every request "
-                        "and exits in %.0f s", reason, grace_s)
+                        "and exits in %.1f s", reason, grace_s)
         fail(DeviceLostError(reason))
         time.sleep(grace_s)
-        logging.shutdown()
-        os._exit(1)
+        _exit_now(1)
 
     threading.Thread(target=run, name="process-group-watch", daemon=True).start()
     return done

@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import dataclasses
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -300,8 +299,9 @@ def main(argv=None) -> None:
         group = distributed.initialize(args, tp=args.tp, flags=vars(args))
         if group is not None and not group.is_leader:  # a follower serves no HTTP
             config = build_config(args)
-            sys.exit(multiprocess.follow(build_steps(args, config),
-                                         nnx.split(load_model(args, config)), group))
+            multiprocess.follow(build_steps(args, config),
+                                nnx.split(load_model(args, config)), group)
+            return
         channel = None if group is None else multiprocess.StepChannel(group)
         engine, tokenizer, model_name = build_engine(args, channel)
     except ValueError as error:
