@@ -35,14 +35,14 @@ the sampler, a jitted program too, runs on that copy alone.
 
 Failure: a call that fails after it was announced may have left the processes' caches
 in different states, so it ends the group (``DeviceLostError`` on process 0, which fails
-every live request with 503; an exit with status 1 on a follower). Failures before the
+the requests in flight and answers new ones 503; an exit with status 1 on a follower). Failures before the
 announcement (scheduling, batch building, sampling) stay the engine's per-request
 failures. A process that dies is noticed by JAX's heartbeat, which then ends every
 process (``glmjax.distributed``) without a word to process 0's HTTP clients, and a
 collective waiting on the dead process may not fail before that. So the followers also
-beat in the key-value store (``beat``), and process 0 (``watch``) fails every live
-request (503) and exits as soon as one falls silent for less than JAX's timeout, or
-its engine stops serving; the other followers then end by JAX's heartbeat.
+beat in the key-value store (``beat``), and process 0 (``watch``) fails the requests in
+flight, answers new ones 503 and exits as soon as one falls silent for less than JAX's
+timeout, or its engine stops serving; the other followers then end by JAX's heartbeat.
 """
 
 from __future__ import annotations
@@ -242,14 +242,16 @@ def beat(group: ProcessGroup, *, interval_s: float = HEARTBEAT_S) -> threading.T
 
 def watch(group: ProcessGroup, *, is_dead: Callable[[], bool],
           fail: Callable[[Exception], None], timeout_s: float, grace_s: float = 1.5,
-          poll_s: float = 0.25) -> threading.Event:
+          poll_s: float = 0.25, exit: Callable[[int], None] = _exit_now) -> threading.Event:
     """Process 0: a daemon thread that notices a follower silent for `timeout_s` (it died,
     or its host went away) or `is_dead()` (the engine stopped serving), calls `fail` with
-    the reason (the engine fails every live request: 503s), and ends the process
+    the reason (the engine fails the requests in flight and answers new ones 503), and
+    ends the process
     `grace_s` later. JAX's own heartbeat would end process 0 too, but without a word to
     its clients, and a follower that waits on a process 0 serving nothing would wait
-    forever; `timeout_s` must leave `grace_s` inside JAX's heartbeat timeout. Returns an
-    event that ends the watch when set (an orderly shutdown, before ``stop_followers``)."""
+    forever (`exit` ends the process, with status 1); `timeout_s` must leave `grace_s`
+    inside JAX's heartbeat timeout. Returns an event that ends the watch when set (an
+    orderly shutdown, before ``stop_followers``)."""
     done = threading.Event()
     followers = range(1, group.num_processes)
 
@@ -270,7 +272,7 @@ def watch(group: ProcessGroup, *, is_dead: Callable[[], bool],
                 if value != last[i][0]:
                     last[i] = (value, now)
                 elif now - last[i][1] > timeout_s:
-                    reason = f"process {i} sent no heartbeat for {timeout_s:.0f} s"
+                    reason = f"process {i} sent no heartbeat for {timeout_s:g} s"
             if reason is None and is_dead():
                 reason = "the engine stopped serving"
         if reason is None:
@@ -279,7 +281,7 @@ def watch(group: ProcessGroup, *, is_dead: Callable[[], bool],
                         "and exits in %.1f s", reason, grace_s)
         fail(DeviceLostError(reason))
         time.sleep(grace_s)
-        _exit_now(1)
+        exit(1)
 
     threading.Thread(target=run, name="process-group-watch", daemon=True).start()
     return done
