@@ -25,19 +25,22 @@ step (a collective needs the shapes known in advance on every process), the foll
 wait for it without holding a device, and it works the same on CPU, GPU and across hosts.
 Call n is stored under ``glmjax/step/n`` as a pickle of (name, host arguments): the
 PrefillBatch / DecodeBatch of NumPy arrays (``serving.batch_builder``), the copy pairs,
-the cache sizes. Keys older than ``KEEP_CALLS`` calls are deleted: a follower cannot fall
+the cache sizes (the followers unpickle what the store holds: like JAX's coordinator
+itself, it belongs on a private network). Keys older than ``KEEP_CALLS`` calls are deleted: a follower cannot fall
 that far behind, as every prefill and decode is a collective that process 0 waits on (its
-status) and a step makes at most five calls.
+status) and a step makes at most five calls. Costs per call: one store round trip
+before the call, and process 0 waits for each call to finish (so that a failure shows in
+the call that failed); neither is measured on GPUs yet.
 
 Only process 0 samples and streams: the steps' logits and status come back replicated,
 so process 0 reads its own copy (one device's data; no other process is involved) and
 the sampler, a jitted program too, runs on that copy alone.
 
 Failure: a call that fails after it was announced may have left the processes' caches
-in different states, so it ends the group (``DeviceLostError`` on process 0, which fails
-the requests in flight and answers new ones 503; an exit with status 1 on a follower). Failures before the
-announcement (scheduling, batch building, sampling) stay the engine's per-request
-failures. A process that dies is noticed by JAX's heartbeat, which then ends every
+in different states, so it ends the group (``DeviceLostError`` on process 0, which
+fails the requests in flight and answers new ones 503; an exit with status 1 on a
+follower). Failures before the announcement (scheduling, batch building, sampling) stay
+the engine's per-request failures. A process that dies is noticed by JAX's heartbeat, which then ends every
 process (``glmjax.distributed``) without a word to process 0's HTTP clients, and a
 collective waiting on the dead process may not fail before that. So the followers also
 beat in the key-value store (``beat``), and process 0 (``watch``) fails the requests in
