@@ -15,6 +15,11 @@ of each run, and the bytes the fullest device holds of parameters and caches.
 
 On a CPU the mesh needs host devices: the tool asks JAX for max(8, tp) of them before JAX
 starts (an XLA_FLAGS=--xla_force_host_platform_device_count=N already set wins).
+
+Over several processes (``--coordinator HOST:PORT --num-processes N --process-id I``, see
+``glmjax.distributed``) every process runs the same workload on the mesh of all their
+devices; process 0 alone runs the one-device reference and prints (the caches are
+gathered from every process before they are compared).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from typing import NamedTuple
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
+from glmjax import distributed
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
@@ -139,12 +146,19 @@ def run_workload(steps: ModelSteps, model_state, workload: Workload, *,
         "mla_latent": fullest([c.latent for c in caches.mla]),
         "mla_index_keys": fullest([c.index_keys for c in caches.mla if c.index_keys is not None]),
     }
-    host = jax.tree.map(np.asarray, caches)
+    host = jax.tree.map(_host_copy, caches)
     block = host.mla[0].latent.shape[1] if host.mla else 0
     rows = np.asarray(steps.layout.block_rows(block)) if block else None
     host = host._replace(mla=tuple(c._replace(latent=c.latent[:, rows]) for c in host.mla))
     (prefill_logits, prefill_s), (decode_logits, decode_s) = results.values()
     return RunResult(prefill_logits, decode_logits, host, prefill_s, decode_s, held)
+
+
+def _host_copy(x: jax.Array) -> np.ndarray:
+    """All of `x` on the host, gathered from every process when others hold shards."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def max_difference(reference, other) -> dict[str, float]:
@@ -215,11 +229,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=512, help="KV block per dcp rank, P")
     p.add_argument("--seed", type=int, default=0, help="weights and tokens")
     p.add_argument("--json", type=Path, help="also write the results here")
+    distributed.add_arguments(p)
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> dict:
-    """The experiment `args` describe; returns the results (what `--json` writes)."""
+def run(args: argparse.Namespace) -> dict | None:
+    """The experiment `args` describe; returns the results (what `--json` writes), or None
+    in a process other than process 0 of several."""
     mesh = make_mesh(args.tp, args.dcp)
     config = ModelConfig.preset(args.preset)
     if args.num_layers is not None or args.num_experts is not None:
@@ -236,13 +252,16 @@ def run(args: argparse.Namespace) -> dict:
                   flush=True)
         return report
 
-    single = run_workload(single_device_steps(config), model_state, workload,
-                          progress=progress_of("one device"))
     sharded = run_workload(plan.steps(), model_state, workload,
                            progress=progress_of(f"mesh tp={args.tp} dcp={args.dcp}"))
+    if jax.process_index() != 0:
+        return None
+    single = run_workload(single_device_steps(config), model_state, workload,
+                          progress=progress_of("one device"))
     return {
         "preset": config.name, "tp": args.tp, "dcp": args.dcp, "interleave": args.interleave,
         "tokens": args.tokens, "decode_steps": args.decode_steps, "block_size": args.block_size,
+        "processes": jax.process_count(),
         "checkpoints": sorted(p for s, p in workload.retained.items() if s),
         "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
         "jax": jax.__version__, "kda_backend": config.resolved_kda_backend(),
@@ -282,9 +301,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     request_cpu_devices(max(8, args.tp))
     try:
+        distributed.initialize(args, tp=args.tp, flags=vars(args))
         results = run(args)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
+    if results is None:
+        return
     print_table(results)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -94,6 +94,25 @@ def make_mesh(tp: int, dcp: int = 1, devices=None) -> Mesh:
     return Mesh(np.asarray(devices[:tp]).reshape(tp // dcp, dcp), AXES)
 
 
+def put(tree, shardings):
+    """``jax.device_put(tree, shardings)`` (`shardings` one per leaf, or one for all).
+    Over several processes (``glmjax.distributed``) each process puts its own devices'
+    slices of its host copy, which must be the same in every process (as weights drawn
+    from the same seed, files read on every host, or step metadata announced by process 0
+    are): ``jax.device_put`` would check that with a collective of every array, compiled
+    per shape, at every step."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+
+    def one(x, sharding):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
 def request_cpu_devices(count: int) -> None:
     """Ask JAX for `count` host (CPU) devices, so that a mesh can be tried on a CPU. Only
     takes effect before JAX starts its backends (else `make_mesh` reports the shortfall);
@@ -233,12 +252,11 @@ class MeshStep:
         return self.jitted[return_logprobs]
 
     def __call__(self, model_state, caches, batch, *, return_logprobs=False):
-        return self._step(return_logprobs)(model_state, caches,
-                                           jax.device_put(batch, self.replicated))
+        return self._step(return_logprobs)(model_state, caches, put(batch, self.replicated))
 
     def lower(self, model_state, caches, batch, *, return_logprobs=False):
         return self._step(return_logprobs).lower(model_state, caches,
-                                                 jax.device_put(batch, self.replicated))
+                                                 put(batch, self.replicated))
 
     @property
     def __name__(self) -> str:
@@ -320,7 +338,7 @@ class ShardingPlan:
         shardings = self.param_shardings(params)
         if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
             return graphdef, jax.tree.map(lambda x, s: x.update(sharding=s), params, shardings)
-        return graphdef, jax.device_put(params, shardings)
+        return graphdef, put(params, shardings)
 
     def init_caches(self, num_state_slots: int, num_kv_blocks: int) -> Caches:
         """Zeroed caches, made in place on the mesh (no device holds them whole)."""
@@ -365,10 +383,10 @@ class ShardingPlan:
         run_decode = MeshStep({False: jitted_decode}, rep)
 
         def run_copy_slots(caches, sources, destinations):
-            return jitted_copy_slots(caches, *jax.device_put((sources, destinations), rep))
+            return jitted_copy_slots(caches, *put((sources, destinations), rep))
 
         def run_copy_blocks(caches, sources, destinations):
-            return jitted_copy_blocks(caches, *jax.device_put((sources, destinations), rep))
+            return jitted_copy_blocks(caches, *put((sources, destinations), rep))
 
         return ModelSteps(run_prefill, run_decode, run_copy_slots, run_copy_blocks,
                           self.init_caches, self.place, self.mesh, self.layout)

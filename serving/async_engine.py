@@ -110,6 +110,14 @@ class AsyncEngine:
         if self._error is None:
             self._commands.put((self._abort_all, None))
 
+    def fail(self, error: BaseException) -> None:
+        """Stops serving from any thread, for a failure the engine thread cannot see (it
+        may be waiting in a device call that never returns, as on a multi-process mesh
+        that lost a process): every live request and queued command gets an
+        ``EngineDeadError``, new requests are refused."""
+        self._error = error
+        self._fail_all(error)
+
     def stop(self, timeout: float = 10.0) -> None:
         """Aborts everything still live, ends the loop and joins the thread."""
         self._stopping = True
@@ -189,7 +197,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         dead = EngineDeadError("the engine failed and serves nothing more (the server log says why)")
-        for live in self._live.values():
+        for live in list(self._live.values()):  # `fail` may run beside the engine thread
             _put(live, dead)
         self._live.clear()
         while True:

@@ -286,6 +286,8 @@ class Engine:
                     step, {i: draw.token for i, draw in sampled.items()}
                 )
             }
+        except DeviceLostError:  # raised by multi-process steps (serving.multiprocess)
+            raise
         except Exception as error:
             return outputs + self._fail_step(step, error)
         for request_id, draw in sampled.items():

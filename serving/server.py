@@ -21,6 +21,10 @@ flight and exit.
 ``--tp N`` (N > 1) runs the model on a ``(N // dcp, dcp)`` mesh of N devices
 (``glmjax.sharding``); on a CPU the server asks JAX for N host devices. With ``--tp 1``,
 ``--dcp 2`` or ``4`` is emulated on one device (a KV block of ``block_size * dcp`` tokens).
+
+Over several processes or hosts (``glmjax.distributed``), every process runs the same
+command plus ``--coordinator HOST:PORT --num-processes N --process-id I``; process 0
+serves HTTP and schedules, the others run the steps it announces (``serving.multiprocess``).
 """
 
 from __future__ import annotations
@@ -38,13 +42,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse
+from flax import nnx
 from starlette.exceptions import HTTPException
 
-from glmjax import compile_cache
+from glmjax import compile_cache, distributed
 from glmjax.config import ModelConfig
 from glmjax.random_weights import random_model
 from glmjax.sharding import ShardingPlan, make_mesh, request_cpu_devices
-from serving import api
+from serving import api, multiprocess
 from serving.async_engine import AsyncEngine
 from serving.compiles import CompileLog
 from serving.engine import Engine, EngineConfig
@@ -288,6 +293,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     compile_cache.add_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="random weights and request seeds")
     p.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    distributed.add_arguments(p)
     args = p.parse_args(argv)
     try:
         # Read here, not as the flag's default, so that --help never prints the key.
@@ -298,20 +304,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def build_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer, str]:
-    """The engine, tokenizer and served model name the arguments describe.
+def build_steps(args: argparse.Namespace, config: ModelConfig):
+    """The mesh's steps for ``--tp N`` (N > 1), else None (one device)."""
+    if args.tp == 1:
+        return None
+    try:
+        mesh = make_mesh(args.tp, args.dcp)
+        return ShardingPlan(config, mesh, interleave=args.dcp_interleave).steps()
+    except ValueError as error:
+        raise ValueError(f"--tp {args.tp} --dcp {args.dcp}: {error}") from None
+
+
+def build_engine(args: argparse.Namespace, channel: multiprocess.StepChannel | None = None
+                 ) -> tuple[Engine, Tokenizer, str]:
+    """The engine, tokenizer and served model name the arguments describe (on process 0
+    of several, its steps announced to the others on `channel`).
 
     Raises:
       ValueError: arguments the server cannot run (the message says which and why).
     """
     config = build_config(args)
-    steps = None
-    if args.tp != 1:
-        try:
-            mesh = make_mesh(args.tp, args.dcp)
-            steps = ShardingPlan(config, mesh, interleave=args.dcp_interleave).steps()
-        except ValueError as error:
-            raise ValueError(f"--tp {args.tp} --dcp {args.dcp}: {error}") from None
+    steps = build_steps(args, config)
+    if channel is not None:
+        steps = multiprocess.leader_steps(steps, channel)
     tokenizer = load_tokenizer(args.tokenizer, config.vocab_size)
     blocks_per_request = -(-args.max_model_len // (args.block_size * args.dcp))
     engine_config = EngineConfig(
@@ -417,12 +432,28 @@ def main(argv=None) -> None:
     )
     compile_cache.enable_from_args(args)
     try:
-        engine, tokenizer, model_name = build_engine(args)
+        group = distributed.initialize(args, tp=args.tp, flags=vars(args))
+        if group is not None and not group.is_leader:  # a follower serves no HTTP
+            config = build_config(args)
+            multiprocess.follow(build_steps(args, config),
+                                nnx.split(load_model(args, config)), group)
+            return
+        channel = None if group is None else multiprocess.StepChannel(group)
+        engine, tokenizer, model_name = build_engine(args, channel)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     log_features(engine, tokenizer)
-    warm_up(engine, args.precompile == "all")
+    if args.precompile == "all" and group is not None:
+        # The followers compile each program when process 0 first announces it: a
+        # precompile on process 0 alone would leave them compiling while it serves.
+        logger.warning("--precompile all is not supported across processes yet: every "
+                       "batch shape compiles the first time a step needs it")
+    warm_up(engine, args.precompile == "all" and group is None)
     async_engine = AsyncEngine(engine)
+    if group is not None:  # a lost follower fails every request before JAX ends us
+        watching = multiprocess.watch(group, is_dead=lambda: async_engine.error is not None,
+                                      fail=async_engine.fail,
+                                      timeout_s=0.4 * args.heartbeat_timeout)
     app = build_app(async_engine, tokenizer, model_name=model_name, options=args.http)
     if args.http.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning(
@@ -432,6 +463,9 @@ def main(argv=None) -> None:
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
     _Server(config, app.state.handlers).run()
+    if group is not None:
+        watching.set()
+        multiprocess.stop_followers(channel)
     logger.info("server stopped")
 
 
