@@ -79,6 +79,17 @@ TokenId = Annotated[int, Field(ge=0, lt=INT32_LIMIT)]
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        """Lone surrogates and deep nesting are refused (400) for a body that did not come
+        through ``serving.json_body`` too (a model built in Python)."""
+        from serving.json_body import check_values  # it imports this module
+
+        if isinstance(data, dict):
+            check_values(data)
+        return data
+
 
 class StreamOptions(_Body):
     include_usage: bool = False

@@ -138,7 +138,7 @@ def build_app(
             return JSONResponse({"status": "error", "error": "the engine is not serving"}, 503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(handlers.prometheus_text(), media_type="text/plain; version=0.0.4")
 

@@ -5,11 +5,6 @@ refuses chat (400) and still serves completions."""
 
 import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -159,46 +154,23 @@ def test_template_errors(tmp_path):
 
 
 @contextlib.contextmanager
-def running_server(args: list[str]):
+def running_server(args: list[str], log_path):
     """``python -m serving.server`` with ``args`` on a free port; yields an httpx client."""
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "serving.server", *SMALL_SERVER, *args, "--port", str(port)],
-        cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited at start:\n{proc.stdout.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
-        with httpx.Client(base_url=url, timeout=120) as client:
+    from bench.local_server import LocalServer
+
+    with LocalServer([*SMALL_SERVER, *args], log_path, env={"JAX_PLATFORMS": "cpu"},
+                     start_timeout_s=300) as server:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
             yield client
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.mark.slow
 def test_server_without_template_refuses_chat_and_serves_completions(tmp_path):
     pytest.importorskip("fastapi")
     folder = write_tokenizer(tmp_path, {"eos_token": "</s>"})
-    with running_server(["--tokenizer", str(folder)]) as client:
+    with running_server(["--tokenizer", str(folder)], tmp_path / "server.log") as client:
         chat = client.post(
             "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}]}
         )
