@@ -264,6 +264,22 @@ class MeshStep:
         return self.jitted[False].__name__
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class MeshCopy:
+    """A cache copy jitted over a mesh, called as `glmjax.caches`' copies are: its
+    (sources, destinations) pairs (host int32 arrays) are replicated first; `lower` lowers
+    for an ahead-of-time compile (`serving.precompile`), as `jax.jit`'s does."""
+
+    jitted: Callable
+    replicated: NamedSharding
+
+    def __call__(self, caches, sources, destinations):
+        return self.jitted(caches, *put((sources, destinations), self.replicated))
+
+    def lower(self, caches, sources, destinations):
+        return self.jitted.lower(caches, *put((sources, destinations), self.replicated))
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingPlan:
     """How `config`'s model runs on `mesh` (from `make_mesh`): the specs, the DCP layout of
@@ -382,11 +398,6 @@ class ShardingPlan:
         run_prefill = MeshStep(jitted_prefill, rep)
         run_decode = MeshStep({False: jitted_decode}, rep)
 
-        def run_copy_slots(caches, sources, destinations):
-            return jitted_copy_slots(caches, *put((sources, destinations), rep))
-
-        def run_copy_blocks(caches, sources, destinations):
-            return jitted_copy_blocks(caches, *put((sources, destinations), rep))
-
-        return ModelSteps(run_prefill, run_decode, run_copy_slots, run_copy_blocks,
-                          self.init_caches, self.place, self.mesh, self.layout)
+        return ModelSteps(run_prefill, run_decode, MeshCopy(jitted_copy_slots, rep),
+                          MeshCopy(jitted_copy_blocks, rep), self.init_caches, self.place,
+                          self.mesh, self.layout)

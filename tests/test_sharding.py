@@ -363,6 +363,7 @@ def _serve(extra):
     from serving import server
 
     engine, tokenizer, name = server.build_engine(server.parse_args([*SERVER_ARGS, *extra]))
+    server.warm_up(engine, precompile_all=True)  # as the server starts: nothing compiles later
     app = server.build_app(server.AsyncEngine(engine), tokenizer, model_name=name)
     answers = []
     with TestClient(app) as client:
@@ -383,5 +384,7 @@ def test_server_on_a_4x4_mesh_generates_the_tokens_of_one_device():
     assert "glmjax_dcp 4" in metrics
     assert on_mesh[1][1]["prompt_tokens_details"]["cached_tokens"] == 128
     assert engine.metrics().kv_block_copies >= 1
-    _, on_one_device, _ = _serve(["--tp", "1"])
+    assert "glmjax_backend_compiles_total 0.0" in metrics
+    _, on_one_device, metrics = _serve(["--tp", "1"])
     assert on_mesh == on_one_device
+    assert "glmjax_backend_compiles_total 0.0" in metrics
