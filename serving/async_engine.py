@@ -205,8 +205,8 @@ class AsyncEngine:
                 _, future = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if future is not None:
-                future.set_exception(dead)
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(dead)  # (a cancelled caller's future takes none)
 
 
 def _put(live: _Live, item: RequestOutput | EngineDeadError) -> None:

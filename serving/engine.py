@@ -260,7 +260,8 @@ class Engine:
         if not self.scheduler.abort(request_id):
             return False
         tracked = self._tracked.pop(request_id)
-        self._aborted.append(self._output(tracked, FinishReason.ABORT, None))
+        # No text: nobody reads an aborted request's, and detokenizing could raise here.
+        self._aborted.append(self._output(tracked, FinishReason.ABORT, None, with_text=False))
         self._counts["requests_aborted"] += 1
         return True
 
@@ -349,7 +350,7 @@ class Engine:
     def _fail_step(self, step: ScheduledStep, error: Exception) -> list[RequestOutput]:
         """Fails the step's requests (or, with the caches gone, every live request)."""
         self._counts["step_failures"] += 1
-        if not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
+        if not self._caches_lost():
             self.scheduler.abort_step(step)
             failed = [i for i in step.request_ids if i in self._tracked]
             logger.error("step %d failed; failing its requests %s", step.step_id, failed,
@@ -362,6 +363,15 @@ class Engine:
         self._make_pools()
         self._counts["engine_resets"] += 1
         return self._fail_requests(failed)
+
+    def _caches_lost(self) -> bool:
+        """Whether the caches can no longer be used: a failed call consumed them (donated
+        buffers deleted) or they hold an error the device reported after the call."""
+        try:
+            jax.block_until_ready(self.caches)
+        except Exception:
+            return True
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches))
 
     def _fail_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """Drops the requests (aborting those still live) and reports each finished with
@@ -483,10 +493,11 @@ class Engine:
                 self.scheduler.abort(request.request_id)
         elif finished:
             reason = FinishReason.LENGTH
+        output = self._output(tracked, reason, stop_reason)  # may raise: still tracked then
         if reason is not None:
             del self._tracked[request.request_id]
             self._counts["requests_finished"] += 1
-        return self._output(tracked, reason, stop_reason)
+        return output
 
     def _stop_string(self, tracked: _Tracked) -> str | None:
         """The stop string that occurs first in the output text, or None."""

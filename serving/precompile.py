@@ -9,8 +9,9 @@ lists them all for an engine's buckets, and ``precompile`` compiles them on a th
 finds the executable in JAX's compilation cache, so it does not compile again; with the
 persistent cache (``glmjax.compile_cache``) a restart reads them from disk.
 
-Which buckets are reachable: a prefill batch holds at least one token per sequence
-(N <= T), every width up to the longest request's; decode batches any (N, M).
+Which buckets are reachable: a prefill batch holds at least one token per sequence, so
+its sequence bucket N is reachable with T tokens when the bucket below N is smaller than T;
+every width up to the longest request's; decode batches any (N, M).
 """
 
 from __future__ import annotations
@@ -40,11 +41,14 @@ class Program:
 
 def reachable_programs(buckets: BatchBuckets) -> list[Program]:
     """Every program an engine padding to ``buckets`` can call, cheapest first."""
+    # A bucket of n rows holds more than the bucket below it (k spans need k tokens), so it
+    # is reachable with t tokens when that lower bucket is smaller than t.
+    below = dict(zip(buckets.seqs, (0, *buckets.seqs[:-1])))
     prefill = [
         Program("prefill", (t, n, m))
         for t in buckets.tokens
         for n in buckets.seqs
-        if n <= t
+        if below[n] < t
         for m in buckets.block_table_widths
     ]
     decode = [Program("decode", (n, m)) for n in buckets.seqs for m in buckets.block_table_widths]

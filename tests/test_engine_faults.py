@@ -208,3 +208,22 @@ def test_one_blocking_transfer_per_step(model_state, monkeypatch):  # noqa: F811
             assert len(fetches) - before == int(not steps[-1].is_empty), steps[-1]
     kinds = {(bool(s.prefills), bool(s.decodes), bool(s.resume_state_copies)) for s in steps}
     assert (True, True, False) in kinds and (True, False, True) in kinds, kinds
+
+
+def test_a_finishing_output_that_fails_still_reaches_its_waiter(model_state):  # noqa: F811
+    """The output that finishes a request is built before the request is dropped: if
+    building it raises, the request is reported failed, never left without a final output."""
+    engine = make_engine(model_state)
+
+    def fails_on_the_last_token(token_ids):
+        if len(token_ids) == GREEDY.max_tokens:
+            raise InjectedFault("injected")
+        return detokenize(token_ids)
+
+    engine._detokenize = fails_on_the_last_token
+    outputs = run(engine, [THIRD])
+    assert outputs[THIRD[0]].finish_reason is FinishReason.ERROR
+    metrics = engine.metrics()
+    assert (metrics.requests_failed, metrics.requests_finished) == (1, 0)
+    assert_idle(engine)
+    assert not engine.has_unfinished()
