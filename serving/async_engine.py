@@ -60,11 +60,10 @@ class AsyncEngine:
         self._metrics = engine.metrics()
         self._error: BaseException | None = None
         self._stopping = False
-        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
-        self.compiles.__enter__()
+        self.compiles.start()
         self._thread.start()
 
     @property
@@ -125,9 +124,7 @@ class AsyncEngine:
         self._commands.put((None, None))
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if self._thread.ident is not None and not self._stopped:
-            self._stopped = True
-            self.compiles.__exit__(None, None, None)
+        self.compiles.stop()
 
     async def _call(self, fn: Callable[[Engine], object]):
         if self._error is not None or self._stopping:

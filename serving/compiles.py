@@ -22,18 +22,31 @@ class CompileLog:
     def __init__(self):
         self.events: list[tuple[str, float]] = []
         self._lock = threading.Lock()
+        self._listening = False
 
     def _listen(self, event: str, seconds: float, **kwargs) -> None:
         if event == COMPILE_EVENT:
             with self._lock:
                 self.events.append((str(kwargs.get("fun_name", "?")), seconds))
 
+    def start(self) -> None:
+        """Starts recording (once; a second call does nothing)."""
+        if not self._listening:
+            self._listening = True
+            jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def stop(self) -> None:
+        """Stops recording; nothing happens if it is not recording."""
+        if self._listening:
+            self._listening = False
+            jax.monitoring.unregister_event_duration_listener(self._listen)
+
     def __enter__(self) -> CompileLog:
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        self.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        jax.monitoring.unregister_event_duration_listener(self._listen)
+        self.stop()
 
     @property
     def count(self) -> int:

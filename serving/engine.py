@@ -54,6 +54,7 @@ from serving.step import ScheduledStep, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
+
 class StepRefusedError(RuntimeError):
     """The model refused a step's cache update (a non-OK `PoolStatus`); nothing was written."""
 
