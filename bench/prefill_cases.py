@@ -204,9 +204,8 @@ def profile_case(run: Run, length: int, config: ModelConfig, device_kind: str,
 
 def compare_greedy(on: dict[str, Output], off: dict[str, Output]) -> dict:
     """Paired requests' tokens up to the first difference, logprobs where the tokens agree
-    (DESIGN section 6: |on - off| <= 0.1 + 0.02 |off|), and at each first difference the
-    two runs' top-2 (`near_ties`): a near tie is the same two candidates swapped, each
-    run's margin between them within that bound, so the flip is rounding, not a bug."""
+    (DESIGN section 6: |on - off| <= 0.1 + 0.02 |off|), and at each first difference
+    whether it is a near tie (`_first_difference`)."""
     tokens, compared, differing, max_diff, within = {}, 0, [], 0.0, True
     near_ties = {}
     for request_id in sorted(on.keys() & off.keys()):
@@ -232,12 +231,15 @@ def compare_greedy(on: dict[str, Output], off: dict[str, Output]) -> dict:
 
 
 def _first_difference(a: Output, b: Output, position: int) -> dict:
-    """Both runs' two most likely tokens where their greedy tokens first differ."""
+    """Where two runs' greedy tokens first differ: each run's gap from its own top token to
+    the other run's choice (inf when that is not among its top logprobs). A near tie is
+    both gaps within DESIGN section 6's logprob bound, so rounding explains the flip."""
     if not (len(a.top_logprobs) > position and len(b.top_logprobs) > position):
         return dict(position=position, near_tie=False, reason="no top logprobs recorded")
-    top_a, top_b = a.top_logprobs[position][:2], b.top_logprobs[position][:2]
-    margins = [top[0][1] - top[1][1] for top in (top_a, top_b)]
-    bound = 0.1 + 0.02 * abs(top_b[0][1])
-    swapped = [t for t, _ in top_a] == [t for t, _ in reversed(top_b)]
-    return dict(position=position, coalesced_top2=top_a, ladder_top2=top_b,
-                margins=margins, near_tie=bool(swapped and max(margins) <= bound))
+    top_a, top_b = dict(a.top_logprobs[position]), dict(b.top_logprobs[position])
+    chosen_a, chosen_b = a.output_token_ids[position], b.output_token_ids[position]
+    gaps = [top_a[chosen_a] - top_a.get(chosen_b, -np.inf),
+            top_b[chosen_b] - top_b.get(chosen_a, -np.inf)]
+    bound = 0.1 + 0.02 * abs(top_b[chosen_b])
+    return dict(position=position, tokens=[chosen_a, chosen_b], gaps=gaps, bound=bound,
+                near_tie=bool(max(gaps) <= bound))

@@ -11,6 +11,7 @@ each.
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from bench.buckets import Output
@@ -126,15 +127,20 @@ def test_compare_greedy_tells_a_near_tie_from_a_real_difference():
         return Output("r", tuple(tokens), (-1.0,) * len(tokens), 0, tuple(top))
 
     agree = ((5, -1.0), (9, -1.5))
-    tie_on, tie_off = ((7, -2.00), (8, -2.05)), ((8, -2.01), (7, -2.04))
-    far_off = ((8, -1.0), (7, -3.0))  # the ladder's runner-up is 2 nats behind
+    tie_on = ((7, -2.00), (3, -2.02), (8, -2.05))
+    tie_off = ((8, -2.01), (7, -2.04))
+    far_off = ((8, -1.0), (7, -3.0))  # the coalesced choice is 2 nats behind here
     result = compare_greedy({"r": out([5, 7], [agree, tie_on])},
                             {"r": out([5, 8], [agree, tie_off])})
     assert not result["identical"] and result["all_differences_near_ties"]
     assert result["near_ties"]["r"]["position"] == 1
+    np.testing.assert_allclose(result["near_ties"]["r"]["gaps"], [0.05, 0.03])
     result = compare_greedy({"r": out([5, 7], [agree, tie_on])},
                             {"r": out([5, 8], [agree, far_off])})
     assert not result["near_ties"]["r"]["near_tie"]
     assert not result["all_differences_near_ties"]
+    absent = compare_greedy({"r": out([5, 7], [agree, ((7, -2.0), (3, -2.01))])},
+                            {"r": out([5, 8], [agree, tie_off])})
+    assert absent["near_ties"]["r"]["gaps"][0] == np.inf
     same = compare_greedy({"r": out([5], [agree])}, {"r": out([5], [agree])})
     assert same["identical"] and same["all_differences_near_ties"]
