@@ -1,0 +1,150 @@
+"""Time to ready of ``python -m serving.server``: cold, with a warm compilation cache, and
+without the precompile.
+
+    python -m bench.startup --quick                 # CPU: tiny preset, one batch shape
+    python -m bench.startup                         # tiny preset, the server's defaults
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m bench.startup \\
+        --server-args "--preset kimi-linear-48b" --runs cold,warm      # H200
+
+Each run starts the server (`bench.local_server.LocalServer`: a subprocess on a free
+loopback port, ``JAX_LOG_COMPILES=1``) with `--server-args` and times it from the process
+start to its first ``/health`` answer (the server answers only once it is ready), then
+stops it. Runs (`--runs`, in this order):
+- cold: an empty persistent compilation cache (a fresh folder); the server precompiles
+  every program its flags reach (``--precompile all``, its default);
+- warm: the same flags and the cache the cold run filled: the programs are read from disk;
+- lazy: ``--precompile none`` and an empty cache: the server compiles only what its
+  warm-up request needs, and every later shape stalls a request the first time.
+Per run: seconds to ready, the server's own "precompiled N programs in S s" and "ready
+after S s" figures, and the compiles its log shows (``Compiling`` lines: JAX logs one per
+program it lowers, also when the persistent cache then supplies the executable). Writes
+JSON to bench/results/startup_<preset>.json (`--json`), with the device the server
+runs on (asked of JAX in a short subprocess: this process never starts a JAX backend,
+which on a GPU would take the memory the server needs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.local_server import LocalServer
+from bench.prefill import RESULTS, write_json
+
+RUNS = ("cold", "warm", "lazy")
+QUICK_SERVER_ARGS = ("--preset tiny --block-size 64 --max-num-batched-tokens 128 "
+                     "--max-model-len 512 --max-num-seqs 4 --num-kv-blocks 48 "
+                     "--num-state-slots 32 --single-bucket")
+H200_COMMAND = ("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m bench.startup --server-args "
+                "\"--preset kimi-linear-48b\" --runs cold,warm "
+                "--json $OUT/startup_kimi-linear-48b_gpu.json")
+PRECOMPILED = re.compile(r"precompiled (\d+) programs in ([\d.]+) s \(([\d.]+) s of compiles")
+READY = re.compile(r"ready after ([\d.]+) s")
+
+
+def start_once(server_args: list[str], cache_dir: Path, log_path: Path, timeout_s: float,
+               platform_env: dict[str, str]) -> dict:
+    """Starts the server, waits for ``/health``, stops it: what the start took."""
+    args = [*server_args, "--compile-cache-dir", str(cache_dir), "--log-level", "info"]
+    begin = time.perf_counter()
+    with LocalServer(args, log_path, env=platform_env, start_timeout_s=timeout_s) as server:
+        ready_s = time.perf_counter() - begin
+        log, compiled = server.log(), server.compiled()
+    precompiled, ready = PRECOMPILED.search(log), READY.search(log)
+    return dict(
+        ready_s=ready_s, log=str(log_path), compiles_logged=len(compiled),
+        precompiled_programs=precompiled and int(precompiled[1]),
+        precompile_s=precompiled and float(precompiled[2]),
+        compile_s_summed=precompiled and float(precompiled[3]),
+        server_ready_after_s=ready and float(ready[1]),
+    )  # fmt: skip
+
+
+def run_benchmark(args) -> dict:
+    server_args = shlex.split(args.server_args)
+    env = {"JAX_PLATFORMS": args.jax_platforms} if args.jax_platforms else {}
+    result = dict(device=_device_kind(env), platform=platform.platform(), args=vars(args),
+                  server_args=server_args, h200_command=H200_COMMAND, runs={})
+    workdir = Path(tempfile.mkdtemp(prefix="startup_"))
+    cache = args.cache_dir or workdir / "xla"
+    if cache.exists() and any(cache.iterdir()):
+        raise SystemExit(f"--cache-dir {cache} is not empty: a cold run needs an empty cache")
+    for run in args.runs:
+        extra = ["--precompile", "none"] if run == "lazy" else []
+        run_cache = workdir / "xla_lazy" if run == "lazy" else cache
+        print(f"[{time.strftime('%H:%M:%S')}] {run} start", flush=True)
+        entry = start_once(server_args + extra, run_cache, workdir / f"{run}.log",
+                           args.start_timeout, env)
+        print(f"[{time.strftime('%H:%M:%S')}] {run}: ready after {entry['ready_s']:.1f} s",
+              flush=True)
+        result["runs"][run] = entry
+        write_json(result, args.json)
+    return result
+
+
+def _device_kind(env: dict[str, str]) -> str:
+    """The kind of the device a server started with `env` runs on."""
+    code = "import jax; print(jax.devices()[0].device_kind)"
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def print_table(result: dict) -> None:
+    print(f"\nserver start-up on {result['device']}: python -m serving.server {' '.join(result['server_args'])}")
+    print(f"{'run':>5} {'ready s':>8} {'programs':>9} {'precompile s':>13} {'compiles':>9}")
+    for run, e in result["runs"].items():
+        programs = "-" if e["precompiled_programs"] is None else e["precompiled_programs"]
+        precompile = "-" if e["precompile_s"] is None else f"{e['precompile_s']:.1f}"
+        print(f"{run:>5} {e['ready_s']:>8.1f} {programs:>9} {precompile:>13} "
+              f"{e['compiles_logged']:>9}")
+    print(f"\non the H200 (kimi-linear-48b, random weights drawn on the device):\n  "
+          f"{result['h200_command']}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.startup",
+                                     description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--quick", action="store_true",
+        help=f"CPU smoke run: --server-args {QUICK_SERVER_ARGS!r} unless given")
+    add("--server-args", help="flags of python -m serving.server (default: --preset tiny)")
+    add("--runs", default=",".join(RUNS), help=f"which runs, comma-separated ({','.join(RUNS)})")
+    add("--cache-dir", type=Path, help="the compilation cache of the cold and warm runs "
+        "(empty or absent; default: a fresh temporary folder)")
+    add("--start-timeout", type=float, default=1200.0, help="seconds a start may take")
+    add("--jax-platforms", help="JAX_PLATFORMS for the server (e.g. cpu; default: as here)")
+    add("--json", type=Path, help="output (bench/results/startup_<preset>.json)")
+    args = parser.parse_args(argv)
+    if args.server_args is None:
+        args.server_args = QUICK_SERVER_ARGS if args.quick else "--preset tiny"
+    args.runs = [r for r in args.runs.split(",") if r]
+    if not args.runs or set(args.runs) - set(RUNS):
+        parser.error(f"--runs {','.join(args.runs)!r}: choose from {RUNS}")
+    if "warm" in args.runs and ("cold" not in args.runs
+                                or args.runs.index("warm") < args.runs.index("cold")):
+        parser.error("--runs: warm reads the cache the cold run fills: cold must come first")
+    preset = shlex.split(args.server_args)
+    preset = preset[preset.index("--preset") + 1] if "--preset" in preset else "tiny"
+    args.json = args.json or RESULTS / f"startup_{preset}.json"
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    result = run_benchmark(args)
+    print_table(result)
+    print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
