@@ -5,6 +5,7 @@ without the precompile.
     python -m bench.startup                         # tiny preset, the server's defaults
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m bench.startup \\
         --server-args "--preset kimi-linear-48b" --runs cold,warm      # H200
+    ... --runs cold --cache-dir D, later ... --runs warm --cache-dir D  # in two calls
 
 Each run starts the server (`bench.local_server.LocalServer`: a subprocess on a free
 loopback port, ``JAX_LOG_COMPILES=1``) with `--server-args` and times it from the process
@@ -12,7 +13,8 @@ start to its first ``/health`` answer (the server answers only once it is ready)
 stops it. Runs (`--runs`, in this order):
 - cold: an empty persistent compilation cache (a fresh folder); the server precompiles
   every program its flags reach (``--precompile all``, its default);
-- warm: the same flags and the cache the cold run filled: the programs are read from disk;
+- warm: the same flags and the cache the cold run filled (this one, or an earlier one
+  given the same `--cache-dir`): the programs are read from disk;
 - lazy: ``--precompile none`` and an empty cache: the server compiles only what its
   warm-up request needs, and every later shape stalls a request the first time.
 Per run: seconds to ready, the server's own "precompiled N programs in S s" and "ready
@@ -46,7 +48,7 @@ QUICK_SERVER_ARGS = ("--preset tiny --block-size 64 --max-num-batched-tokens 128
                      "--num-state-slots 32 --single-bucket")
 H200_COMMAND = ("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m bench.startup --server-args "
                 "\"--preset kimi-linear-48b\" --runs cold,warm "
-                "--json $OUT/startup_kimi-linear-48b_gpu.json")
+                "--json $OUT/startup_kimi-linear-48b.json")
 PRECOMPILED = re.compile(r"precompiled (\d+) programs in ([\d.]+) s \(([\d.]+) s of compiles")
 READY = re.compile(r"ready after ([\d.]+) s")
 
@@ -76,8 +78,6 @@ def run_benchmark(args) -> dict:
                   server_args=server_args, h200_command=H200_COMMAND, runs={})
     workdir = Path(tempfile.mkdtemp(prefix="startup_"))
     cache = args.cache_dir or workdir / "xla"
-    if cache.exists() and any(cache.iterdir()):
-        raise SystemExit(f"--cache-dir {cache} is not empty: a cold run needs an empty cache")
     for run in args.runs:
         extra = ["--precompile", "none"] if run == "lazy" else []
         run_cache = workdir / "xla_lazy" if run == "lazy" else cache
@@ -119,7 +119,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--server-args", help="flags of python -m serving.server (default: --preset tiny)")
     add("--runs", default=",".join(RUNS), help=f"which runs, comma-separated ({','.join(RUNS)})")
     add("--cache-dir", type=Path, help="the compilation cache of the cold and warm runs "
-        "(empty or absent; default: a fresh temporary folder)")
+        "(empty or absent for a cold run; default: a fresh temporary folder)")
     add("--start-timeout", type=float, default=1200.0, help="seconds a start may take")
     add("--jax-platforms", help="JAX_PLATFORMS for the server (e.g. cpu; default: as here)")
     add("--json", type=Path, help="output (bench/results/startup_<preset>.json)")
@@ -129,9 +129,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.runs = [r for r in args.runs.split(",") if r]
     if not args.runs or set(args.runs) - set(RUNS):
         parser.error(f"--runs {','.join(args.runs)!r}: choose from {RUNS}")
-    if "warm" in args.runs and ("cold" not in args.runs
-                                or args.runs.index("warm") < args.runs.index("cold")):
-        parser.error("--runs: warm reads the cache the cold run fills: cold must come first")
+    filled = args.cache_dir is not None and args.cache_dir.is_dir() and any(
+        args.cache_dir.iterdir())
+    if "cold" in args.runs and filled:
+        parser.error(f"--cache-dir {args.cache_dir} is not empty: a cold run needs an empty one")
+    if "warm" in args.runs and ("cold" in args.runs[args.runs.index("warm"):]
+                                or "cold" not in args.runs and not filled):
+        parser.error("--runs: warm reads the cache a cold run filled: run cold first (here, "
+                     "or earlier with the same --cache-dir)")
     preset = shlex.split(args.server_args)
     preset = preset[preset.index("--preset") + 1] if "--preset" in preset else "tiny"
     args.json = args.json or RESULTS / f"startup_{preset}.json"

@@ -14,6 +14,15 @@ def test_runs_a_warm_start_cannot_follow_are_refused(runs):
         parse_args(["--runs", runs])
 
 
+def test_a_warm_run_alone_needs_a_filled_cache_and_a_cold_one_an_empty_one(tmp_path):
+    with pytest.raises(SystemExit):
+        parse_args(["--runs", "warm", "--cache-dir", str(tmp_path)])
+    (tmp_path / "entry").write_text("")
+    assert parse_args(["--runs", "warm", "--cache-dir", str(tmp_path)]).runs == ["warm"]
+    with pytest.raises(SystemExit):
+        parse_args(["--runs", "cold,warm", "--cache-dir", str(tmp_path)])
+
+
 def test_default_output_is_named_after_the_preset():
     assert parse_args(["--server-args", "--preset kimi-linear-48b"]).json.name == (
         "startup_kimi-linear-48b.json")
