@@ -18,8 +18,10 @@ stops it. Runs (`--runs`, in this order):
 - lazy: ``--precompile none`` and an empty cache: the server compiles only what its
   warm-up request needs, and every later shape stalls a request the first time.
 Per run: seconds to ready, the server's own "precompiled N programs in S s" and "ready
-after S s" figures, and the compiles its log shows (``Compiling`` lines: JAX logs one per
-program it lowers, also when the persistent cache then supplies the executable). Writes
+after S s" figures, and from JAX's log lines the programs it lowered (``Compiling``
+lines, also logged when the persistent cache then supplies the executable), the seconds
+spent lowering them to MLIR and in the backend (an XLA compile, or loading a cache entry),
+summed over threads, and the persistent-cache hits. Writes
 JSON to bench/results/startup_<preset>.json (`--json`), with the device the server
 runs on (asked of JAX in a short subprocess: this process never starts a JAX backend,
 which on a GPU would take the memory the server needs).
@@ -51,6 +53,11 @@ H200_COMMAND = ("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m bench.startup --
                 "--json $OUT/startup_kimi-linear-48b.json")
 PRECOMPILED = re.compile(r"precompiled (\d+) programs in ([\d.]+) s \(([\d.]+) s of compiles")
 READY = re.compile(r"ready after ([\d.]+) s")
+# jax's log lines (JAX_LOG_COMPILES) of each program's lowering, its backend compile (or,
+# on a persistent-cache hit, its load) and each hit.
+LOWERED = re.compile(r"Finished jaxpr to MLIR module conversion \S+ in ([\d.]+) sec")
+COMPILED = re.compile(r"Finished XLA compilation of \S+ in ([\d.]+) sec")
+CACHE_HIT = "Persistent compilation cache hit"
 
 
 def start_once(server_args: list[str], cache_dir: Path, log_path: Path, timeout_s: float,
@@ -61,13 +68,21 @@ def start_once(server_args: list[str], cache_dir: Path, log_path: Path, timeout_
     with LocalServer(args, log_path, env=platform_env, start_timeout_s=timeout_s) as server:
         ready_s = time.perf_counter() - begin
         log, compiled = server.log(), server.compiled()
+    return dict(ready_s=ready_s, log=str(log_path), compiles_logged=len(compiled),
+                **log_figures(log))
+
+
+def log_figures(log: str) -> dict:
+    """What a server's log (``--log-level info``, ``JAX_LOG_COMPILES=1``) says of its start."""
     precompiled, ready = PRECOMPILED.search(log), READY.search(log)
     return dict(
-        ready_s=ready_s, log=str(log_path), compiles_logged=len(compiled),
         precompiled_programs=precompiled and int(precompiled[1]),
         precompile_s=precompiled and float(precompiled[2]),
         compile_s_summed=precompiled and float(precompiled[3]),
         server_ready_after_s=ready and float(ready[1]),
+        lowering_s_summed=sum(map(float, LOWERED.findall(log))),
+        backend_s_summed=sum(map(float, COMPILED.findall(log))),
+        cache_hits=log.count(CACHE_HIT),
     )  # fmt: skip
 
 
@@ -100,12 +115,14 @@ def _device_kind(env: dict[str, str]) -> str:
 
 def print_table(result: dict) -> None:
     print(f"\nserver start-up on {result['device']}: python -m serving.server {' '.join(result['server_args'])}")
-    print(f"{'run':>5} {'ready s':>8} {'programs':>9} {'precompile s':>13} {'compiles':>9}")
+    print(f"{'run':>5} {'ready s':>8} {'programs':>9} {'precompile s':>13} {'lowered':>8} "
+          f"{'lower s':>8} {'backend s':>10} {'cache hits':>11}")
     for run, e in result["runs"].items():
         programs = "-" if e["precompiled_programs"] is None else e["precompiled_programs"]
         precompile = "-" if e["precompile_s"] is None else f"{e['precompile_s']:.1f}"
         print(f"{run:>5} {e['ready_s']:>8.1f} {programs:>9} {precompile:>13} "
-              f"{e['compiles_logged']:>9}")
+              f"{e['compiles_logged']:>8} {e['lowering_s_summed']:>8.1f} "
+              f"{e['backend_s_summed']:>10.1f} {e['cache_hits']:>11}")
     print(f"\non the H200 (kimi-linear-48b, random weights drawn on the device):\n  "
           f"{result['h200_command']}")
 

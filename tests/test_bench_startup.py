@@ -44,3 +44,5 @@ def test_quick_cold_then_warm_start(tmp_path):
     # The warm start reads the executables the cold one wrote (cold: ~40 s, warm: ~6 s).
     assert warm["precompile_s"] < 0.5 * cold["precompile_s"]
     assert any((tmp_path / "xla").iterdir())
+    assert cold["cache_hits"] == 0 and warm["cache_hits"] >= 6
+    assert cold["backend_s_summed"] > 0 and warm["lowering_s_summed"] > 0
