@@ -4,7 +4,7 @@ without the precompile.
     python -m bench.startup --quick                 # CPU: tiny preset, one batch shape
     python -m bench.startup                         # tiny preset, the server's defaults
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m bench.startup \\
-        --server-args "--preset kimi-linear-48b" --runs cold,warm      # H200
+        --server-args "--preset kimi-linear-48b --single-bucket"       # H200
     ... --runs cold --cache-dir D, later ... --runs warm --cache-dir D  # in two calls
 
 Each run starts the server (`bench.local_server.LocalServer`: a subprocess on a free
@@ -21,7 +21,9 @@ Per run: seconds to ready, the server's own "precompiled N programs in S s" and 
 after S s" figures, and from JAX's log lines the programs it lowered (``Compiling``
 lines, also logged when the persistent cache then supplies the executable), the seconds
 spent lowering them to MLIR and in the backend (an XLA compile, or loading a cache entry),
-summed over threads, and the persistent-cache hits. Writes
+summed over threads, and the persistent-cache hits. A server that exits or is not ready
+within `--start-timeout` is stopped and recorded with its error and the precompile's
+last progress (programs done, of total, and the time it took), and the runs go on. Writes
 JSON to bench/results/startup_<preset>.json (`--json`), with the device the server
 runs on (asked of JAX in a short subprocess: this process never starts a JAX backend,
 which on a GPU would take the memory the server needs).
@@ -49,8 +51,8 @@ QUICK_SERVER_ARGS = ("--preset tiny --block-size 64 --max-num-batched-tokens 128
                      "--max-model-len 512 --max-num-seqs 4 --num-kv-blocks 48 "
                      "--num-state-slots 32 --single-bucket")
 H200_COMMAND = ("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m bench.startup --server-args "
-                "\"--preset kimi-linear-48b\" --runs cold,warm "
-                "--json $OUT/startup_kimi-linear-48b.json")
+                "\"--preset kimi-linear-48b --single-bucket\" "
+                "--json $OUT/startup_kimi-linear-48b_single_bucket.json")
 PRECOMPILED = re.compile(r"precompiled (\d+) programs in ([\d.]+) s \(([\d.]+) s of compiles")
 READY = re.compile(r"ready after ([\d.]+) s")
 # jax's log lines (JAX_LOG_COMPILES) of each program's lowering, its backend compile (or,
@@ -58,17 +60,23 @@ READY = re.compile(r"ready after ([\d.]+) s")
 LOWERED = re.compile(r"Finished jaxpr to MLIR module conversion \S+ in ([\d.]+) sec")
 COMPILED = re.compile(r"Finished XLA compilation of \S+ in ([\d.]+) sec")
 CACHE_HIT = "Persistent compilation cache hit"
+PROGRESS = re.compile(r"precompiling:.*?(\d+)/(\d+) \[([\d:]+)")
 
 
 def start_once(server_args: list[str], cache_dir: Path, log_path: Path, timeout_s: float,
                platform_env: dict[str, str]) -> dict:
     """Starts the server, waits for ``/health``, stops it: what the start took."""
     args = [*server_args, "--compile-cache-dir", str(cache_dir), "--log-level", "info"]
-    begin = time.perf_counter()
-    with LocalServer(args, log_path, env=platform_env, start_timeout_s=timeout_s) as server:
-        ready_s = time.perf_counter() - begin
+    begin, server = time.perf_counter(), LocalServer(args, log_path, env=platform_env,
+                                                     start_timeout_s=timeout_s)
+    try:
+        with server:
+            ready_s, error = time.perf_counter() - begin, None
+            log, compiled = server.log(), server.compiled()
+    except RuntimeError as failed:  # exited, or not ready within timeout_s (then stopped)
+        ready_s, error = None, str(failed).splitlines()[0]
         log, compiled = server.log(), server.compiled()
-    return dict(ready_s=ready_s, log=str(log_path), compiles_logged=len(compiled),
+    return dict(ready_s=ready_s, error=error, log=str(log_path), compiles_logged=len(compiled),
                 **log_figures(log))
 
 
@@ -83,6 +91,8 @@ def log_figures(log: str) -> dict:
         lowering_s_summed=sum(map(float, LOWERED.findall(log))),
         backend_s_summed=sum(map(float, COMPILED.findall(log))),
         cache_hits=log.count(CACHE_HIT),
+        # The precompile's progress bar when the log ends: (done, total, elapsed).
+        last_progress=(PROGRESS.findall(log) or [None])[-1],
     )  # fmt: skip
 
 
@@ -99,8 +109,9 @@ def run_benchmark(args) -> dict:
         print(f"[{time.strftime('%H:%M:%S')}] {run} start", flush=True)
         entry = start_once(server_args + extra, run_cache, workdir / f"{run}.log",
                            args.start_timeout, env)
-        print(f"[{time.strftime('%H:%M:%S')}] {run}: ready after {entry['ready_s']:.1f} s",
-              flush=True)
+        print(f"[{time.strftime('%H:%M:%S')}] {run}: " + (
+            f"ready after {entry['ready_s']:.1f} s" if entry["error"] is None else
+            f"{entry['error']} (precompile progress {entry['last_progress']})"), flush=True)
         result["runs"][run] = entry
         write_json(result, args.json)
     return result
@@ -120,7 +131,8 @@ def print_table(result: dict) -> None:
     for run, e in result["runs"].items():
         programs = "-" if e["precompiled_programs"] is None else e["precompiled_programs"]
         precompile = "-" if e["precompile_s"] is None else f"{e['precompile_s']:.1f}"
-        print(f"{run:>5} {e['ready_s']:>8.1f} {programs:>9} {precompile:>13} "
+        ready = "-" if e["ready_s"] is None else f"{e['ready_s']:.1f}"
+        print(f"{run:>5} {ready:>8} {programs:>9} {precompile:>13} "
               f"{e['compiles_logged']:>8} {e['lowering_s_summed']:>8.1f} "
               f"{e['backend_s_summed']:>10.1f} {e['cache_hits']:>11}")
     print(f"\non the H200 (kimi-linear-48b, random weights drawn on the device):\n  "

@@ -46,3 +46,12 @@ def test_quick_cold_then_warm_start(tmp_path):
     assert any((tmp_path / "xla").iterdir())
     assert cold["cache_hits"] == 0 and warm["cache_hits"] >= 6
     assert cold["backend_s_summed"] > 0 and warm["lowering_s_summed"] > 0
+
+
+def test_a_server_not_ready_in_time_is_recorded_and_stopped(tmp_path):
+    path = tmp_path / "startup.json"
+    main(["--quick", "--runs", "cold", "--start-timeout", "1", "--cache-dir",
+          str(tmp_path / "xla"), "--json", str(path)])
+    (cold,) = json.loads(path.read_text())["runs"].values()
+
+    assert cold["ready_s"] is None and "did not start" in cold["error"]
