@@ -10,6 +10,7 @@ a configuration inside the device's per-block limit (the real compile-and-measur
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 
@@ -46,6 +47,12 @@ class KernelConfig:
     output_block_v: int = 128   # value columns per output program
     output_num_warps: int = 4
     output_num_stages: int = 1
+    # The segment-parallel scan (docs/KERNEL.md): each sequence split into this many
+    # segments, 1 = the plain scan. Its two loop kernels (the segments' transitions and
+    # the scan from each segment's entry state) run at these warps and stages.
+    scan_segments: int = 1
+    segment_num_warps: int = 4
+    segment_num_stages: int = 1
 
 
 def device_spec(device: jax.Device | None = None) -> DeviceSpec:
@@ -90,24 +97,86 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
     else:
         base, per_stage = 2 * c * head_k * operand_bytes + 1024, loop_tiles
     scan = base + max(0, config.scan_num_stages - 1) * per_stage
+    segment = base + max(0, config.segment_num_stages - 1) * per_stage
     prep = FP32_BYTES * (c * c + c * max(head_k, head_v))
     out_v = min(config.output_block_v, head_v)
     output = operand_bytes * (c * head_k + head_k * out_v + c * c + c * out_v)
-    return {"scan": scan, "prep": prep, "output": output}
+    return {"scan": scan, "segment": segment, "prep": prep, "output": output}
+
+
+# The segment-parallel scan's rule (`scan_segments`), a model in units of one chunk step
+# of one scan program (docs/KERNEL.md, "The segment-parallel scan"):
+REGISTERS_PER_SM = 65536        # sm_90 and sm_121 alike
+SCAN_REGISTERS = 256            # the scan kernels hold ~248 registers per thread (aot)
+SEGMENT_STEP_COST = 1.14        # a step at 4 warps against 8: 1.48 / 1.30 ms (H200, 32K)
+MIN_SEGMENT_GAIN = 1.2          # modelled speed-up below which the plain scan is kept
+MIN_SEGMENT_CHUNKS = 16         # chunks per segment below which segments are not worth it
+MAX_SEGMENTS = 16
+
+
+def resident_programs(num_warps: int) -> int:
+    """Scan programs one SM holds at once, limited by registers (`SCAN_REGISTERS` a thread)."""
+    return max(1, REGISTERS_PER_SM // (SCAN_REGISTERS * 32 * num_warps))
+
+
+def segment_model(num_sms: int, programs: int, key_blocks: int, value_blocks: int,
+                  segments: int, chunks: int, *, plain_warps: int, segment_warps: int) -> float:
+    """Modelled scan time (chunk steps of one program) of one sequence of `chunks` chunks.
+
+    programs: plain-scan programs (sequences x heads x value blocks). segments = 1 is the
+    plain scan: ceil(programs / slots) waves of `chunks` steps. With P > 1 segments of
+    ceil(chunks / P) steps: the transitions of segments 0..P-2 (segment 0 only its value
+    columns, the others key and value columns), then the scan of all P segments, each a
+    number of waves of that length, at SEGMENT_STEP_COST per step; the combine is ignored.
+    """
+    def waves(count, warps):
+        return -(-count // (num_sms * resident_programs(warps)))
+
+    if segments == 1:
+        return float(waves(programs, plain_warps) * chunks)
+    per_head = programs // value_blocks
+    transitions = programs + (segments - 2) * per_head * (key_blocks + value_blocks)
+    length = -(-chunks // segments)
+    return SEGMENT_STEP_COST * length * (waves(transitions, segment_warps)
+                                         + waves(programs * segments, segment_warps))
+
+
+def select_segments(spec: DeviceSpec, config: KernelConfig, *, num_seqs: int, num_heads: int,
+                    head_k: int, head_v: int, num_tokens: int | None) -> int:
+    """Segments per sequence for the scan: of the counts from 3 to MAX_SEGMENTS that leave
+    every segment MIN_SEGMENT_CHUNKS chunks (at the average sequence length), the one the
+    model (`segment_model`) finds fastest, if it beats the plain scan by MIN_SEGMENT_GAIN;
+    else 1 (plain).
+
+    Two segments never help (the second waits for the first), so P starts at 3. Without
+    a token count (`num_tokens=None`) the scan stays plain.
+    """
+    if num_tokens is None:
+        return 1
+    chunks = -(-num_tokens // (num_seqs * config.chunk_size))
+    value_blocks = head_v // config.block_v
+    model = functools.partial(segment_model, spec.num_sms, num_seqs * num_heads * value_blocks,
+                              head_k // config.block_v, value_blocks, chunks=chunks,
+                              plain_warps=config.scan_num_warps,
+                              segment_warps=config.segment_num_warps)
+    candidates = range(3, min(MAX_SEGMENTS, chunks // MIN_SEGMENT_CHUNKS) + 1)
+    best = min(candidates, key=lambda p: (model(p), p), default=1)
+    return best if model(1) >= MIN_SEGMENT_GAIN * model(best) else 1
 
 
 def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: int,
-                  head_v: int, operand_bytes: int = 2) -> KernelConfig:
+                  head_v: int, operand_bytes: int = 2,
+                  num_tokens: int | None = None) -> KernelConfig:
     """Pick the tiling for a device and a problem shape.
 
     The scan runs one program per (sequence, head, value block). Value blocks of 32 were
     fastest on the H200 at 32K tokens (bench/results/kda_kernel_091ba60.json, sweep) and
     keep GB10 free of register spills; 2 pipeline stages beat 1 there. Stages are dropped while the
     shared-memory estimate exceeds the device's per-block limit; the output pass takes the
-    widest value block (128, 64, 32; 128 was fastest on the H200) that fits.
+    widest value block (128, 64, 32; 128 was fastest on the H200) that fits. When those
+    programs leave most SMs idle (few sequences x heads, long sequences: `num_tokens` rows
+    in all), the scan is split into segments (`select_segments`).
     """
-    del num_seqs, num_heads  # the grid grows with them; the tiling does not need to
-
     def fits(candidate, pass_name):
         estimate = estimate_shared_memory(candidate, head_k, head_v,
                                           compute_capability=spec.compute_capability,
@@ -117,12 +186,15 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
     base = KernelConfig(block_v=min(32, head_v))
     for stages in (2, 1):
         config = dataclasses.replace(base, scan_num_stages=stages)
-        if not (fits(config, "scan") and fits(config, "prep")):
+        if not (fits(config, "scan") and fits(config, "segment") and fits(config, "prep")):
             continue
         for out_v in (128, 64, 32):
             candidate = dataclasses.replace(config, output_block_v=min(out_v, head_v))
             if fits(candidate, "output"):
-                return candidate
+                segments = select_segments(spec, candidate, num_seqs=num_seqs,
+                                           num_heads=num_heads, head_k=head_k, head_v=head_v,
+                                           num_tokens=num_tokens)
+                return dataclasses.replace(candidate, scan_segments=segments)
     raise ValueError(
         f"no KDA kernel configuration fits {spec.smem_per_block} bytes of shared memory on "
         f"{spec.name} for head_k={head_k}, head_v={head_v}")

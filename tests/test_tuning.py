@@ -1,15 +1,20 @@
 """Tiling choice per device: GB10's 99 KB of shared memory per block is never exceeded."""
 
 import dataclasses
+import functools
 
 import pytest
 
 from pallas_kernels.tuning import (
     GB10,
     H200,
+    MAX_SEGMENTS,
+    SEGMENT_STEP_COST,
     DeviceSpec,
     KernelConfig,
     estimate_shared_memory,
+    resident_programs,
+    segment_model,
     select_config,
 )
 
@@ -68,3 +73,32 @@ def test_no_config_fits_a_tiny_device():
     tiny = DeviceSpec("tiny", (12, 1), 8, 16 * 1024)
     with pytest.raises(ValueError, match="shared memory"):
         select_config(tiny, num_seqs=1, num_heads=1, head_k=128, head_v=128)
+
+
+@pytest.mark.parametrize("spec", [GB10, H200], ids=["gb10", "h200"])
+def test_segment_parallel_scan_for_few_heads_and_one_long_prompt(spec):
+    """TP4's 16 heads and one 32K prompt split the scan; many heads, several sequences,
+    short prompts or an unknown token count keep the plain scan."""
+
+    def segments(num_seqs, num_heads, num_tokens=None):
+        return select_config(spec, num_seqs=num_seqs, num_heads=num_heads, head_k=128,
+                             head_v=128, num_tokens=num_tokens).scan_segments
+
+    assert 3 <= segments(1, 16, 32768) <= MAX_SEGMENTS
+    assert segments(1, 4, 32768) >= segments(1, 16, 32768)
+    assert segments(1, 64, 32768) == 1
+    assert segments(4, 16, 4 * 8192) == 1
+    assert segments(1, 16, 2048) == 1  # 32 chunks: not MIN_SEGMENT_CHUNKS for 3 segments
+    assert segments(1, 16) == 1
+
+
+def test_segment_model_counts_waves():
+    """H200, 16 heads x 4 value blocks = 64 programs, 512 chunks: the plain scan is one
+    wave of 512 steps; 3 segments of 171 run 192 transition programs (64 + 128) and 192
+    scan programs, one wave each at 2 programs per SM."""
+    model = functools.partial(segment_model, H200.num_sms, 64, 4, 4, chunks=512,
+                              plain_warps=8, segment_warps=4)
+    assert resident_programs(8) == 1 and resident_programs(4) == 2
+    assert model(1) == 512
+    assert model(3) == pytest.approx(SEGMENT_STEP_COST * 171 * 2)
+    assert model(4) == pytest.approx(SEGMENT_STEP_COST * 128 * 3)  # 320 transitions: 2 waves
