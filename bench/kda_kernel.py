@@ -204,11 +204,12 @@ def run_case(name, lens, config, args, bandwidth):
     measure("pallas, 0 snapshots", ours(1), **timing)
     measure("pallas, 4 snapshots", bounded4, **timing)
     measure("pallas any decay, 4 snap", any_decay4, **timing)
-    for segments in filter(None, args.segments.split(",")):
-        for warps in args.segment_warps.split(","):
-            forced = dataclasses.replace(config, scan_segments=int(segments),
+    for segments in map(int, filter(None, args.segments.split(","))):
+        # one segment is the plain scan, at its own warps
+        for warps in args.segment_warps.split(",")[:1 if segments == 1 else None]:
+            forced = dataclasses.replace(config, scan_segments=segments,
                                          segment_num_warps=int(warps))
-            row = f"pallas {segments} seg w{warps}, 4 snap"
+            row = f"pallas {segments} seg{f' w{warps}' if segments > 1 else ''}, 4 snap"
             checked[row] = ours(4, config=forced)
             measure(row, checked[row], **timing)
     ref = jax.jit(lambda i, off: kda_prefill(**i, checkpoint_offsets=off, backend="reference"))

@@ -81,7 +81,8 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
     pipeline stage past the first buffers the tiles loaded per chunk (W, Qg, Kg [C, K],
     Aqk [C, C], U [C, BV] in the operand dtype). Hopper and datacenter Blackwell (9.x,
     10.x) feed wgmma from shared memory and double-buffer those tiles; mma.sync targets
-    (8.x, 12.x, GB10 among them) stage them once. Prep pass (fp32, no loop): its largest
+    (8.x, 12.x, GB10 among them) stage them once. The segment-parallel scan's kernels
+    ("segment") hold the same tiles at `segment_num_stages`. Prep pass (fp32, no loop): its largest
     kernel, intra, stages a [C, K] key tile and a [16, K] row tile, bounded by
     [C, C] + [C, max(K, V)] fp32. Output pass (no loop): its operands Qg [C, K],
     S [K, BV_out], Aqk [C, C] and Vnew [C, BV_out].
@@ -107,16 +108,17 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
 # The segment-parallel scan's rule (`scan_segments`), a model in units of one chunk step
 # of one scan program (docs/KERNEL.md, "The segment-parallel scan"):
 REGISTERS_PER_SM = 65536        # sm_90 and sm_121 alike
-SCAN_REGISTERS = 256            # the scan kernels hold ~248 registers per thread (aot)
+SCAN_REGISTERS = 256            # per thread, scan kernels: 255 with the snapshot code (aot)
+TRANSITION_REGISTERS = 168      # kda_segment_transition at 4 warps: 126 sm_90, 168 sm_121
 SEGMENT_STEP_COST = 1.14        # a step at 4 warps against 8: 1.48 / 1.30 ms (H200, 32K)
 MIN_SEGMENT_GAIN = 1.2          # modelled speed-up below which the plain scan is kept
 MIN_SEGMENT_CHUNKS = 16         # chunks per segment below which segments are not worth it
 MAX_SEGMENTS = 16
 
 
-def resident_programs(num_warps: int) -> int:
-    """Scan programs one SM holds at once, limited by registers (`SCAN_REGISTERS` a thread)."""
-    return max(1, REGISTERS_PER_SM // (SCAN_REGISTERS * 32 * num_warps))
+def resident_programs(num_warps: int, registers: int = SCAN_REGISTERS) -> int:
+    """Programs of `num_warps` warps one SM holds at once, limited by registers."""
+    return max(1, REGISTERS_PER_SM // (registers * 32 * num_warps))
 
 
 def segment_model(num_sms: int, programs: int, key_blocks: int, value_blocks: int,
@@ -128,17 +130,20 @@ def segment_model(num_sms: int, programs: int, key_blocks: int, value_blocks: in
     ceil(chunks / P) steps: the transitions of segments 0..P-2 (segment 0 only its value
     columns, the others key and value columns), then the scan of all P segments, each a
     number of waves of that length, at SEGMENT_STEP_COST per step; the combine is ignored.
+    A wave is as many programs as the SMs hold (`resident_programs`: the transitions need
+    fewer registers than the scan, which carries the snapshot code).
     """
-    def waves(count, warps):
-        return -(-count // (num_sms * resident_programs(warps)))
+    def waves(count, warps, registers=SCAN_REGISTERS):
+        return -(-count // (num_sms * resident_programs(warps, registers)))
 
     if segments == 1:
         return float(waves(programs, plain_warps) * chunks)
     per_head = programs // value_blocks
     transitions = programs + (segments - 2) * per_head * (key_blocks + value_blocks)
     length = -(-chunks // segments)
-    return SEGMENT_STEP_COST * length * (waves(transitions, segment_warps)
-                                         + waves(programs * segments, segment_warps))
+    return SEGMENT_STEP_COST * length * (
+        waves(transitions, segment_warps, TRANSITION_REGISTERS)
+        + waves(programs * segments, segment_warps))
 
 
 def select_segments(spec: DeviceSpec, config: KernelConfig, *, num_seqs: int, num_heads: int,

@@ -10,6 +10,7 @@ from pallas_kernels.tuning import (
     H200,
     MAX_SEGMENTS,
     SEGMENT_STEP_COST,
+    TRANSITION_REGISTERS,
     DeviceSpec,
     KernelConfig,
     estimate_shared_memory,
@@ -94,11 +95,15 @@ def test_segment_parallel_scan_for_few_heads_and_one_long_prompt(spec):
 
 def test_segment_model_counts_waves():
     """H200, 16 heads x 4 value blocks = 64 programs, 512 chunks: the plain scan is one
-    wave of 512 steps; 3 segments of 171 run 192 transition programs (64 + 128) and 192
-    scan programs, one wave each at 2 programs per SM."""
+    wave of 512 steps. P segments run 64 (2P - 3) transition programs (3 a SM) and 64 P
+    scan programs (2 a SM at 4 warps), each wave ceil(512 / P) steps."""
     model = functools.partial(segment_model, H200.num_sms, 64, 4, 4, chunks=512,
                               plain_warps=8, segment_warps=4)
     assert resident_programs(8) == 1 and resident_programs(4) == 2
+    assert resident_programs(4, TRANSITION_REGISTERS) == 3
     assert model(1) == 512
     assert model(3) == pytest.approx(SEGMENT_STEP_COST * 171 * 2)
-    assert model(4) == pytest.approx(SEGMENT_STEP_COST * 128 * 3)  # 320 transitions: 2 waves
+    assert model(4) == pytest.approx(SEGMENT_STEP_COST * 128 * 2)  # 320 and 256: one wave each
+    assert model(5) == pytest.approx(SEGMENT_STEP_COST * 103 * 4)  # 448 and 320: two each
+    assert select_config(H200, num_seqs=1, num_heads=16, head_k=128, head_v=128,
+                         num_tokens=32768).scan_segments == 4
