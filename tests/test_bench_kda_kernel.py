@@ -11,7 +11,7 @@ from bench.kda_traffic import GB10_BANDWIDTH, traffic_summary
 from pallas_kernels.tuning import KernelConfig
 
 
-@pytest.mark.slow  # ~30 s on two busy cores, most of it compiling four kernel variants
+@pytest.mark.slow  # ~40 s of CPU (2-3 min on busy cores), compiling five kernel variants
 def test_quick_run_times_segment_counts_and_writes_json(tmp_path):
     path = tmp_path / "kda_kernel.json"
     main(["--quick", "--segments", "1,3", "--out", str(path)])

@@ -269,3 +269,10 @@ def test_config_rejects_mismatched_blocks(rng):
         kda_prefill(**inputs, config=KernelConfig(block_v=64))
     with pytest.raises(ValueError, match="K=32 .* key slice 24"):  # 8 columns would be lost
         kda_prefill(**inputs, config=KernelConfig(block_v=32, prep_block_k=24))
+
+
+@pytest.mark.parametrize("segments", [0, 17])
+def test_config_rejects_segment_counts(rng, segments):
+    inputs = make_inputs(rng, [10])
+    with pytest.raises(ValueError, match=f"scan_segments.*got {segments}"):
+        kda_prefill(**inputs, config=KernelConfig(block_v=32, scan_segments=segments))
