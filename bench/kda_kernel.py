@@ -17,7 +17,7 @@ any-decay path with 4 snapshots; the jitted jax.numpy chunked oracle; fla-core `
 with `safe_gate=True, lower_bound=-5` (its bounded-gate path). `--segments P,...` adds our
 bounded path with 4 snapshots and the scan forced to P segments per sequence (1: the plain
 scan), at each of `--segment-warps`. Each case prints the bytes the kernel moves per
-token-head by source count (`bench.kda_traffic`) and the time they take at GB10's 273 GB/s.
+token-head by source count (`pallas_kernels.kda_traffic`) and the time they take at GB10's 273 GB/s.
 
 Timing: warm-up, then `--samples` samples of `--iters` back-to-back launches closed by one
 device synchronisation (the launches queue on the device, so a sample measures device
@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.kda_traffic import traffic_summary
 from pallas_kernels import kda_pallas, kda_prefill, kda_prep
+from pallas_kernels.kda_traffic import traffic_summary
 from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 
 HEADS, HEAD_K, HEAD_V = 32, 128, 128

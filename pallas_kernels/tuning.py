@@ -25,10 +25,11 @@ class DeviceSpec:
     compute_capability: tuple[int, int]
     num_sms: int
     smem_per_block: int  # bytes a block may use (opt-in maximum)
+    memory_bandwidth: float = 0.0  # bytes/s; 0: unknown (the segment rule ignores it)
 
 
-H200 = DeviceSpec("NVIDIA H200", (9, 0), 132, 227 * 1024)
-GB10 = DeviceSpec("NVIDIA GB10", (12, 1), 48, 99 * 1024)
+H200 = DeviceSpec("NVIDIA H200", (9, 0), 132, 227 * 1024, 4.8e12)
+GB10 = DeviceSpec("NVIDIA GB10", (12, 1), 48, 99 * 1024, 273e9)
 KNOWN_DEVICES = {"h200": H200, "gb10": GB10}
 
 
@@ -69,7 +70,9 @@ def device_spec(device: jax.Device | None = None) -> DeviceSpec:
         smem = 163 * 1024
     else:
         smem = 227 * 1024
-    return DeviceSpec(device.device_kind, (major, minor), num_sms or 1, smem)
+    # Memory bandwidth: GB10's for sm_12x (the deployment target), the H200's for sm_90.
+    bandwidth = {12: GB10.memory_bandwidth, 9: H200.memory_bandwidth}.get(major, 0.0)
+    return DeviceSpec(device.device_kind, (major, minor), num_sms or 1, smem, bandwidth)
 
 
 def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
@@ -107,6 +110,7 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
 
 # The segment-parallel scan's rule (`scan_segments`), a model in units of one chunk step
 # of one scan program (docs/KERNEL.md, "The segment-parallel scan"):
+SCAN_STEP_SECONDS = 2.6e-6      # H200: the scan, 1.36 ms for 512 chunks in one wave (32K)
 REGISTERS_PER_SM = 65536        # sm_90 and sm_121 alike
 SCAN_REGISTERS = 256            # per thread, scan kernels: 255 with the snapshot code (aot)
 TRANSITION_REGISTERS = 168      # kda_segment_transition at 4 warps: 126 sm_90, 168 sm_121
@@ -153,20 +157,33 @@ def select_segments(spec: DeviceSpec, config: KernelConfig, *, num_seqs: int, nu
     model (`segment_model`) finds fastest, if it beats the plain scan by MIN_SEGMENT_GAIN;
     else 1 (plain).
 
+    Each count's modelled time is its steps at SCAN_STEP_SECONDS, or the time the scan's
+    bytes (the transitions' included: `kda_traffic`) take at the device's bandwidth, if
+    longer: a bandwidth-bound scan gains nothing from segments that add bytes.
     Two segments never help (the second waits for the first), so P starts at 3. Without
     a token count (`num_tokens=None`) the scan stays plain.
     """
+    from pallas_kernels.kda_traffic import bytes_per_token_head  # it imports this module
+
     if num_tokens is None:
         return 1
     chunks = -(-num_tokens // (num_seqs * config.chunk_size))
     value_blocks = head_v // config.block_v
-    model = functools.partial(segment_model, spec.num_sms, num_seqs * num_heads * value_blocks,
+    steps = functools.partial(segment_model, spec.num_sms, num_seqs * num_heads * value_blocks,
                               head_k // config.block_v, value_blocks, chunks=chunks,
                               plain_warps=config.scan_num_warps,
                               segment_warps=config.segment_num_warps)
+
+    def seconds(segments):
+        passes = bytes_per_token_head(dataclasses.replace(config, scan_segments=segments),
+                                      head_k, head_v, bounded=True)
+        scan_bytes = (passes["scan"] + passes.get("transition", 0.0)) * num_tokens * num_heads
+        floor = scan_bytes / spec.memory_bandwidth if spec.memory_bandwidth else 0.0
+        return max(steps(segments) * SCAN_STEP_SECONDS, floor)
+
     candidates = range(3, min(MAX_SEGMENTS, chunks // MIN_SEGMENT_CHUNKS) + 1)
-    best = min(candidates, key=lambda p: (model(p), p), default=1)
-    return best if model(1) >= MIN_SEGMENT_GAIN * model(best) else 1
+    best = min(candidates, key=lambda p: (seconds(p), p), default=1)
+    return best if seconds(1) >= MIN_SEGMENT_GAIN * seconds(best) else 1
 
 
 def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: int,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench.kda_kernel import main
-from bench.kda_traffic import GB10_BANDWIDTH, traffic_summary
+from pallas_kernels.kda_traffic import GB10_BANDWIDTH, traffic_summary
 from pallas_kernels.tuning import KernelConfig
 
 
