@@ -85,9 +85,9 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
     Aqk [C, C], U [C, BV] in the operand dtype). Hopper and datacenter Blackwell (9.x,
     10.x) feed wgmma from shared memory and double-buffer those tiles; mma.sync targets
     (8.x, 12.x, GB10 among them) stage them once. The segment-parallel scan's kernels
-    ("segment") hold the same tiles at `segment_num_stages`. Prep pass (fp32, no loop): its largest
-    kernel, intra, stages a [C, K] key tile and a [16, K] row tile, bounded by
-    [C, C] + [C, max(K, V)] fp32. Output pass (no loop): its operands Qg [C, K],
+    ("segment") hold the same tiles at `segment_num_stages`. Prep pass (fp32, no loop):
+    its largest kernel, intra, stages a [C, K] key tile and a [16, K] row tile, bounded
+    by [C, C] + [C, max(K, V)] fp32. Output pass (no loop): its operands Qg [C, K],
     S [K, BV_out], Aqk [C, C] and Vnew [C, BV_out].
 
     Calibrated against Triton 3.9 (`python -m pallas_kernels.aot`; the test suite checks
