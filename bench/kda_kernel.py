@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import kda_pallas, kda_prefill, kda_prep
+from pallas_kernels import kda_pallas, kda_prefill, kda_prep, kda_segments
 from pallas_kernels.kda_traffic import traffic_summary
 from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 
@@ -151,34 +151,46 @@ def relative_error(ours, reference):
 
 
 def time_passes(inputs, lens, config, timing):
-    """Milliseconds of each pass alone: prep (its two kernels, then both), the scan with
-    4 snapshots, the output pass."""
-    chunk = config.chunk_size
-    flags = dict(config=config, interpret=False, exact=False)
-    cu = inputs["cu_seqlens"]
+    """Milliseconds of each pass alone: prep (its two kernels, then both), with P > 1 scan
+    segments their transitions and their combine, the scan with 4 snapshots, the output
+    pass. On the CPU (interpret mode, inputs padded by a chunk of rows) as a smoke test."""
+    chunk, segments = config.chunk_size, config.scan_segments
+    interpret = jax.default_backend() == "cpu"
+    flags = dict(config=config, interpret=interpret, exact=False)
+    cu, init = inputs["cu_seqlens"], inputs["initial_states"]
     slots = kda_prep.chunk_slots(cu, sum(lens), chunk)
-    q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))  # T rows, as on the GPU
+    q, k, v, g, beta = (kda_prep.pad_rows(inputs[n], chunk) if interpret else inputs[n]
+                        for n in ("q", "k", "v", "g", "beta"))
     offsets = snapshot_offsets(lens, 4)
     matrices = jax.jit(lambda s: kda_prep.chunk_matrices(
         q, k, g, beta, s, scale=HEAD_K ** -0.5, bounded_gates=True, **flags))
     w_u = jax.jit(lambda m, s: kda_prep.chunk_w_u(m, k, v, beta, s, **flags))
     prep = jax.jit(lambda s: kda_prep.chunk_prep(
         q, k, v, g, beta, s, scale=HEAD_K ** -0.5, bounded_gates=True, **flags))
-    scan = jax.jit(lambda t, s: kda_pallas.chunk_scan(t, k, s, cu, inputs["initial_states"],
-                                                      offsets, **flags))
+    transitions = jax.jit(lambda t, s: kda_segments.segment_transitions(t, s, cu, init,
+                                                                        **flags))
+    combine = jax.jit(lambda tr: kda_segments.combine_segments(init, tr, segments))
+    scan = jax.jit(lambda t, s, states: kda_pallas.chunk_scan(t, k, s, cu, states, offsets,
+                                                              **flags))
     output = jax.jit(lambda t, e, vn, s: kda_pallas.chunk_output(t, e, vn, s,
                                                                  out_dtype=jnp.bfloat16,
                                                                  **flags))
     chunk_matrices = matrices(slots)
     tensors = prep(slots)
-    entry_states, v_new, _, _ = scan(tensors, slots)
     calls = {
         "prep matrices": lambda: matrices(slots),
         "prep w_u": lambda: w_u(chunk_matrices, slots),
         "prep": lambda: prep(slots),
-        "scan": lambda: scan(tensors, slots),
-        "output": lambda: output(tensors, entry_states, v_new, slots),
     }
+    segment_states = init
+    if segments > 1:
+        trans = transitions(tensors, slots)
+        segment_states = combine(trans)
+        calls["segment transitions"] = lambda: transitions(tensors, slots)
+        calls["segment combine"] = lambda: combine(trans)
+    entry_states, v_new, _, _ = scan(tensors, slots, segment_states)
+    calls["scan"] = lambda: scan(tensors, slots, segment_states)
+    calls["output"] = lambda: output(tensors, entry_states, v_new, slots)
     return {name: time_calls(call, jax.block_until_ready, **timing)[0]
             for name, call in calls.items()}
 
@@ -316,10 +328,10 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=RESULTS / "kda_kernel.json")
     args = parser.parse_args(argv)
     HEADS = args.heads
-    if args.quick:  # interpret mode: no fla, no passes alone (they are GPU-only)
+    if args.quick:  # interpret mode: no fla; passes alone only with --pass-cases quick
         HEADS, HEAD_K, HEAD_V = QUICK_HEADS, QUICK_HEAD_DIM, QUICK_HEAD_DIM
-        args.cases, args.pass_cases, args.no_fla, args.iters, args.samples = (
-            "quick", "", True, 1, 1)
+        args.cases, args.no_fla, args.iters, args.samples = "quick", True, 1, 1
+        args.pass_cases = "quick" if args.pass_cases == "quick" else ""
     for name in {*args.cases.split(","), *filter(None, args.pass_cases.split(","))} - set(CASES):
         parser.error(f"unknown case {name!r}: the cases are {', '.join(CASES)}")
 
