@@ -5,9 +5,12 @@
 No GPU is needed. For each device the KDA prefill is lowered under an abstract mesh whose
 device kind is that GPU, with exactly the `KernelConfig` the runtime picks for it, at the
 real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs), on both gate paths
-(bounded, as GLM's gate, and any decay, as Kimi's); the KDA decode kernel likewise, at 1
-and 64 rows on a 256-slot pool, with the tiling the runtime picks for each (`kda_decode_bv*`
-in the table); the MLA prefill flash attention at both presets' heads and head dims
+(bounded, as GLM's gate, and any decay, as Kimi's), and the segment-parallel scan's two
+kernels (`kda_segment_*`) at 16 heads and one 32K-token prompt with the config the runtime
+picks there (`segment_config`; 4 segments where it keeps the plain scan, as on GB10); the
+KDA decode kernel likewise, at 1 and 64 rows on a 256-slot pool, with the tiling the
+runtime picks for each (`kda_decode_bv*` in the table); the MLA prefill flash attention at
+both presets' heads and head dims
 (`ATTENTION_SHAPES`) with the tuning table's config. So is the routed experts' grouped GEMM
 (`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered, gathered +
 SwiGLU, down, down + combine) at both presets' real shapes (`pallas_kernels.moe_shapes`)
@@ -60,6 +63,9 @@ from pallas_kernels.tuning import (
 )
 
 HEAD_COUNTS = (32, 64)
+# The segment-parallel scan's kernels, at the shape it is for: TP4's 16 of GLM's 64 KDA
+# heads, one long prompt (the runtime's pick there; 4 segments if it keeps the plain scan).
+SEGMENT_HEADS, SEGMENT_TOKENS = 16, 32768
 HEAD_DIM = 128
 NUM_TOKENS = 8192
 CAPACITY = 4
@@ -139,6 +145,13 @@ def lower_kda_prefill(spec: DeviceSpec, heads: int, config: KernelConfig | None 
                                   interpret=False, exact=False)
 
     return _triton_modules(prefill, args, spec)
+
+
+def segment_config(spec: DeviceSpec) -> KernelConfig:
+    """The config of the segment-parallel scan that `check_devices` compiles for `spec`."""
+    config = select_config(spec, num_seqs=1, num_heads=SEGMENT_HEADS, head_k=HEAD_DIM,
+                           head_v=HEAD_DIM, num_tokens=SEGMENT_TOKENS)
+    return config if config.scan_segments > 1 else dataclasses.replace(config, scan_segments=4)
 
 
 def lower_kda_decode(spec: DeviceSpec, heads: int, config: DecodeConfig | None = None,
@@ -312,6 +325,10 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                 for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)
             reports.extend(compile_module(module, spec, num_heads) for module in modules.values())
+        for module in lower_kda_prefill(spec, SEGMENT_HEADS, segment_config(spec),
+                                        bounded_gates=True):
+            if module.name.startswith("kda_segment"):  # the rest are the plain path's
+                reports.append(compile_module(module, spec, SEGMENT_HEADS))
         for num_heads, head_qk, head_v in ATTENTION_SHAPES:
             for module in lower_flash_attention(spec, num_heads, head_qk, head_v):
                 reports.append(compile_module(module, spec, num_heads))
