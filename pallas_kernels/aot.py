@@ -50,6 +50,11 @@ from pallas_kernels.gmm_tuning import GmmConfig, select_gmm_config
 from pallas_kernels.kda_decode_pallas import kda_decode_pallas
 from pallas_kernels.kda_pallas import kda_prefill_pallas
 from pallas_kernels.moe_shapes import MOE_SHAPES, GemmSpec, gemm_specs
+from pallas_kernels.sparse_attention_pallas import (
+    SparseConfig,
+    select_sparse_config,
+    sparse_attention_pallas,
+)
 from pallas_kernels.tuning import (
     KNOWN_DEVICES,
     DecodeConfig,
@@ -68,6 +73,8 @@ DECODE_ROWS = (1, 64)  # the decode kernel's tiling depends on the row count (tu
 DECODE_POOL_SLOTS = 256
 # MLA prefill attention (heads, qk dim, v dim): kimi-linear-48b, glm5.3-flash.
 ATTENTION_SHAPES = ((32, 192, 128), (64, 256, 256))
+# DSA sparse attention (heads, kv_lora, rope, top_k): glm5.3-flash.
+SPARSE_SHAPES = ((64, 512, 0, 2048),)
 GMM_TOKENS = (512, 8192)  # the two ends of bench.moe: they get different tilings
 
 
@@ -178,6 +185,24 @@ def lower_flash_attention(spec: DeviceSpec, heads: int, head_qk: int, head_v: in
     def attend(*arrays):
         return flash_attention_pallas(*arrays, scale=head_qk ** -0.5, config=config,
                                       interpret=False)
+
+    return _triton_modules(attend, args, spec)
+
+
+def lower_sparse_attention(spec: DeviceSpec, heads: int, kv_lora: int, rope: int, top_k: int,
+                           config: SparseConfig | None = None) -> list[TritonModule]:
+    """The Triton module of the bf16 DSA sparse attention for `spec` at one preset's shape
+    (queries over NUM_TOKENS latents), by default with the tuning table's config."""
+    config = config or select_sparse_config(num_heads=heads, spec=spec)
+    shape = jax.ShapeDtypeStruct
+    args = (shape((NUM_TOKENS, heads, kv_lora + rope), jnp.bfloat16),
+            shape((NUM_TOKENS, kv_lora + rope), jnp.bfloat16),
+            shape((NUM_TOKENS, top_k), jnp.int32))
+
+    def attend(*arrays):
+        return sparse_attention_pallas(*arrays, kv_lora=kv_lora,
+                                       scale=(kv_lora + rope) ** -0.5, config=config,
+                                       interpret=False)
 
     return _triton_modules(attend, args, spec)
 
@@ -314,6 +339,9 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
             reports.extend(compile_module(module, spec, num_heads) for module in modules.values())
         for num_heads, head_qk, head_v in ATTENTION_SHAPES:
             for module in lower_flash_attention(spec, num_heads, head_qk, head_v):
+                reports.append(compile_module(module, spec, num_heads))
+        for num_heads, *shape in SPARSE_SHAPES:
+            for module in lower_sparse_attention(spec, num_heads, *shape):
                 reports.append(compile_module(module, spec, num_heads))
     return reports
 

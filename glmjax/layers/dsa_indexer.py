@@ -21,6 +21,7 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.layers.projection import projection
+from pallas_kernels.top_k import select_top_k
 
 
 class DSAIndexer(nnx.Module):
@@ -57,15 +58,17 @@ class DSAIndexer(nnx.Module):
           visible: bool [R, S], the causal mask.
         Returns:
           int32 [R, min(top_k, S)] key indices and bool [R, min(top_k, S)]: whether each is
-          visible (a query with fewer visible keys than top_k gets invisible fillers).
+          visible (a query with fewer visible keys than top_k gets invisible fillers). The
+          set is lax.top_k's (ties: the lower index), selected without a sort
+          (`select_top_k`); each row lists its visible keys first, in ascending index.
         """
         with jax.named_scope("dsa_indexer"):
             pattern = "rhd,sd->rhs" if keys.ndim == 2 else "rhd,rsd->rhs"
             dots = jnp.einsum(pattern, q, keys, preferred_element_type=jnp.float32)
             scores = jnp.einsum("rh,rhs->rs", weights, jax.nn.relu(dots))
             scores = jnp.where(visible, scores, -jnp.inf)
-            _, top = jax.lax.top_k(scores, min(self.top_k, scores.shape[-1]))
-            return top.astype(jnp.int32), jnp.take_along_axis(visible, top, axis=-1)
+            top = select_top_k(scores, min(self.top_k, scores.shape[-1]))
+            return top, jnp.take_along_axis(visible, top, axis=-1)
 
     def select(self, q: jax.Array, weights: jax.Array, keys: jax.Array,
                visible: jax.Array) -> jax.Array:
