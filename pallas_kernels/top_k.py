@@ -32,7 +32,9 @@ CUMSUM_BLOCK = 128
 
 def order_keys(scores: jax.Array) -> jax.Array:
     """fp32 [..., S] -> uint32 [..., S], ordered as the scores (-0.0 as +0.0)."""
-    bits = lax.bitcast_convert_type(scores.astype(jnp.float32) + 0.0, jnp.uint32)
+    scores = scores.astype(jnp.float32)
+    # Not `scores + 0.0`: XLA folds that away, and -0.0 would rank below +0.0.
+    bits = lax.bitcast_convert_type(jnp.where(scores == 0, 0.0, scores), jnp.uint32)
     negative = (bits >> 31) == 1
     return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
 
