@@ -389,19 +389,26 @@ class MLA(nnx.Module):
         widest = jnp.max(jnp.where(lens > 0, prefix_used + lens, 0))
         return lax.cond(widest <= self.indexer.top_k, dense, selected)
 
+    def select_keys(self, index_queries, keys: PackedKeys, seq, pos, valid) -> jax.Array:
+        """Each query's top_k causally visible keys by index score, `query_block` queries at
+        a time (a [block, S] score tensor each): int32 [T, min(top_k, S)] rows of `keys`,
+        -1 past the visible ones. index_queries: `DSAIndexer.queries`; seq, pos, valid
+        int32 / bool [T]: each query's sequence, position among its keys, and realness."""
+        def select(index_q, index_w, seq, pos, valid):
+            mask = ((keys.seq[None] == seq[:, None]) & (keys.pos[None] <= pos[:, None])
+                    & keys.valid[None] & valid[:, None])
+            top, keep = self.indexer.top_keys(index_q, index_w, keys.index, mask)
+            return jnp.where(keep, top, -1)
+
+        return _in_query_blocks(select, self.query_block, *index_queries, seq, pos, valid)
+
     def _attend_selected(self, q_nope, q_pe, index_queries, keys: PackedKeys, seq, pos, valid,
                          plan):
         """Absorbed over the latents the DSA indexer selects for each query
         (`sparse_attention`: per query, all heads against its top_k latents; no [H, T, S]
         scores): q [T, H, *] -> [T, H, v]. On a mesh each device attends with its own
         heads; the keys and the selection are replicated."""
-        def select(index_q, index_w, seq, pos, valid):  # a [block, S] score tensor
-            mask = ((keys.seq[None] == seq[:, None]) & (keys.pos[None] <= pos[:, None])
-                    & keys.valid[None] & valid[:, None])
-            top, keep = self.indexer.top_keys(index_q, index_w, keys.index, mask)
-            return jnp.where(keep, top, -1)
-
-        top = _in_query_blocks(select, self.query_block, *index_queries, seq, pos, valid)
+        top = self.select_keys(index_queries, keys, seq, pos, valid)
         w_uk, w_uv = self._absorption(q_nope.dtype)
         q = jnp.einsum("thd,chd->thc", q_nope, w_uk,
                        preferred_element_type=jnp.float32).astype(q_nope.dtype)

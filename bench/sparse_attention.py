@@ -1,0 +1,215 @@
+"""DSA benchmark: the glm5.3-flash MLA layer with DSA (sparse) vs dense causal flash.
+
+    python -m bench.sparse_attention                    # 8K, 16K, 32K
+    python -m bench.sparse_attention --cases 32K --out $OUT/sparse_attention.json
+    python -m bench.sparse_attention --quick            # CPU smoke: tiny shapes
+
+Per case (one causal span of T tokens, no prefix, bf16, random weights), rows:
+- layer-dense-<impl>: one MLA prefill without the indexer: flash attention over the
+  expanded keys (`prefill_attention`, each implementation the device has);
+- layer-dsa: the same layer with its DSA indexer (top-k 2048): index scores per block of
+  1024 queries, `select_top_k`, and `sparse_attention` over the selected latents;
+- select: the indexer's selection alone (`MLA.select_keys`);
+- top_k-sort / top_k-radix: one [1024, T] block of scores through lax.top_k and through
+  `select_top_k`, times the T / 1024 blocks of a layer;
+- sparse-op: `sparse_attention` alone on [T, 64, 512] absorbed queries with random
+  selections of min(top_k, t + 1) keys (TFLOP/s: 2 x heads x (512 + 512) per selected
+  pair), with its max relative error against the jax.numpy reference;
+- dense-op: `prefill_attention` alone at the layer's shapes (64 heads, qk 256, v 256).
+The bar (issue 18): layer-dsa at most 0.6 x layer-dense at 32K; `ratio` rows report it.
+
+Timing as `bench.attention`: warm-up, then the median of `--samples` samples of `--iters`
+queued calls. The JSON (--out) is rewritten after every case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import platform
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bench.attention import relative_error, time_calls
+from glmjax.config import ModelConfig
+from glmjax.layers.mla import MLA
+from glmjax.layers.prefill_keys import sequence_keys
+from pallas_kernels.attention import prefill_attention
+from pallas_kernels.attention_cudnn import cudnn_available
+from pallas_kernels.sparse_attention import sparse_attention
+from pallas_kernels.top_k import select_top_k
+
+RESULTS = Path(__file__).parent / "results"
+CASES = {"8K": 8192, "16K": 16384, "32K": 32768}
+QUICK = {"tiny-48": 48}
+BAR = 0.6
+
+
+def layer_config(quick: bool, attention: str | None, dsa: bool) -> ModelConfig:
+    if quick:
+        config = dataclasses.replace(ModelConfig.preset("tiny"), dsa_top_k=8,
+                                     dsa_num_heads=4, dsa_head_dim=32)
+    else:
+        config = ModelConfig.preset("glm5.3-flash")
+    return dataclasses.replace(config, mla_attention=attention,
+                               dsa_top_k=config.dsa_top_k if dsa else None)
+
+
+def random_selection(rng, tokens, top_k):
+    """int32 [T, top_k]: query t's min(top_k, t + 1) random keys among 0..t, then -1."""
+    t = np.arange(tokens)[:, None]
+    picks = np.floor(rng.random((tokens, top_k)) * (t + 1)).astype(np.int32)
+    return np.where(np.arange(top_k)[None] <= t, picks, -1)
+
+
+def run_case(name, tokens, args):
+    rng = np.random.default_rng(0)
+    dense_impls = ["reference"] if args.quick else ["pallas"] + (
+        ["cudnn"] if cudnn_available() else [])
+    config = layer_config(args.quick, None, True)
+    dtype, top_k = config.dtype, config.dsa_top_k
+    draws = itertools.count()
+
+    def normal(*shape):  # drawn on the device: [32K, 64, 512] is 8 GB as host float64
+        key = jax.random.fold_in(jax.random.key(0), next(draws))
+        return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+    x = normal(tokens, config.hidden_size)
+    cu = jnp.array([0, tokens], jnp.int32)
+    rows = {}
+
+    def timed(row, fn, *inputs, flops=None):
+        try:
+            ms = time_calls(lambda: fn(*inputs), iters=args.iters, samples=args.samples)
+        except Exception as error:  # out of memory, a shape refused: the row says so
+            rows[row] = {"error": f"{type(error).__name__}: {error}"[:300]}
+            print(f"{name} {row}: {rows[row]['error']}", flush=True)
+            return
+        rows[row] = {"ms": ms}
+        if flops:
+            rows[row]["tflops"] = flops / (ms * 1e-3) / 1e12
+        print(f"{name} {row}: {ms:.3f} ms", flush=True)
+
+    @nnx.jit
+    def prefill(layer, x):
+        return layer(x, cu)[0]
+
+    for impl in dense_impls:
+        dense = MLA(layer_config(args.quick, impl, False), rngs=nnx.Rngs(0))
+        timed(f"layer-dense-{impl}", prefill, dense, x)
+        del dense
+    layer = MLA(config, rngs=nnx.Rngs(0))
+    timed("layer-dsa", prefill, layer, x)
+
+    @nnx.jit
+    def select(layer, x):
+        q_latent = layer._queries(x)[2]
+        keys, _, _ = sequence_keys(None, layer._latent(x), layer.indexer.keys(x), cu,
+                                   jnp.zeros((1,), jnp.int32))
+        pos = jnp.arange(tokens, dtype=jnp.int32)
+        return layer.select_keys(layer.indexer.queries(x, q_latent), keys,
+                                 jnp.zeros_like(pos), pos, jnp.ones((tokens,), bool))
+
+    timed("select", select, layer, x)
+    block = min(1024, tokens)
+    scores = normal(block, tokens).astype(jnp.float32)
+    scores = jnp.where(jnp.arange(tokens)[None] <= jnp.arange(block)[:, None] * tokens // block,
+                       scores, -jnp.inf)
+    k = min(top_k, tokens)
+    for row, fn in (("top_k-sort", lambda s: jax.lax.top_k(s, k)[1]),
+                    ("top_k-radix", lambda s: select_top_k(s, k))):
+        timed(row, jax.jit(fn), scores)
+        if "ms" in rows[row]:
+            rows[row]["ms_per_layer"] = rows[row]["ms"] * -(-tokens // block)
+
+    heads, kv_lora = config.mla_num_heads, config.kv_lora_rank
+    width = kv_lora + config.qk_rope_head_dim
+    q, latent = normal(tokens, heads, width), normal(tokens, width)
+    indices = random_selection(rng, tokens, k)
+    pairs = int((indices >= 0).sum())
+    indices = jnp.asarray(indices)
+    ops = {}
+    for impl in ("pallas", "reference"):
+        fn = jax.jit(lambda q, latent, i, impl=impl: sparse_attention(
+            q, latent, i, kv_lora=kv_lora, scale=width ** -0.5, implementation=impl)[0])
+        row = "sparse-op" if impl == "pallas" else "sparse-op-reference"
+        timed(row, fn, q, latent, indices, flops=2 * heads * (width + kv_lora) * pairs)
+        if "ms" in rows[row]:
+            ops[impl] = fn(q, latent, indices)
+    if len(ops) == 2:
+        rows["sparse-op"]["error_vs_reference"] = relative_error(ops["pallas"],
+                                                                 ops["reference"])
+    del q, latent, indices, ops
+    head_qk, head_v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    for impl in dense_impls:
+        fn = jax.jit(lambda q, k, v, impl=impl: prefill_attention(
+            q, k, v, cu, cu, implementation=impl)[0])
+        timed(f"dense-op-{impl}", fn, normal(tokens, heads, head_qk),
+              normal(tokens, heads, head_qk), normal(tokens, heads, head_v),
+              flops=2 * heads * (head_qk + head_v) * tokens * (tokens + 1) // 2)
+    for impl in dense_impls:
+        a, b = rows.get("layer-dsa", {}), rows.get(f"layer-dense-{impl}", {})
+        if "ms" in a and "ms" in b:
+            rows[f"ratio-dsa/dense-{impl}"] = a["ms"] / b["ms"]
+    return {"tokens": tokens, "top_k": top_k, "heads": heads, "latent": width, "rows": rows}
+
+
+def format_table(results) -> str:
+    lines = [f"{'case':10} {'row':24} {'ms':>9} {'TFLOP/s':>8}  note"]
+    for name, case in results.items():
+        for row, value in case["rows"].items():
+            if not isinstance(value, dict):
+                verdict = "meets" if value <= BAR else "misses"
+                lines.append(f"{name:10} {row:24} {value:9.3f} {'':>8}  {verdict} the "
+                             f"{BAR} bar")
+            elif "error" in value:
+                lines.append(f"{name:10} {row:24} {value['error'][:60]}")
+            else:
+                note = ""
+                if "ms_per_layer" in value:
+                    note = f"{value['ms_per_layer']:.2f} ms per layer"
+                if "error_vs_reference" in value:
+                    note = f"err {value['error_vs_reference']:.1e}"
+                tflops = f"{value['tflops']:8.1f}" if "tflops" in value else f"{'':>8}"
+                lines.append(f"{name:10} {row:24} {value['ms']:9.3f} {tflops}  {note}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated, from {', '.join(CASES)}")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU smoke test: a tiny layer, the kernel in interpret mode")
+    parser.add_argument("--out", type=Path, default=RESULTS / "sparse_attention.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        cases = dict(QUICK)
+        args.iters, args.samples = 1, 1
+    else:
+        names = [c for c in args.cases.split(",") if c]
+        if set(names) - set(CASES):
+            parser.error(f"unknown cases {sorted(set(names) - set(CASES))}")
+        cases = {n: CASES[n] for n in names}
+    record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "host": platform.node(), "args": {k: str(v) for k, v in vars(args).items()},
+              "cases": {}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for name, tokens in cases.items():
+        record["cases"][name] = run_case(name, tokens, args)
+        args.out.write_text(json.dumps(record, indent=1))
+    print(format_table(record["cases"]))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
