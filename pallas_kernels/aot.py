@@ -8,8 +8,9 @@ real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs), on both gate 
 (bounded, as GLM's gate, and any decay, as Kimi's); the KDA decode kernel likewise, at 1
 and 64 rows on a 256-slot pool, with the tiling the runtime picks for each (`kda_decode_bv*`
 in the table); the MLA prefill flash attention at both presets' heads and head dims
-(`ATTENTION_SHAPES`) with the tuning table's config. So is the routed experts' grouped GEMM
-(`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered, gathered +
+(`ATTENTION_SHAPES`) with the tuning table's config; the DSA sparse attention at
+glm5.3-flash's shape (`SPARSE_SHAPES`: 64 heads over 512-wide latents, top-k 2048). So is
+the routed experts' grouped GEMM (`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered, gathered +
 SwiGLU, down, down + combine) at both presets' real shapes (`pallas_kernels.moe_shapes`)
 with the `GmmConfig` the runtime picks at 512 and 8192 tokens. Each Triton module the Pallas lowering
 embeds is then compiled by the official Triton compiler for that target, and ptxas reports
