@@ -8,8 +8,9 @@ Per case (one causal span of T tokens, no prefix, bf16, random weights), rows:
 - layer-dense-<impl>: one MLA prefill without the indexer: flash attention over the
   expanded keys (`prefill_attention`, each implementation the device has);
 - layer-dsa: the same layer with its DSA indexer (top-k 2048): index scores per block of
-  1024 queries, `select_top_k`, and `sparse_attention` over the selected latents;
-- select: the indexer's selection alone (`MLA.select_keys`);
+  1024 queries (`index_scores`), `select_top_k`, and `sparse_attention` over the selected
+  latents;
+- select: the indexer's selection alone (`MLA.select_keys`: index scores and top-k);
 - top_k-sort / top_k-radix: one [1024, T] block of scores through lax.top_k and through
   `select_top_k`, times the T / 1024 blocks of a layer;
 - sparse-op: `sparse_attention` alone on [T, 64, 512] absorbed queries with random
@@ -113,7 +114,7 @@ def run_case(name, tokens, args):
         keys, _, _ = sequence_keys(None, layer._latent(x), layer.indexer.keys(x), cu,
                                    jnp.zeros((1,), jnp.int32))
         pos = jnp.arange(tokens, dtype=jnp.int32)
-        return layer.select_keys(layer.indexer.queries(x, q_latent), keys,
+        return layer.select_keys(layer.indexer.queries(x, q_latent), keys, cu,
                                  jnp.zeros_like(pos), pos, jnp.ones((tokens,), bool))
 
     timed("select", select, layer, x)

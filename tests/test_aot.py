@@ -24,14 +24,15 @@ def test_every_kernel_compiles_within_limits(device):
         "kda_chunk_output",
         "flash_attention",
         "sparse_attention",
+        "index_scores",
     }
     decode = [r for r in reports if r.kernel.startswith("kda_decode_bv")]
     assert {r.heads for r in decode} == set(aot.HEAD_COUNTS)
     # The decode kernel streams states through registers: a spill would double its traffic.
     assert all(r.spill_bytes == 0 for r in decode), aot.format_table(decode)
     assert {r.heads for r in reports} == set(aot.HEAD_COUNTS)
-    sparse = [r for r in reports if r.kernel == "sparse_attention"]
-    assert len(sparse) == len(aot.SPARSE_SHAPES)
+    sparse = [r for r in reports if r.kernel in ("sparse_attention", "index_scores")]
+    assert len(sparse) == len(aot.SPARSE_SHAPES) + len(aot.INDEX_SHAPES)
     assert all(r.spill_bytes == 0 for r in sparse), aot.format_table(sparse)
     for report in reports:
         assert report.compiled, report.error
@@ -90,8 +91,8 @@ def test_grouped_gemm_compiles_within_limits(device):
     kernels = ("gmm", "gmm_gather_swiglu", "gmm_combine")
     reports = aot.check_gmm([device], tokens=(8192,), kernels=kernels)
     assert sorted(r.kernel for r in reports) == sorted(kernels * len(aot.MOE_SHAPES))
-    sparse = [r for r in reports if r.kernel == "sparse_attention"]
-    assert len(sparse) == len(aot.SPARSE_SHAPES)
+    sparse = [r for r in reports if r.kernel in ("sparse_attention", "index_scores")]
+    assert len(sparse) == len(aot.SPARSE_SHAPES) + len(aot.INDEX_SHAPES)
     assert all(r.spill_bytes == 0 for r in sparse), aot.format_table(sparse)
     for report in reports:
         assert report.compiled, report.error

@@ -11,7 +11,8 @@ then its new tokens), expands their latents through kv_b_proj (non-absorbed) and
 with the flash op `pallas_kernels.prefill_attention`: no score tensor in memory, and a
 packed batch costs what its sequences cost. With a DSA indexer, a batch in which some
 query sees more than top_k keys goes through the indexer's selection instead (index scores
-[query_block, S] per block of queries, top-k by `pallas_kernels.top_k.select_top_k`) and
+[query_block, S] per block of queries by `pallas_kernels.index_scores`, top-k by
+`pallas_kernels.top_k.select_top_k`) and
 `pallas_kernels.sparse_attention`: absorbed, each query's heads against only its top_k
 latents; otherwise the indexer would select every visible key and is skipped. Decode folds
 W_uk into the query and W_uv after the weighted sum (absorbed), so it reads only latents.
@@ -164,7 +165,8 @@ class MLA(nnx.Module):
         self.indexer = None if config.dsa_top_k is None else DSAIndexer(config, rngs=rngs)
         self.query_block = PREFILL_QUERY_BLOCK
         self.attention = config.mla_attention
-        self.sparse_attention = "reference" if self.attention == "reference" else None
+        # The DSA ops (`index_scores`, `sparse_attention`): None picks by device.
+        self.dsa_implementation = "reference" if self.attention == "reference" else None
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array, cache: MLACache | None = None,
                  block_table: jax.Array | None = None, prefix_lens: jax.Array | None = None,
@@ -205,7 +207,7 @@ class MLA(nnx.Module):
                              - cu_seqlens[seq])
                 selected = functools.partial(
                     self._attend_selected, q_nope, q_pe, self.indexer.queries(x, q_latent),
-                    keys, seq, query_pos, valid, plan)
+                    keys, cu_keys, seq, query_pos, valid, plan)
                 max_keys = tokens + (0 if prefix is None else prefix.latent.shape[1])
                 out = self._dense_or_selected(dense, selected, cu_seqlens, prefix_used,
                                               max_keys=max_keys)
@@ -389,33 +391,46 @@ class MLA(nnx.Module):
         widest = jnp.max(jnp.where(lens > 0, prefix_used + lens, 0))
         return lax.cond(widest <= self.indexer.top_k, dense, selected)
 
-    def select_keys(self, index_queries, keys: PackedKeys, seq, pos, valid) -> jax.Array:
+    def select_keys(self, index_queries, keys: PackedKeys, cu_keys, seq, pos, valid, plan=None
+                    ) -> jax.Array:
         """Each query's top_k causally visible keys by index score, `query_block` queries at
-        a time (a [block, S] score tensor each): int32 [T, min(top_k, S)] rows of `keys`,
-        -1 past the visible ones. index_queries: `DSAIndexer.queries`; seq, pos, valid
-        int32 / bool [T]: each query's sequence, position among its keys, and realness."""
-        def select(index_q, index_w, seq, pos, valid):
-            mask = ((keys.seq[None] == seq[:, None]) & (keys.pos[None] <= pos[:, None])
-                    & keys.valid[None] & valid[:, None])
-            top, keep = self.indexer.top_keys(index_q, index_w, keys.index, mask)
+        a time (their [block, S] scores by `index_scores`): int32 [T, min(top_k, S)] rows
+        of `keys`, -1 past the visible ones.
+
+        Args: index_queries: `DSAIndexer.queries`; cu_keys int32 [N + 1]: sequence n's keys
+          are rows cu_keys[n]:cu_keys[n + 1]; seq, pos, valid int32 / bool [T]: each query's
+          sequence, position among its sequence's keys, and realness; plan: the mesh (the
+          selection is replicated on it).
+        """
+        first = jnp.where(valid, cu_keys[seq], 0)
+        last = jnp.where(valid, first + pos + 1, 0)  # row t sees keys [first, last)
+        top_keys = functools.partial(self.indexer.top_keys_in_ranges,
+                                     implementation=self.dsa_implementation)
+        if plan is not None:
+            # check_vma off: a pallas_call does not declare how its outputs vary.
+            top_keys = jax.shard_map(top_keys, mesh=plan.mesh, in_specs=plan.specs.replicated,
+                                     out_specs=plan.specs.replicated, check_vma=False)
+
+        def select(index_q, index_w, first, last):
+            top, keep = top_keys(index_q, index_w, keys.index, first, last)
             return jnp.where(keep, top, -1)
 
-        return _in_query_blocks(select, self.query_block, *index_queries, seq, pos, valid)
+        return _in_query_blocks(select, self.query_block, *index_queries, first, last)
 
-    def _attend_selected(self, q_nope, q_pe, index_queries, keys: PackedKeys, seq, pos, valid,
-                         plan):
+    def _attend_selected(self, q_nope, q_pe, index_queries, keys: PackedKeys, cu_keys, seq,
+                         pos, valid, plan):
         """Absorbed over the latents the DSA indexer selects for each query
         (`sparse_attention`: per query, all heads against its top_k latents; no [H, T, S]
         scores): q [T, H, *] -> [T, H, v]. On a mesh each device attends with its own
         heads; the keys and the selection are replicated."""
-        top = self.select_keys(index_queries, keys, seq, pos, valid)
+        top = self.select_keys(index_queries, keys, cu_keys, seq, pos, valid, plan)
         w_uk, w_uv = self._absorption(q_nope.dtype)
         q = jnp.einsum("thd,chd->thc", q_nope, w_uk,
                        preferred_element_type=jnp.float32).astype(q_nope.dtype)
         if self.rope:
             q = jnp.concatenate([q, q_pe], axis=-1)  # [T, H, kv_lora + rope]
         attend = functools.partial(sparse_attention, kv_lora=self.kv_lora, scale=self.scale,
-                                   implementation=self.sparse_attention)
+                                   implementation=self.dsa_implementation)
         if plan is not None:
             s = plan.specs
             # check_vma off: a pallas_call does not declare how its outputs vary.
