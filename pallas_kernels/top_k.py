@@ -9,15 +9,17 @@ sort on the GPU. The selection here needs only a few passes over the scores:
    keeps the largest digit that still leaves k of them. 32 / RADIX_BITS passes, each a
    compare-and-count over the row, no histogram memory.
 2. Compaction: the keys above tau, then the first (k - their count) keys equal to tau in
-   index order, are the selection. Row prefix sums (`row_cumsum`: blocked, the within-block
-   sums as a matmul with a triangular 0/1 matrix, exact) give every key its output slot; one
-   scatter without collisions places them.
+   index order, are the selection. The row prefix counts of both (`row_cumsums`: one pass,
+   blocked, the within-block sums as a matmul with a triangular 0/1 matrix, exact) give
+   every key its output slot; one scatter without collisions places them.
 
 Ties are broken as `lax.top_k` breaks them: among equal scores the lower index wins, so the
 selected set is exactly lax.top_k's. -0.0 ranks as +0.0; scores must not be NaN. The output
-order is not lax.top_k's (descending score) but: the selected keys with a finite score in
-ascending index, then the selected -inf keys in ascending index (a caller that masks keys
-with -inf gets its visible selections as a prefix of each row).
+order is not lax.top_k's (descending score) but: the keys above tau in ascending index, then
+the chosen keys equal to tau in ascending index. So a row's selected finite scores come
+before its selected -inf ones (either tau is finite and every selected score is, or tau is
+-inf and the finite ones are all above it): a caller that masks keys with -inf gets its
+visible selections as a prefix of each row.
 """
 
 from __future__ import annotations
@@ -52,18 +54,25 @@ def kth_largest_key(keys: jax.Array, k: int) -> jax.Array:
     return prefix
 
 
-def row_cumsum(flags: jax.Array) -> jax.Array:
-    """Inclusive prefix sums along the last axis of bool / 0-1 [R, S]: int32 [R, S], exact
-    (0/1 matmul operands, fp32 sums of at most CUMSUM_BLOCK ones)."""
-    rows, num = flags.shape
+def row_cumsums(first: jax.Array, second: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inclusive prefix counts along the last axis of two disjoint bool [R, S] flags: int32
+    [R, S] each, in one pass. Both ride in one bf16 operand (1 and 256, exact in bf16) of a
+    blocked matmul with a triangular 0/1 matrix; fp32 sums of at most CUMSUM_BLOCK such
+    values are exact and split back by base 256."""
+    rows, num = first.shape
     block = min(CUMSUM_BLOCK, num)
     pad = -num % block
-    x = jnp.pad(flags.astype(jnp.bfloat16), ((0, 0), (0, pad))).reshape(rows, -1, block)
+    x = jnp.where(first, 1.0, jnp.where(second, 256.0, 0.0)).astype(jnp.bfloat16)
+    x = jnp.pad(x, ((0, 0), (0, pad))).reshape(rows, -1, block)
     upper = jnp.triu(jnp.ones((block, block), jnp.bfloat16))  # [j, i] = 1 where j <= i
-    within = jnp.einsum("rbj,ji->rbi", x, upper, preferred_element_type=jnp.float32)
-    within = within.astype(jnp.int32)
-    carry = jnp.cumsum(within[:, :, -1], axis=1) - within[:, :, -1]  # exclusive, per block
-    return (within + carry[:, :, None]).reshape(rows, -1)[:, :num]
+    within = jnp.einsum("rbj,ji->rbi", x, upper,
+                        preferred_element_type=jnp.float32).astype(jnp.int32)
+
+    def counts(within):  # [R, blocks, block] -> [R, S], the earlier blocks' totals added
+        carry = jnp.cumsum(within[:, :, -1], axis=1) - within[:, :, -1]
+        return (within + carry[:, :, None]).reshape(rows, -1)[:, :num]
+
+    return counts(within % 256), counts(within // 256)
 
 
 def select_top_k(scores: jax.Array, k: int) -> jax.Array:
@@ -84,17 +93,17 @@ def select_top_k(scores: jax.Array, k: int) -> jax.Array:
         keys = order_keys(scores)
         tau = kth_largest_key(keys, k)
         above, tied = keys > tau, keys == tau
-        need = k - jnp.sum(above, axis=1, keepdims=True, dtype=jnp.int32)
-        chosen = above | (tied & (row_cumsum(tied) <= need))  # exactly k per row
-        finite = chosen & (scores > -jnp.inf)
-        rank_finite, rank_chosen = row_cumsum(finite), row_cumsum(chosen)
-        num_finite = rank_finite[:, -1:]
-        # A permutation of each row: finite selections, -inf selections, the rest.
-        slot = jnp.where(finite, rank_finite - 1,
-                         jnp.where(chosen, num_finite + rank_chosen - rank_finite - 1,
-                                   k + jnp.arange(num, dtype=jnp.int32) - rank_chosen))
+        rank_above, rank_tied = row_cumsums(above, tied)
+        num_above = rank_above[:, -1:]
+        need = k - num_above  # >= 1: tau itself is among the k
+        taken = tied & (rank_tied <= need)
+        chosen_so_far = rank_above + jnp.minimum(rank_tied, need)
+        # A permutation of each row: the keys above tau, the taken ties, the rest.
+        slot = jnp.where(above, rank_above - 1,
+                         jnp.where(taken, num_above + rank_tied - 1,
+                                   k + jnp.arange(num, dtype=jnp.int32) - chosen_so_far))
         rows_ix = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], (rows, num))
         cols = jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32)[None], (rows, num))
         placed = jnp.zeros((rows, num), jnp.int32).at[rows_ix, slot].set(
-            cols, unique_indices=True, indices_are_sorted=False)
+            cols, unique_indices=True)
         return placed[:, :k]
