@@ -43,6 +43,7 @@ class SparseConfig:
 # is gathered once per query: H200 64 x 32, 8 warps: 131,200 B shared, 254 registers, no
 # spills (64 x 64 spills 248 B; 4 warps spill 5.6 KB); GB10 64 x 16, 8 warps: 84,032 B of
 # its 99 KB, 224 registers (64 x 32 needs 102,528 B). Speed: `python -m bench.sparse_attention`.
+MIN_BLOCK_H = 16  # a Triton dot's smallest M
 _WIDE = SparseConfig(block_h=64, block_k=32, num_warps=8, num_stages=2)
 TUNING = {
     12: SparseConfig(block_h=64, block_k=16, num_warps=8, num_stages=2),
@@ -54,10 +55,12 @@ TUNING = {
 
 def select_sparse_config(*, num_heads: int, spec: DeviceSpec | None = None) -> SparseConfig:
     """The tuning table's entry for `spec` (default: this process's first device), its head
-    block narrowed to `num_heads` when fewer."""
+    block narrowed to the power of two covering `num_heads` when fewer, but not below
+    MIN_BLOCK_H (the kernel pads the heads up to a multiple of the block)."""
     spec = spec or device_spec()
     config = TUNING.get(spec.compute_capability[0], TUNING[8])
-    return dataclasses.replace(config, block_h=min(config.block_h, num_heads))
+    cover = max(MIN_BLOCK_H, 1 << (num_heads - 1).bit_length())
+    return dataclasses.replace(config, block_h=min(config.block_h, cover))
 
 
 def latent_pieces(kv_lora: int, rope: int) -> tuple[tuple[int, int], ...]:
@@ -112,8 +115,8 @@ def sparse_attention_pallas(q, latent, indices, *, kv_lora: int, scale: float,
     """
     num_queries, num_heads, width = q.shape
     num_keys, block_h, block_k = latent.shape[0], config.block_h, config.block_k
-    if num_heads % block_h:
-        raise ValueError(f"block_h={block_h} must divide the {num_heads} heads")
+    padded_h = -(-num_heads // block_h) * block_h  # zero query heads, sliced off after
+    q = jnp.pad(q, ((0, 0), (0, padded_h - num_heads), (0, 0)))
     pad = -indices.shape[1] % block_k
     indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
     valid = (indices >= 0) & (indices < num_keys)
@@ -124,13 +127,14 @@ def sparse_attention_pallas(q, latent, indices, *, kv_lora: int, scale: float,
         _sparse_kernel, block_h=block_h, block_k=block_k, pieces=pieces,
         num_v_pieces=len(head_pieces(kv_lora)), scale_log2=scale * LOG2_E, num_keys=num_keys,
         precision=matmul_precision(q.dtype == jnp.float32))
-    return pl.pallas_call(
+    o, lse = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((num_queries, num_heads, kv_lora), q.dtype),
-                   jax.ShapeDtypeStruct((num_queries, num_heads), jnp.float32)),
-        grid=(num_queries, num_heads // block_h),
+        out_shape=(jax.ShapeDtypeStruct((num_queries, padded_h, kv_lora), q.dtype),
+                   jax.ShapeDtypeStruct((num_queries, padded_h), jnp.float32)),
+        grid=(num_queries, padded_h // block_h),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="sparse_attention",
     )(blocks, indices, q, latent.astype(q.dtype))
+    return o[:, :num_heads], lse[:, :num_heads]

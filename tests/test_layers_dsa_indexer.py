@@ -1,6 +1,8 @@
 """The DSA indexer inside MLA: dense when top-k covers the context, and the oracle's own
 top-k selection otherwise, in continuation prefill and in decode."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -127,6 +129,32 @@ def test_skipping_the_indexer_equals_selecting(rng):
     np.testing.assert_allclose(y_skip, y_select, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(y_skip[cu[0]:cu[1]], oracle(layer, config, seqs[0])[8:],
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["glm-like", "kimi-like"])
+def test_dsa_kernels_match_the_reference_path(rng, variant):
+    """On a GPU: the prefill's DSA path through the Pallas kernels (`index_scores`,
+    `sparse_attention`) against the jax.numpy ops, fp32, continuing cached prefixes."""
+    changes = {} if variant == "glm-like" else {"qk_rope_head_dim": 32}
+    base = dataclasses.replace(dsa_config(top_k=8), **changes)
+    layers = {}
+    for attention in ("reference", "pallas"):
+        config = dataclasses.replace(base, mla_attention=attention)
+        layers[attention] = nnx.eval_shape(lambda c=config: MLA(c, rngs=nnx.Rngs(0)))
+    nnx.update(layers["pallas"], nnx.state(make_layer(base, rng)))
+    nnx.update(layers["reference"], nnx.state(layers["pallas"]))
+    seqs = [rng.normal(size=(n, base.hidden_size)) for n in (20, 13, 9, 0)]
+    table = random_block_table(rng)
+    x, cu = pack([s[:8] for s in seqs])
+    x2, cu2 = pack([s[8:] for s in seqs])
+    prefixes = jnp.array([8, 8, 8, 0], jnp.int32)
+    outputs = {}
+    for attention, layer in layers.items():
+        cache = MLACache.zeros(base, NUM_BLOCKS)
+        _, cache = prefill(layer, x, cu, cache, table, jnp.zeros((NUM_SEQS,), jnp.int32))
+        outputs[attention] = prefill(layer, x2, cu2, cache, table, prefixes)[0]
+    np.testing.assert_allclose(outputs["pallas"], outputs["reference"], rtol=1e-4, atol=1e-5)
 
 
 def test_cache_without_index_keys_is_refused(rng):

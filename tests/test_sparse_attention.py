@@ -148,6 +148,9 @@ class TestPallasGpu(SparseCases):
     HEADS = 16
     TOLERANCE = 2e-2
 
+    def test_heads_padded_to_the_head_block(self, rng):
+        self.check(rng, [30, 9], [11, 4], 8, heads=4)
+
     @pytest.mark.parametrize("shape", [(512, 0), (512, 64)])
     def test_real_shapes(self, rng, shape):
         """glm5.3-flash's latent (and one with a rope part) at its 64 heads, the tuning
