@@ -3,6 +3,7 @@
     python -m bench.sparse_attention                    # 8K, 16K, 32K
     python -m bench.sparse_attention --cases 32K --out $OUT/sparse_attention.json
     python -m bench.sparse_attention --quick            # CPU smoke: tiny shapes
+    python -m bench.sparse_attention --cases 32K --sweep  # also every tiling in the sweeps
 
 Per case (one causal span of T tokens, no prefix, bf16, random weights), rows:
 - layer-dense-<impl>: one MLA prefill without the indexer: flash attention over the
@@ -13,11 +14,15 @@ Per case (one causal span of T tokens, no prefix, bf16, random weights), rows:
 - select: the indexer's selection alone (`MLA.select_keys`: index scores and top-k);
 - top_k-sort / top_k-radix: one [1024, T] block of scores through lax.top_k and through
   `select_top_k`, times the T / 1024 blocks of a layer;
+- index-op: `index_scores` alone on the last block of 1024 queries (it sees every key), and
+  that times the T / 1024 blocks (an upper bound: earlier blocks skip their causal tiles);
 - sparse-op: `sparse_attention` alone on [T, 64, 512] absorbed queries with random
   selections of min(top_k, t + 1) keys (TFLOP/s: 2 x heads x (512 + 512) per selected
   pair), with its max relative error against the jax.numpy reference;
 - dense-op: `prefill_attention` alone at the layer's shapes (64 heads, qk 256, v 256).
-The bar (issue 18): layer-dsa at most 0.6 x layer-dense at 32K; `ratio` rows report it.
+--sweep adds index-op and sparse-op rows for every tiling in INDEX_SWEEP / SPARSE_SWEEP
+(all compile for sm_90: `python -m pallas_kernels.aot`). The bar (issue 18): layer-dsa at
+most 0.6 x layer-dense at 32K; `ratio` rows report it.
 
 Timing as `bench.attention`: warm-up, then the median of `--samples` samples of `--iters`
 queued calls. The JSON (--out) is rewritten after every case.
@@ -43,13 +48,25 @@ from glmjax.layers.mla import MLA
 from glmjax.layers.prefill_keys import sequence_keys
 from pallas_kernels.attention import prefill_attention
 from pallas_kernels.attention_cudnn import cudnn_available
+from pallas_kernels.index_scores import index_scores
+from pallas_kernels.index_scores_pallas import IndexConfig
 from pallas_kernels.sparse_attention import sparse_attention
+from pallas_kernels.sparse_attention_pallas import SparseConfig
 from pallas_kernels.top_k import select_top_k
 
 RESULTS = Path(__file__).parent / "results"
 CASES = {"8K": 8192, "16K": 16384, "32K": 32768}
 QUICK = {"tiny-48": 48}
 BAR = 0.6
+SPARSE_SWEEP = (SparseConfig(64, 32, 8, 2), SparseConfig(64, 32, 8, 3),
+                SparseConfig(64, 16, 8, 2), SparseConfig(32, 32, 4, 2),
+                SparseConfig(32, 32, 8, 2), SparseConfig(16, 32, 4, 2))
+INDEX_SWEEP = (IndexConfig(128, 128, 8, 2), IndexConfig(128, 128, 8, 3),
+               IndexConfig(64, 128, 4, 2), IndexConfig(64, 64, 4, 2), IndexConfig(128, 64, 4, 2))
+
+
+def tiling(config) -> str:
+    return " ".join(f"{v}" for v in dataclasses.astuple(config))
 
 
 def layer_config(quick: bool, attention: str | None, dsa: bool) -> ModelConfig:
@@ -129,6 +146,21 @@ def run_case(name, tokens, args):
         if "ms" in rows[row]:
             rows[row]["ms_per_layer"] = rows[row]["ms"] * -(-tokens // block)
 
+    index_q = normal(block, config.dsa_num_heads, config.dsa_head_dim)
+    index_w = normal(block, config.dsa_num_heads).astype(jnp.float32)
+    index_k = normal(tokens, config.dsa_head_dim)
+    first = jnp.zeros((block,), jnp.int32)
+    last = jnp.arange(tokens - block + 1, tokens + 1, dtype=jnp.int32)
+    index_configs = {"index-op": None}
+    if args.sweep:
+        index_configs.update({f"index-op {tiling(c)}": c for c in INDEX_SWEEP})
+    for row, index_config in index_configs.items():
+        fn = jax.jit(lambda *a, c=index_config: index_scores(*a, config=c))
+        timed(row, fn, index_q, index_w, index_k, first, last)
+        if "ms" in rows[row]:
+            rows[row]["ms_per_layer"] = rows[row]["ms"] * -(-tokens // block)
+    del index_q, index_w, index_k
+
     heads, kv_lora = config.mla_num_heads, config.kv_lora_rank
     width = kv_lora + config.qk_rope_head_dim
     q, latent = normal(tokens, heads, width), normal(tokens, width)
@@ -146,6 +178,12 @@ def run_case(name, tokens, args):
     if len(ops) == 2:
         rows["sparse-op"]["error_vs_reference"] = relative_error(ops["pallas"],
                                                                  ops["reference"])
+    for sparse_config in SPARSE_SWEEP if args.sweep else ():
+        fn = jax.jit(lambda q, latent, i, c=sparse_config: sparse_attention(
+            q, latent, i, kv_lora=kv_lora, scale=width ** -0.5, implementation="pallas",
+            config=c)[0])
+        timed(f"sparse-op {tiling(sparse_config)}", fn, q, latent, indices,
+              flops=2 * heads * (width + kv_lora) * pairs)
     del q, latent, indices, ops
     head_qk, head_v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
     for impl in dense_impls:
@@ -188,6 +226,8 @@ def main(argv=None) -> int:
                         help=f"comma-separated, from {', '.join(CASES)}")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--samples", type=int, default=3)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time every tiling in INDEX_SWEEP and SPARSE_SWEEP")
     parser.add_argument("--quick", action="store_true",
                         help="CPU smoke test: a tiny layer, the kernel in interpret mode")
     parser.add_argument("--out", type=Path, default=RESULTS / "sparse_attention.json")
