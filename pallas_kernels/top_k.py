@@ -47,7 +47,8 @@ def kth_largest_key(keys: jax.Array, k: int) -> jax.Array:
     prefix = jnp.zeros((keys.shape[0], 1), jnp.uint32)
     for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
         candidates = prefix | (digits[None] << shift)  # [R, D - 1]
-        counts = jnp.sum(keys[:, :, None] >= candidates[:, None], axis=1, dtype=jnp.int32)
+        # Reduced over the minor axis: the reduction XLA's GPU emitter does best.
+        counts = jnp.sum(keys[:, None, :] >= candidates[:, :, None], axis=2, dtype=jnp.int32)
         # counts fall as the digit grows: the fitting digits are a prefix 1..d.
         digit = jnp.sum(counts >= k, axis=1, keepdims=True, dtype=jnp.int32).astype(jnp.uint32)
         prefix = prefix | (digit << shift)
