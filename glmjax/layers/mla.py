@@ -71,11 +71,6 @@ def softmax_with_lse(scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax
     return weights / jnp.where(total > 0, total, 1), lse[..., 0]
 
 
-def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax over the last axis restricted to `mask`; fully masked rows give zeros."""
-    return softmax_with_lse(scores, mask)[0]
-
-
 def latent_attention(q_abs: jax.Array, q_pe: jax.Array | None, latent: jax.Array,
                      mask: jax.Array, *, kv_lora: int, scale: float
                      ) -> tuple[jax.Array, jax.Array]:
