@@ -33,6 +33,7 @@ def oracle(q, w, k, start, end):
 class IndexCases:
     IMPLEMENTATION: str
     CONFIG: IndexConfig | None = None
+    INTERPRET: bool | None = None  # None: interpret on the CPU only
     DTYPE = jnp.float32
     TOLERANCE = 1e-5
     HEADS, DIM = 3, 32
@@ -46,7 +47,8 @@ class IndexCases:
         w = jnp.asarray(rng.standard_normal((num_rows, heads)), jnp.float32)
         k = jnp.asarray(rng.standard_normal((num_keys, dim)), self.DTYPE)
         out = index_scores(q, w, k, jnp.asarray(start), jnp.asarray(end),
-                           implementation=self.IMPLEMENTATION, config=self.CONFIG)
+                           implementation=self.IMPLEMENTATION, config=self.CONFIG,
+                           interpret=self.INTERPRET)
         assert out.shape == (num_rows, num_keys) and out.dtype == jnp.float32
         expected = oracle(q, w, k, start, end)
         out = np.asarray(out, np.float64)
@@ -76,6 +78,7 @@ class TestPallasInterpret(IndexCases):
 
     IMPLEMENTATION = "pallas"
     CONFIG = IndexConfig(block_r=16, block_s=32)
+    INTERPRET = True  # on a GPU too: the tiny tiles are for the interpreter
 
 
 @pytest.mark.gpu

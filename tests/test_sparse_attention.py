@@ -76,6 +76,7 @@ class SparseCases:
 
     IMPLEMENTATION: str
     CONFIG: SparseConfig | None = None
+    INTERPRET: bool | None = None  # None: interpret on the CPU only
     DTYPE = jnp.float32
     HEADS = 4
     TOLERANCE = 1e-5
@@ -88,7 +89,8 @@ class SparseCases:
             num_q=num_q, num_k=num_k, dtype=self.DTYPE)
         scale = sum(shape) ** -0.5
         out, lse = sparse_attention(q, latent, indices, kv_lora=shape[0], scale=scale,
-                                    implementation=self.IMPLEMENTATION, config=self.CONFIG)
+                                    implementation=self.IMPLEMENTATION, config=self.CONFIG,
+                                    interpret=self.INTERPRET)
         assert out.dtype == q.dtype and lse.dtype == jnp.float32
         assert out.shape == (*q.shape[:2], shape[0]) and lse.shape == q.shape[:2]
         expected_out, expected_lse = dense_masked_oracle(q, latent, selected, shape[0], scale)
@@ -123,7 +125,8 @@ class SparseCases:
         noisy = jnp.concatenate([jnp.full((NUM_Q, 3), -7, jnp.int32), indices,
                                  jnp.full((NUM_Q, 2), NUM_K, jnp.int32)], axis=1)
         run = [sparse_attention(q, latent, i, kv_lora=64, scale=0.125,
-                                implementation=self.IMPLEMENTATION, config=self.CONFIG)
+                                implementation=self.IMPLEMENTATION, config=self.CONFIG,
+                                interpret=self.INTERPRET)
                for i in (indices, noisy)]
         for a, b in zip(*run):
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
@@ -139,6 +142,7 @@ class TestPallasInterpret(SparseCases):
 
     IMPLEMENTATION = "pallas"
     CONFIG = SparseConfig(block_h=2, block_k=8)
+    INTERPRET = True  # on a GPU too: the tiny tiles are for the interpreter
 
 
 @pytest.mark.gpu
