@@ -17,7 +17,7 @@ Per case (one causal span of T tokens, no prefix, bf16, random weights), rows:
 - index-op: `index_scores` alone on the last block of 1024 queries (it sees every key), and
   that times the T / 1024 blocks (an upper bound: earlier blocks skip their causal tiles);
 - sparse-op: `sparse_attention` alone on [T, 64, 512] absorbed queries with random
-  selections of min(top_k, t + 1) keys (TFLOP/s: 2 x heads x (512 + 512) per selected
+  selections of min(top_k, t + 1) distinct keys (`random_selection`) (TFLOP/s: 2 x heads x (512 + 512) per selected
   pair), with its max relative error against the jax.numpy reference;
 - dense-op: `prefill_attention` alone at the layer's shapes (64 heads, qk 256, v 256).
 --sweep adds index-op and sparse-op rows for every tiling in INDEX_SWEEP / SPARSE_SWEEP
@@ -80,10 +80,12 @@ def layer_config(quick: bool, attention: str | None, dsa: bool) -> ModelConfig:
 
 
 def random_selection(rng, tokens, top_k):
-    """int32 [T, top_k]: query t's min(top_k, t + 1) random keys among 0..t, then -1."""
-    t = np.arange(tokens)[:, None]
-    picks = np.floor(rng.random((tokens, top_k)) * (t + 1)).astype(np.int32)
-    return np.where(np.arange(top_k)[None] <= t, picks, -1)
+    """int32 [T, top_k], a selection shaped like `select_top_k`'s: query t keeps all of its
+    t + 1 keys when they are at most top_k (then -1), otherwise top_k distinct ones in
+    ascending order, one drawn from each of top_k equal strata of 0..t."""
+    t, j = np.arange(tokens)[:, None], np.arange(top_k)[None]
+    strata = np.floor((j + rng.random((tokens, 1))) * (t + 1) / top_k).astype(np.int32)
+    return np.where(t + 1 >= top_k, strata, np.where(j <= t, j, -1)).astype(np.int32)
 
 
 def run_case(name, tokens, args):

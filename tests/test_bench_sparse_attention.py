@@ -19,8 +19,11 @@ def test_quick_run_writes_every_row(tmp_path):
     assert rows["ratio-dsa/dense-reference"] > 0
 
 
-def test_random_selection_is_causal(rng):
+def test_random_selection_is_causal_and_distinct(rng):
     picks = sparse_attention.random_selection(rng, 50, 8)
     t = np.arange(50)[:, None]
     assert ((picks == -1) == (np.arange(8)[None] > t)).all()
     assert (picks <= t).all()
+    for row in picks:
+        kept = row[row >= 0]
+        assert (np.diff(kept) > 0).all()
