@@ -21,7 +21,9 @@ Per case (one causal span of T tokens, no prefix, bf16, random weights), rows:
   pair), with its max relative error against the jax.numpy reference;
 - dense-op: `prefill_attention` alone at the layer's shapes (64 heads, qk 256, v 256).
 --sweep adds index-op and sparse-op rows for every tiling in INDEX_SWEEP / SPARSE_SWEEP
-(all compile for sm_90: `python -m pallas_kernels.aot`). The bar (issue 18): layer-dsa at
+(all compile for sm_90: `python -m pallas_kernels.aot`) and select rows for the query
+blocks in QUERY_BLOCK_SWEEP (smaller: the [block, T] scores may stay in L2 over the top-k's
+passes; more loop steps). The bar (issue 18): layer-dsa at
 most 0.6 x layer-dense at 32K; `ratio` rows report it.
 
 Timing as `bench.attention`: warm-up, then the median of `--samples` samples of `--iters`
@@ -61,6 +63,7 @@ BAR = 0.6
 SPARSE_SWEEP = (SparseConfig(64, 32, 8, 2), SparseConfig(64, 32, 8, 3),
                 SparseConfig(64, 16, 8, 2), SparseConfig(32, 32, 4, 2),
                 SparseConfig(32, 32, 8, 2), SparseConfig(16, 32, 4, 2))
+QUERY_BLOCK_SWEEP = (256, 512, 2048)  # queries per selection block (MLA.query_block)
 INDEX_SWEEP = (IndexConfig(128, 128, 8, 2), IndexConfig(128, 128, 8, 3),
                IndexConfig(64, 128, 4, 2), IndexConfig(64, 64, 4, 2), IndexConfig(128, 64, 4, 2))
 
@@ -137,6 +140,11 @@ def run_case(name, tokens, args):
                                  jnp.zeros_like(pos), pos, jnp.ones((tokens,), bool))
 
     timed("select", select, layer, x)
+    default_block = layer.query_block
+    for query_block in QUERY_BLOCK_SWEEP if args.sweep else ():
+        layer.query_block = query_block  # static under nnx.jit: a new trace each
+        timed(f"select qb={query_block}", select, layer, x)
+    layer.query_block = default_block
     block = min(1024, tokens)
     scores = normal(block, tokens).astype(jnp.float32)
     scores = jnp.where(jnp.arange(tokens)[None] <= jnp.arange(block)[:, None] * tokens // block,
