@@ -11,6 +11,9 @@ Per case (one causal span of T tokens, no prefix, bf16, random weights), rows:
 - layer-dsa: the same layer with its DSA indexer (top-k 2048): index scores per block of
   1024 queries (`index_scores`), `select_top_k`, and `sparse_attention` over the selected
   latents;
+- layer-dsa-reference: the same layer and weights through the jax.numpy DSA ops (index
+  scores as [1024, 32, T] head scores, the sparse attention's reference), with layer-dsa's
+  max relative error against it (near-tied index scores may select differently);
 - select: the indexer's selection alone (`MLA.select_keys`: index scores and top-k);
 - top_k-sort / top_k-radix: one [1024, T] block of scores through lax.top_k and through
   `select_top_k`, times the T / 1024 blocks of a layer;
@@ -129,6 +132,15 @@ def run_case(name, tokens, args):
         del dense
     layer = MLA(config, rngs=nnx.Rngs(0))
     timed("layer-dsa", prefill, layer, x)
+    # The same weights through the jax.numpy DSA ops (on a CPU: the same ops as layer-dsa).
+    reference = nnx.eval_shape(lambda: MLA(layer_config(args.quick, "reference", True),
+                                           rngs=nnx.Rngs(0)))
+    nnx.update(reference, nnx.state(layer))
+    timed("layer-dsa-reference", prefill, reference, x)
+    if "ms" in rows["layer-dsa"] and "ms" in rows["layer-dsa-reference"]:
+        rows["layer-dsa"]["error_vs_reference"] = relative_error(prefill(layer, x),
+                                                                 prefill(reference, x))
+    del reference
 
     @nnx.jit
     def select(layer, x):
