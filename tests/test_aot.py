@@ -25,6 +25,8 @@ def test_every_kernel_compiles_within_limits(device):
         "kda_segment_transition",
         "kda_segment_scan",
         "flash_attention",
+        "sparse_attention",
+        "index_scores",
     }
     decode = [r for r in reports if r.kernel.startswith("kda_decode_bv")]
     assert {r.heads for r in decode} == set(aot.HEAD_COUNTS)
@@ -33,6 +35,9 @@ def test_every_kernel_compiles_within_limits(device):
     segment = {r.heads for r in reports if r.kernel.startswith("kda_segment")}
     assert segment == {aot.SEGMENT_HEADS}
     assert {r.heads for r in reports} == {*aot.HEAD_COUNTS, aot.SEGMENT_HEADS}
+    sparse = [r for r in reports if r.kernel in ("sparse_attention", "index_scores")]
+    assert len(sparse) == len(aot.SPARSE_SHAPES) + len(aot.INDEX_SHAPES)
+    assert all(r.spill_bytes == 0 for r in sparse), aot.format_table(sparse)
     for report in reports:
         assert report.compiled, report.error
         assert report.shared_bytes <= report.shared_limit, aot.format_table([report])
@@ -90,6 +95,9 @@ def test_grouped_gemm_compiles_within_limits(device):
     kernels = ("gmm", "gmm_gather_swiglu", "gmm_combine")
     reports = aot.check_gmm([device], tokens=(8192,), kernels=kernels)
     assert sorted(r.kernel for r in reports) == sorted(kernels * len(aot.MOE_SHAPES))
+    sparse = [r for r in reports if r.kernel in ("sparse_attention", "index_scores")]
+    assert len(sparse) == len(aot.SPARSE_SHAPES) + len(aot.INDEX_SHAPES)
+    assert all(r.spill_bytes == 0 for r in sparse), aot.format_table(sparse)
     for report in reports:
         assert report.compiled, report.error
         assert report.ok, aot.format_table([report])
