@@ -95,9 +95,6 @@ def test_grouped_gemm_compiles_within_limits(device):
     kernels = ("gmm", "gmm_gather_swiglu", "gmm_combine")
     reports = aot.check_gmm([device], tokens=(8192,), kernels=kernels)
     assert sorted(r.kernel for r in reports) == sorted(kernels * len(aot.MOE_SHAPES))
-    sparse = [r for r in reports if r.kernel in ("sparse_attention", "index_scores")]
-    assert len(sparse) == len(aot.SPARSE_SHAPES) + len(aot.INDEX_SHAPES)
-    assert all(r.spill_bytes == 0 for r in sparse), aot.format_table(sparse)
     for report in reports:
         assert report.compiled, report.error
         assert report.ok, aot.format_table([report])
