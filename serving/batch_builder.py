@@ -10,6 +10,9 @@ Buckets, so that a new mix of requests reuses a compiled shape:
 - block-table width M: 1, 2, 4, ... below the blocks of a ``max_model_len`` request,
   then that count.
 
+A decode's ``PLACEHOLDER`` token (sampled by the step in flight: asynchronous scheduling)
+is packed as token 0; the engine feeds the sampled token on the device.
+
 Padding is inert: sequences past the real ones have zero length (``cu_seqlens`` flat),
 slot -1, no initial state, offsets and destinations -1, block table -1 and prefix length
 0; token rows past ``cu_seqlens[N]`` hold token 0 at position 0.
@@ -23,6 +26,7 @@ import numpy as np
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from pallas_kernels.validation import validate_checkpoint_metadata
 from serving.plan import retention_capacity
+from serving.request import PLACEHOLDER
 from serving.step import ScheduledDecode, ScheduledPrefill, ScheduledStep, SchedulerConfig
 
 
@@ -153,7 +157,7 @@ class BatchBuilder:
         state_slots = np.full(n, -1, np.int32)
         block_tables = np.full((n, m), -1, np.int32)
         for i, decode in enumerate(decodes):
-            token_ids[i] = decode.token_id
+            token_ids[i] = 0 if decode.token_id == PLACEHOLDER else decode.token_id
             positions[i] = decode.position
             state_slots[i] = decode.state_slot
             block_tables[i, : len(decode.block_table)] = decode.block_table
