@@ -3,7 +3,8 @@
 An engine pads each batch to a bucket (``serving.batch_builder.BatchBuckets``): prefill
 batches to (tokens T, sequences N, block-table width M), decode batches to (N, M). Every
 bucket it can reach is one compiled prefill or decode program; the KV-block and state-slot
-copies have one shape each, and the sampler one per sequence bucket. ``reachable_programs``
+copies have one shape each, the sampler one per sequence bucket, and with asynchronous
+scheduling the feed of placeholder decode tokens one per sequence bucket. ``reachable_programs``
 lists them all for an engine's buckets, and ``precompile`` compiles them on a thread pool
 (XLA compiles outside the GIL), with a progress bar. A later call of the same jitted step
 finds the executable in JAX's compilation cache, so it does not compile again; with the
@@ -28,6 +29,7 @@ from tqdm import tqdm
 
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from serving.batch_builder import BatchBuckets
+from serving.dispatch import feed_tokens
 from serving.sampling import SamplingTensors
 
 
@@ -35,12 +37,13 @@ from serving.sampling import SamplingTensors
 class Program:
     """One program an engine calls: its kind and static shape."""
 
-    kind: str  # "prefill", "decode", "copy_kv_blocks", "copy_state_slots", "sample"
-    shape: tuple[int, ...]  # prefill (T, N, M), decode (N, M), sample (N,), copies ()
+    kind: str  # "prefill", "decode", "copy_kv_blocks", "copy_state_slots", "sample", "feed"
+    shape: tuple[int, ...]  # prefill (T, N, M), decode (N, M), sample and feed (N,), copies ()
 
 
-def reachable_programs(buckets: BatchBuckets) -> list[Program]:
-    """Every program an engine padding to ``buckets`` can call, cheapest first."""
+def reachable_programs(buckets: BatchBuckets, *, feed: bool = False) -> list[Program]:
+    """Every program an engine padding to ``buckets`` can call, cheapest first (``feed``:
+    the engine schedules asynchronously)."""
     # A bucket of n rows holds more than the bucket below it (k spans need k tokens), so it
     # is reachable with t tokens when that lower bucket is smaller than t.
     below = dict(zip(buckets.seqs, (0, *buckets.seqs[:-1])))
@@ -53,8 +56,9 @@ def reachable_programs(buckets: BatchBuckets) -> list[Program]:
     ]
     decode = [Program("decode", (n, m)) for n in buckets.seqs for m in buckets.block_table_widths]
     sample = [Program("sample", (n,)) for n in buckets.seqs]
+    fed = [Program("feed", (n,)) for n in buckets.seqs] if feed else []
     copies = [Program("copy_kv_blocks", ()), Program("copy_state_slots", ())]
-    return copies + sample + decode + prefill
+    return copies + sample + fed + decode + prefill
 
 
 def padding_prefill(t: int, n: int, m: int) -> PrefillBatch:
@@ -82,10 +86,15 @@ def padding_decode(n: int, m: int) -> DecodeBatch:
     )
 
 
-def _lower(engine, program: Program, logits_sharding=None):
+def _lower(engine, program: Program, logits_sharding=None, tokens_sharding=None):
     """The program lowered with arguments shaped and placed as the engine passes them
-    (the sampler's logits placed as the model steps return them)."""
+    (the sampler's logits placed as the model steps return them, the fed tokens as the
+    sampler returns them)."""
     steps, rows = engine.steps, engine.sampler_rows
+    if program.kind == "feed":
+        host = np.zeros(program.shape, np.int32)
+        sampled = jax.device_put(np.zeros(rows, np.int32), tokens_sharding)
+        return feed_tokens.lower(host, host, sampled, sampled)
     if program.kind == "prefill":
         batch = jax.device_put(padding_prefill(*program.shape))
         return steps.prefill.lower(engine.model_state, engine.caches, batch)
@@ -118,7 +127,7 @@ def precompile(engine, *, workers: int | None = None, progress: bool = True,
       progress: show a progress bar (tqdm, on stderr).
       log: called once with a summary line.
     """
-    programs = reachable_programs(engine.builder.buckets)
+    programs = reachable_programs(engine.builder.buckets, feed=engine.config.async_scheduling)
     workers = workers or os.cpu_count() or 1
     start = time.perf_counter()
 
@@ -134,9 +143,16 @@ def precompile(engine, *, workers: int | None = None, progress: bool = True,
     seconds = [time.perf_counter() - begin]
     bar.update()
 
+    # The fed tokens come out of the sampler, placed as its first program tells (on a mesh).
+    fed = [p for p in programs if p.kind == "feed"]
+    tokens_sharding = None
+    if fed and engine.steps.mesh is not None:
+        sampler = next(p for p in programs if p.kind == "sample")
+        tokens_sharding = _lower(engine, sampler, logits_sharding).compile().output_shardings.tokens
+
     def compile_one(program: Program) -> float:
         begin = time.perf_counter()
-        _lower(engine, program, logits_sharding).compile()
+        _lower(engine, program, logits_sharding, tokens_sharding).compile()
         bar.update()
         return time.perf_counter() - begin
 

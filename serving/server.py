@@ -264,6 +264,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="schedule each step after the previous one's results are back (default: the "
+        "next step is scheduled and dispatched while the device runs the current one; off "
+        "over several processes, whose steps wait for each device call anyway)",
+    )
+    p.add_argument(
         "--max-model-len", type=int, default=4096, help="most tokens of prompt plus output"
     )
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests per step")
@@ -342,6 +349,7 @@ def build_engine(args: argparse.Namespace, channel: multiprocess.StepChannel | N
         eos_token_id=tokenizer.eos_token_id,
         single_bucket=args.single_bucket,
         seed=args.seed,
+        async_scheduling=not args.no_async_scheduling and channel is None,
     )
     model = load_model(args, config)
     engine = Engine(config, model, engine_config, detokenize=tokenizer.decode, steps=steps)

@@ -18,11 +18,12 @@ from serving.step import SchedulerConfig
     ids=["tests", "budget-off-the-grid", "defaults"],
 )
 @pytest.mark.parametrize("single", [False, True], ids=["buckets", "single-bucket"])
-def test_every_reachable_shape_is_listed_and_nothing_else(config, single):
+@pytest.mark.parametrize("feed", [False, True], ids=["sync", "async"])
+def test_every_reachable_shape_is_listed_and_nothing_else(config, single, feed):
     buckets = BatchBuckets.for_config(config)
     if single:
         buckets = buckets.largest_only()
-    listed = {(p.kind, p.shape) for p in reachable_programs(buckets)}
+    listed = {(p.kind, p.shape) for p in reachable_programs(buckets, feed=feed)}
     widths = buckets.block_table_widths
     reached = set()
     for tokens in range(1, config.budget + 1):  # k spans of at least one token each
@@ -33,5 +34,7 @@ def test_every_reachable_shape_is_listed_and_nothing_else(config, single):
     for seqs in range(1, config.max_num_seqs + 1):
         n = bucket_for(buckets.seqs, seqs, "sequences")
         reached |= {("decode", (n, m)) for m in widths} | {("sample", (n,))}
+        if feed:  # placeholder tokens of a decode batch fed from the step in flight
+            reached.add(("feed", (n,)))
     reached |= {("copy_kv_blocks", ()), ("copy_state_slots", ())}
     assert listed == reached

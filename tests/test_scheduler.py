@@ -475,3 +475,27 @@ def test_config_and_step_protocol_are_checked():
     harness.scheduler.update_from_step(step, {"a": 1})
     with pytest.raises(ValueError, match="not the step in flight"):
         harness.scheduler.update_from_step(step, {"a": 1})
+
+
+def test_async_protocol_and_a_stop_with_the_next_step_in_flight():
+    """Two steps in flight at most, updated oldest first; a stop token sampled by the
+    older one drops the newer one's token for the request, and its placeholder."""
+    harness = Harness(num_blocks=8, num_slots=4, async_scheduling=True)
+    harness.add("a", [1] * 10, max_tokens=5)
+    first = harness.scheduler.schedule()
+    request = harness.scheduler.get_request("a")
+    assert (request.num_computed, request.output_token_ids) == (10, [PLACEHOLDER])
+    second = harness.scheduler.schedule()
+    assert [(d.token_id, d.position) for d in second.decodes] == [(PLACEHOLDER, 10)]
+    assert request.output_token_ids == [PLACEHOLDER, PLACEHOLDER]
+    with pytest.raises(RuntimeError, match="still in flight"):
+        harness.scheduler.schedule()
+    with pytest.raises(ValueError, match="not the step in flight"):
+        harness.scheduler.update_from_step(second, {"a": 7})
+    assert harness.scheduler.update_from_step(first, {"a": STOP}) == [request]
+    assert request.output_token_ids == [STOP] and request.status is RequestStatus.FINISHED
+    assert harness.scheduler.update_from_step(second, {"a": 7}) == []
+    assert request.output_token_ids == [STOP]
+    assert harness.cache.blocks.usage().used == harness.cache.states.usage().used == 0
+    assert not harness.scheduler.has_unfinished()
+
