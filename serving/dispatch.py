@@ -1,6 +1,7 @@
 """One engine step on the device: its copies, model calls and sampler calls dispatched back
 to back (``StepDispatch.dispatch``), then the one blocking transfer that fetches every
-call's pool status with the sampled tokens (``StepDispatch.fetch``).
+call's pool status with the sampled tokens (``StepDispatch.fetch``). With ``mixed_steps``
+a step with prefill spans and decode rows runs them in one forward (``glmjax.mixed``).
 
 Between the two the device runs on its own, so the engine can schedule and dispatch the
 next step meanwhile (asynchronous scheduling, ``serving.scheduler``). That step's decode
@@ -85,8 +86,9 @@ def feed_tokens(token_ids: jax.Array, sources: jax.Array, prefill_tokens: jax.Ar
 
 class StepDispatch:
     """The device side of ``serving.engine.Engine`` (a mixin: it reads the engine's
-    ``steps``, ``builder``, ``caches``, ``_model_state``, ``_rows`` and ``_counts``, and
-    keeps ``caches`` on the live buffers after every call, as each donates them)."""
+    ``config``, ``steps``, ``builder``, ``caches``, ``_model_state``, ``_rows`` and
+    ``_counts``, and keeps ``caches`` on the live buffers after every call, as each donates
+    them)."""
 
     @property
     def sampler_rows(self) -> int:
@@ -110,7 +112,8 @@ class StepDispatch:
           previous: the step in flight before this one, whose sampled tokens feed this
             step's placeholder decode tokens.
         """
-        prefill_batch, decode_batch = self.builder.build(step)
+        mixed = self.config.mixed_steps and bool(step.prefills) and bool(step.decodes)
+        prefill_batch, decode_batch = self.builder.build(step, mixed=mixed)
         statuses = []
         if step.block_copies:
             self.caches = self.steps.copy_kv_blocks(self.caches, *self._pairs(step.block_copies))
@@ -118,6 +121,14 @@ class StepDispatch:
         if step.resume_state_copies:
             statuses.append(("resume copies", self._copy_slots(step.resume_state_copies)))
         prefill_logits = decode_logits = None
+        if mixed:
+            batch = jax.device_put(self._fed(step, decode_batch, previous))
+            out = self.steps.mixed(self._model_state, self.caches, jax.device_put(prefill_batch),
+                                   batch)
+            self.caches, prefill_logits, decode_logits = (
+                out.caches, out.prefill_logits, out.decode_logits)
+            statuses.append(("mixed step", out.status))
+            prefill_batch = decode_batch = None
         if prefill_batch is not None:
             out = self.steps.prefill(self._model_state, self.caches, jax.device_put(prefill_batch))
             self.caches, prefill_logits = out.caches, out.logits

@@ -81,6 +81,9 @@ class EngineConfig(SchedulerConfig):
       seed: draws the seed of every request that brings none.
       async_scheduling: schedule and dispatch step n + 1 before fetching step n (on by
         default in the engine, off in a bare ``SchedulerConfig``).
+      mixed_steps: run a step's prefill spans and decode rows in one forward
+        (``glmjax.mixed``: the weights read once) rather than two; needs steps with a
+        ``mixed`` entry point (one device).
     """
 
     num_kv_blocks: int
@@ -89,6 +92,7 @@ class EngineConfig(SchedulerConfig):
     single_bucket: bool = False
     seed: int = 0
     async_scheduling: bool = True
+    mixed_steps: bool = False
 
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduling knobs alone."""
@@ -134,8 +138,9 @@ class Engine(StepDispatch):
           steps: where and how the model runs (default: one device).
 
         Raises:
-          ValueError: for a model whose config or KV block size does not match, or steps
-            on a mesh whose dcp differs from the engine's.
+          ValueError: for a model whose config or KV block size does not match, steps on
+            a mesh whose dcp differs from the engine's, or ``mixed_steps`` with steps that
+            have no mixed forward.
         """
         if isinstance(model, HybridModel):
             if model.config != config:
@@ -155,6 +160,8 @@ class Engine(StepDispatch):
         steps = steps or single_device_steps(config)
         if steps.dcp not in (None, engine_config.dcp):
             raise ValueError(f"the mesh has dcp={steps.dcp}, the engine dcp={engine_config.dcp}")
+        if engine_config.mixed_steps and steps.mixed is None:
+            raise ValueError("mixed_steps: these steps have no mixed forward (a mesh has none yet)")
         sched_config = engine_config.scheduler_config()
         self.config = engine_config
         self.model_config = config

@@ -4,7 +4,8 @@ An engine pads each batch to a bucket (``serving.batch_builder.BatchBuckets``): 
 batches to (tokens T, sequences N, block-table width M), decode batches to (N, M). Every
 bucket it can reach is one compiled prefill or decode program; the KV-block and state-slot
 copies have one shape each, the sampler one per sequence bucket, and with asynchronous
-scheduling the feed of placeholder decode tokens one per sequence bucket. ``reachable_programs``
+scheduling the feed of placeholder decode tokens one per sequence bucket, and with mixed
+steps the one forward over both kinds of rows one per (T, N, M). ``reachable_programs``
 lists them all for an engine's buckets, and ``precompile`` compiles them on a thread pool
 (XLA compiles outside the GIL), with a progress bar. A later call of the same jitted step
 finds the executable in JAX's compilation cache, so it does not compile again; with the
@@ -12,7 +13,8 @@ persistent cache (``glmjax.compile_cache``) a restart reads them from disk.
 
 Which buckets are reachable: a prefill batch holds at least one token per sequence, so
 its sequence bucket N is reachable with T tokens when the bucket below N is smaller than T;
-every width up to the longest request's; decode batches any (N, M).
+every width up to the longest request's; decode batches any (N, M). Mixed steps are listed
+at every (T, N, M) (N holds the decode rows too, so nearly all are reachable).
 """
 
 from __future__ import annotations
@@ -37,13 +39,15 @@ from serving.sampling import SamplingTensors
 class Program:
     """One program an engine calls: its kind and static shape."""
 
-    kind: str  # "prefill", "decode", "copy_kv_blocks", "copy_state_slots", "sample", "feed"
-    shape: tuple[int, ...]  # prefill (T, N, M), decode (N, M), sample and feed (N,), copies ()
+    kind: str  # "prefill", "decode", "mixed", "copy_kv_blocks", "copy_state_slots", "sample",
+    # "feed"
+    shape: tuple[int, ...]  # prefill, mixed (T, N, M), decode (N, M), sample, feed (N,), copies ()
 
 
-def reachable_programs(buckets: BatchBuckets, *, feed: bool = False) -> list[Program]:
+def reachable_programs(buckets: BatchBuckets, *, feed: bool = False,
+                       mixed: bool = False) -> list[Program]:
     """Every program an engine padding to ``buckets`` can call, cheapest first (``feed``:
-    the engine schedules asynchronously)."""
+    the engine schedules asynchronously; ``mixed``: it runs mixed steps)."""
     # A bucket of n rows holds more than the bucket below it (k spans need k tokens), so it
     # is reachable with t tokens when that lower bucket is smaller than t.
     below = dict(zip(buckets.seqs, (0, *buckets.seqs[:-1])))
@@ -58,7 +62,9 @@ def reachable_programs(buckets: BatchBuckets, *, feed: bool = False) -> list[Pro
     sample = [Program("sample", (n,)) for n in buckets.seqs]
     fed = [Program("feed", (n,)) for n in buckets.seqs] if feed else []
     copies = [Program("copy_kv_blocks", ()), Program("copy_state_slots", ())]
-    return copies + sample + fed + decode + prefill
+    both = [Program("mixed", (t, n, m)) for t in buckets.tokens for n in buckets.seqs
+            for m in buckets.block_table_widths] if mixed else []
+    return copies + sample + fed + decode + prefill + both
 
 
 def padding_prefill(t: int, n: int, m: int) -> PrefillBatch:
@@ -101,6 +107,10 @@ def _lower(engine, program: Program, logits_sharding=None, tokens_sharding=None)
     if program.kind == "decode":
         batch = jax.device_put(padding_decode(*program.shape))
         return steps.decode.lower(engine.model_state, engine.caches, batch)
+    if program.kind == "mixed":
+        t, n, m = program.shape
+        batches = jax.device_put((padding_prefill(t, n, m), padding_decode(n, m)))
+        return steps.mixed.lower(engine.model_state, engine.caches, *batches)
     if program.kind == "sample":
         (n,) = program.shape
         logits = np.zeros((n, engine.model_config.vocab_size), np.float32)
@@ -127,7 +137,8 @@ def precompile(engine, *, workers: int | None = None, progress: bool = True,
       progress: show a progress bar (tqdm, on stderr).
       log: called once with a summary line.
     """
-    programs = reachable_programs(engine.builder.buckets, feed=engine.config.async_scheduling)
+    programs = reachable_programs(engine.builder.buckets, feed=engine.config.async_scheduling,
+                                  mixed=engine.config.mixed_steps)
     workers = workers or os.cpu_count() or 1
     start = time.perf_counter()
 

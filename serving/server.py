@@ -271,6 +271,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "over several processes, whose steps wait for each device call anyway)",
     )
     p.add_argument(
+        "--mixed-steps",
+        action="store_true",
+        help="run a step's prefill spans and decode rows in one forward (weights read once; "
+        "one device only; precompiles one more program per (tokens, sequences, width))",
+    )
+    p.add_argument(
         "--max-model-len", type=int, default=4096, help="most tokens of prompt plus output"
     )
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests per step")
@@ -350,6 +356,7 @@ def build_engine(args: argparse.Namespace, channel: multiprocess.StepChannel | N
         single_bucket=args.single_bucket,
         seed=args.seed,
         async_scheduling=not args.no_async_scheduling and channel is None,
+        mixed_steps=args.mixed_steps,
     )
     model = load_model(args, config)
     engine = Engine(config, model, engine_config, detokenize=tokenizer.decode, steps=steps)

@@ -21,6 +21,7 @@ from glmjax.config import ModelConfig
 from glmjax.layers.kda import KDAState
 from glmjax.layers.packing import PackedBatch
 from glmjax.model import HybridModel
+from glmjax.sharding import single_device_steps
 from serving.block_hash import chained_block_hashes
 from serving.engine import Engine, EngineConfig
 from serving.outputs import FinishReason
@@ -395,6 +396,28 @@ def test_abort_with_a_step_in_flight_emits_no_placeholder(model_state):
     assert (metrics.kv_blocks_used, metrics.state_slots_used, metrics.generated_tokens) == (0, 0, 7)
 
 
+def test_mixed_steps_run_one_forward_and_agree_with_two(model_state):
+    """A prompt prefilling beside a decoding request: with ``mixed_steps`` those steps run
+    one forward (``glmjax.mixed``); the tokens are the two forwards' ones."""
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    runs, mixed_calls = {}, []
+    for mixed in (False, True):
+        engine = make_engine(model_state, mixed_steps=mixed)
+        if mixed:
+            engine.steps = engine.steps._replace(
+                mixed=lambda *args, run=engine.steps.mixed: mixed_calls.append(1) or run(*args))
+        engine.add_request("short", BASE[:40], sampling)
+        engine.step()
+        engine.add_request("long", BASE[40:290], sampling)  # two spans beside short's decodes
+        runs[mixed] = engine.run_until_done()
+        metrics = engine.metrics()
+        assert (metrics.kv_blocks_used, metrics.state_slots_used) == (0, 0)
+    assert len(mixed_calls) >= 2
+    for request_id in ("short", "long"):
+        assert runs[True][request_id].output_token_ids == runs[False][request_id].output_token_ids
+        logprob_diff(runs[True][request_id].logprobs, runs[False][request_id].logprobs)
+
+
 def test_stop_token_max_tokens_stop_string_and_eos(model_state):
     prompt = BASE[:40]
     engine = make_engine(model_state)
@@ -468,3 +491,6 @@ def test_engine_config_is_checked(model_state):
         EngineConfig(**ENGINE | dict(block_size=128))
     with pytest.raises(ValueError, match="max_model_len"):
         make_engine(model_state).add_request("x", BASE[:250], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="no mixed forward"):
+        Engine(CONFIG, model_state, EngineConfig(**ENGINE, mixed_steps=True),
+               steps=single_device_steps(CONFIG)._replace(mixed=None))

@@ -134,8 +134,8 @@ def test_a_refused_step_fails_its_requests_and_touches_nothing_retained(model_st
     before = retained(engine, SECOND[1])
     build = engine.builder.build
 
-    def corrupt(step):  # a snapshot destination equal to the running slot: refused
-        prefill, decode = build(step)
+    def corrupt(step, **kwargs):  # a snapshot destination equal to the running slot: refused
+        prefill, decode = build(step, **kwargs)
         slots = prefill.checkpoint_slots.copy()
         slots[0, 0] = prefill.state_slots[0]
         offsets = prefill.checkpoint_offsets.copy()

@@ -24,6 +24,7 @@ def test_every_reachable_shape_is_listed_and_nothing_else(config, single, feed):
     if single:
         buckets = buckets.largest_only()
     listed = {(p.kind, p.shape) for p in reachable_programs(buckets, feed=feed)}
+    mixed = {(p.kind, p.shape) for p in reachable_programs(buckets, feed=feed, mixed=True)}
     widths = buckets.block_table_widths
     reached = set()
     for tokens in range(1, config.budget + 1):  # k spans of at least one token each
@@ -38,3 +39,15 @@ def test_every_reachable_shape_is_listed_and_nothing_else(config, single, feed):
             reached.add(("feed", (n,)))
     reached |= {("copy_kv_blocks", ()), ("copy_state_slots", ())}
     assert listed == reached
+    assert {kind for kind, _ in mixed - listed} == {"mixed"}
+    if config.budget * config.max_num_seqs > 1024:
+        return  # the brute force below is for small configs
+    # Mixed steps: k spans of p tokens beside d decode rows, one bucket (N, M) for both.
+    both = set()
+    for p in range(1, config.budget):
+        for k in range(1, min(p, config.max_num_seqs - 1) + 1):
+            for d in range(1, min(config.max_num_seqs - k, config.budget - p) + 1):
+                t = bucket_for(buckets.tokens, p, "tokens")
+                n = bucket_for(buckets.seqs, max(k, d), "sequences")
+                both |= {("mixed", (t, n, m)) for m in widths}
+    assert both == mixed - listed
