@@ -275,21 +275,23 @@ class Scheduler:
         self._in_flight.popleft()
 
         finished = []
-        for decode in step.decodes:
-            request = live(decode.request_id)
-            if request is not None:
-                self._set_token(request, decode.position + 1, sampled_tokens, finished)
-        for prefill in step.prefills:
-            request = live(prefill.request_id)
-            # Not running: preempted after the step was scheduled; its blocks are gone.
-            if request is not None and request.status is RequestStatus.RUNNING:
-                request.pending_retained = ()
-                self._release_pins(request)
-                if self.config.prefix_caching:
-                    self._register(request, prefill)
-            if request is not None and prefill.samples:
-                self._set_token(request, prefill.span.end, sampled_tokens, finished)
-        self._free_step_slots(step)
+        try:
+            for decode in step.decodes:
+                request = live(decode.request_id)
+                if request is not None:
+                    self._set_token(request, decode.position + 1, sampled_tokens, finished)
+            for prefill in step.prefills:
+                request = live(prefill.request_id)
+                # Not running: preempted after the step was scheduled; its blocks are gone.
+                if request is not None and request.status is RequestStatus.RUNNING:
+                    request.pending_retained = ()
+                    self._release_pins(request)
+                    if self.config.prefix_caching:
+                        self._register(request, prefill)
+                if request is not None and prefill.samples:
+                    self._set_token(request, prefill.span.end, sampled_tokens, finished)
+        finally:  # the step no longer holds them, even if a bug raised above
+            self._free_step_slots(step)
         return finished
 
     def _advance(self, step: ScheduledStep) -> dict[str, Request]:
