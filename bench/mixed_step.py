@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from bench.kda_kernel import time_calls
+from glmjax import compile_cache
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
@@ -131,7 +132,9 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--out", type=Path)
+    compile_cache.add_arguments(parser)
     args = parser.parse_args(argv)
+    compile_cache.enable_from_args(args)
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)
