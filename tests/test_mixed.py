@@ -61,8 +61,7 @@ SPANS = {
 }
 
 
-@pytest.mark.parametrize("spans", SPANS.values(), ids=SPANS.keys())
-def test_mixed_step_equals_two_forwards_and_the_reference(setup, context, spans):  # noqa: F811
+def check_against_two_forwards(setup, context, spans, *, rtol, atol, reference=True):  # noqa: F811
     model_state, tokens, ref = setup
     spans_batch, rows = prefill_batch(tokens, *spans), decode_batch(tokens)
     first = prefill(model_state, copy(context), spans_batch)
@@ -70,13 +69,29 @@ def test_mixed_step_equals_two_forwards_and_the_reference(setup, context, spans)
     one = mixed(model_state, copy(context), spans_batch, rows)
     assert int(one.status) == int(first.status) == int(two.status) == PoolStatus.OK
     for n, span in enumerate(spans):
-        assert_logits_close(one.prefill_logits[n], ref[span.end - 1])
-        np.testing.assert_allclose(one.prefill_logits[n], first.logits[n], rtol=1e-5, atol=1e-5)
-    assert_logits_close(one.decode_logits[0], ref[CONTEXT])
-    np.testing.assert_allclose(one.decode_logits, two.logits, rtol=1e-5, atol=1e-5)
+        if reference:
+            assert_logits_close(one.prefill_logits[n], ref[span.end - 1])
+        np.testing.assert_allclose(one.prefill_logits[n], first.logits[n], rtol=rtol, atol=atol)
+    if reference:
+        assert_logits_close(one.decode_logits[0], ref[CONTEXT])
+    np.testing.assert_allclose(one.decode_logits, two.logits, rtol=rtol, atol=atol)
     assert not np.any(one.decode_logits[1])  # the padding row
     for got, want in zip(jax.tree.leaves(one.caches), jax.tree.leaves(two.caches), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(got, want, rtol=10 * rtol, atol=2 * atol)
+
+
+@pytest.mark.parametrize("spans", SPANS.values(), ids=SPANS.keys())
+def test_mixed_step_equals_two_forwards_and_the_reference(setup, context, spans):  # noqa: F811
+    check_against_two_forwards(setup, context, spans, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spans", SPANS.values(), ids=SPANS.keys())
+def test_mixed_step_equals_two_forwards_on_the_gpu(setup, context, spans):  # noqa: F811
+    """The Pallas kernels, the decode kernel updating the pool in place inside the same
+    program that read the spans' initial states from it. Two programs of other shapes
+    round differently (TF32 matmuls): the bound is loose, a wrong slot is not close."""
+    check_against_two_forwards(setup, context, spans, rtol=2e-3, atol=2e-3, reference=False)
 
 
 REFUSED = {
