@@ -296,11 +296,11 @@ class Engine(StepDispatch):
         if step.is_empty:
             return []
         self._counts["steps"] += 1
-        owners = {i: self._tracked[i] for i in step.sampling_request_ids}
-        sampling = {i: self._sampling_row(owners[i], position)
-                    for i, position in _sampled_positions(step).items()}
         previous = self._in_flight[-1] if self._in_flight else None
         try:
+            owners = {i: self._tracked[i] for i in step.sampling_request_ids}
+            sampling = {i: self._sampling_row(owners[i], position)
+                        for i, position in _sampled_positions(step).items()}
             self._in_flight.append(self.dispatch(step, owners, sampling, previous))
         except DeviceLostError:  # raised by multi-process steps (serving.multiprocess)
             raise
