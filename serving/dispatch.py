@@ -120,24 +120,25 @@ class StepDispatch:
             self._counts["kv_block_copies"] += len(step.block_copies)
         if step.resume_state_copies:
             statuses.append(("resume copies", self._copy_slots(step.resume_state_copies)))
+        if decode_batch is not None:
+            decode_batch = jax.device_put(self._fed(step, decode_batch, previous))
         prefill_logits = decode_logits = None
         if mixed:
-            batch = jax.device_put(self._fed(step, decode_batch, previous))
             out = self.steps.mixed(self._model_state, self.caches, jax.device_put(prefill_batch),
-                                   batch)
+                                   decode_batch)
             self.caches, prefill_logits, decode_logits = (
                 out.caches, out.prefill_logits, out.decode_logits)
             statuses.append(("mixed step", out.status))
-            prefill_batch = decode_batch = None
-        if prefill_batch is not None:
-            out = self.steps.prefill(self._model_state, self.caches, jax.device_put(prefill_batch))
-            self.caches, prefill_logits = out.caches, out.logits
-            statuses.append(("prefill", out.status))
-        if decode_batch is not None:
-            batch = jax.device_put(self._fed(step, decode_batch, previous))
-            out = self.steps.decode(self._model_state, self.caches, batch)
-            self.caches, decode_logits = out.caches, out.logits
-            statuses.append(("decode", out.status))
+        else:
+            if prefill_batch is not None:
+                out = self.steps.prefill(self._model_state, self.caches,
+                                         jax.device_put(prefill_batch))
+                self.caches, prefill_logits = out.caches, out.logits
+                statuses.append(("prefill", out.status))
+            if decode_batch is not None:
+                out = self.steps.decode(self._model_state, self.caches, decode_batch)
+                self.caches, decode_logits = out.caches, out.logits
+                statuses.append(("decode", out.status))
         if step.retain_state_copies:
             statuses.append(("retain copies", self._copy_slots(step.retain_state_copies)))
         parts = [
@@ -161,7 +162,10 @@ class StepDispatch:
         """The step's one blocking device-to-host transfer: every call's pool status and
         the draws. Checking the statuses only then is safe: each call is transactional,
         and whatever ran after a refused call wrote only into blocks and slots of the
-        step's own requests, which a refused step fails, registering nothing.
+        step's own requests, which a refused step fails, registering nothing. That holds
+        for a step dispatched after it too: its rows of those requests are dropped, and
+        its other requests read nothing the refused step would have written (what a step
+        retains is registered only after its fetch).
 
         Raises:
           StepRefusedError: a call refused its cache update.
