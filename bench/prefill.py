@@ -119,6 +119,7 @@ def engine_config(args, coalesce: bool) -> EngineConfig:
         dcp=args.dcp, budget=args.budget, coalesce=coalesce, prefix_caching=True,
         max_num_seqs=max(concurrency, args.decoders + 1), num_kv_blocks=num_blocks + 8,
         num_state_slots=32, single_bucket=args.single_bucket,
+        async_scheduling=args.async_scheduling,
     )  # fmt: skip
 
 
@@ -346,6 +347,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--dcp", type=int, default=1, choices=(1, 2, 4),
         help="decode-context-parallel ranks, dividing --tp (with --tp 1: emulated)")
     add("--single-bucket", action="store_true", default=None, help="pad to the largest bucket")
+    add("--async-scheduling", action="store_true",
+        help="schedule each step while the previous one runs (default off here: the dry run "
+             "that lists the buckets to compile schedules one step at a time)")
     add("--compile-workers", type=int, help="threads compiling buckets ahead (4)")
     add("--profile", action=argparse.BooleanOptionalAction,
         help="trace one step per engine: time by op category, MFU (default: on a GPU, "

@@ -53,6 +53,7 @@ from jax.sharding import PartitionSpec as P
 from glmjax.caches import Caches, copy_kv_blocks, copy_state_slots
 from glmjax.config import ModelConfig
 from glmjax.layers.paged_cache import DCPLayout, MLACache
+from glmjax.mixed import mixed
 from glmjax.model import (
     DecodeOutput,
     HybridModel,
@@ -222,6 +223,9 @@ class ModelSteps(NamedTuple):
     place: Callable[[ModelState], ModelState]  # put the parameters where the steps want them
     mesh: Mesh | None  # None: JAX's default device (dcp emulated, see serving.engine)
     layout: DCPLayout  # where the MLA latent cache keeps each token (DCPLayout() on one device)
+    # (model_state, caches, prefill batch, decode batch) -> MixedOutput: both in one forward
+    # (`glmjax.mixed`); None where there is none (a mesh, for now).
+    mixed: Callable | None = None
 
     @property
     def dcp(self) -> int | None:
@@ -233,7 +237,7 @@ def single_device_steps(config: ModelConfig) -> ModelSteps:
     """The steps of `glmjax.model` on JAX's default device."""
     return ModelSteps(prefill, decode, copy_state_slots, copy_kv_blocks,
                       lambda slots, blocks: Caches.init(config, slots, blocks),
-                      lambda model_state: model_state, None, DCPLayout())
+                      lambda model_state: model_state, None, DCPLayout(), mixed)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

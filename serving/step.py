@@ -22,6 +22,8 @@ class SchedulerConfig:
       prefix_caching: look requests up in the prefix cache and retain states for it.
       max_num_seqs: the most requests (decodes plus prefills) in one step.
       log_schedule: keep ``Scheduler.schedule_log``, one plain-data entry per step.
+      async_scheduling: allow scheduling a step while the previous one is in flight
+        (its sampled tokens are placeholders until ``update_from_step``).
     """
 
     max_model_len: int
@@ -32,6 +34,7 @@ class SchedulerConfig:
     prefix_caching: bool = True
     max_num_seqs: int = 256
     log_schedule: bool = False
+    async_scheduling: bool = False
 
     def __post_init__(self):
         align = alignment(self.block_size, self.dcp)

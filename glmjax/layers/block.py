@@ -3,6 +3,7 @@ residual (plain, or mHC streams when the config has them)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
@@ -69,13 +70,21 @@ class DecoderBlock(nnx.Module):
         `batch.state_slots` (its snapshots are None).
         `plan`: the mesh the mixers and the routed experts run on (None: one device).
         """
+        return self.with_mixer(
+            residual, lambda x: self._mix(x, batch, cache, decode, plan), plan=plan)
+
+    def with_mixer(self, residual: jax.Array, mix: Callable, *,
+                   plan: ShardingPlan | None = None):
+        """The block with ``mix`` (the normed rows [T, D] -> y [T, D] and whatever else
+        it returns) in the mixer's place: returns the new residual and mix's extras.
+        (``glmjax.mixed`` runs prefill and decode rows through their own mixer paths.)"""
         with jax.named_scope("decoder_block"):
             x, mixing = self.mixer_residual.read(residual)
-            y, cache, snapshots = self._mix(self.input_layernorm(x), batch, cache, decode, plan)
+            y, *extras = mix(self.input_layernorm(x))
             residual = self.mixer_residual.write(residual, y, mixing)
             x, mixing = self.mlp_residual.read(residual)
             y = self.mlp(self.post_attention_layernorm(x), plan=plan)
-            return self.mlp_residual.write(residual, y, mixing), cache, snapshots
+            return self.mlp_residual.write(residual, y, mixing), *extras
 
     def _mix(self, x, batch: PackedBatch, cache, decode, plan):
         if isinstance(self.mixer, KDA) and decode:
