@@ -239,8 +239,9 @@ def run_prefill(model_state: ModelState, config: ModelConfig, tokens: np.ndarray
     else:
         start = resume[1]
         caches = resumed_caches(config, NUM_SLOTS, num_blocks, *resume, plan)
-    replicated = None if plan is None else plan.sharding(plan.specs.replicated)
-    batches = [put(_span_batch(tokens, span, rows, num_blocks), replicated) for span in spans]
+    batches = [_span_batch(tokens, span, rows, num_blocks) for span in spans]
+    batches = (jax.device_put(batches) if plan is None
+               else put(batches, plan.sharding(plan.specs.replicated)))
 
     tic = time.perf_counter()
     step = steps.prefill.lower(model_state, caches, batches[0]).compile()
@@ -352,8 +353,8 @@ def main(argv: Sequence[str] | None = None, *, progress: TextIO | None = sys.std
     args = _parser().parse_args(argv)
     if args.tp > 1:
         request_cpu_devices(args.tp)
-    group = distributed.initialize(args, tp=args.tp, flags=vars(args))
-    leader = group is None or group.is_leader
+    distributed.initialize(args, tp=args.tp, flags=vars(args))
+    leader = jax.process_index() == 0  # also where a caller started jax.distributed itself
     compile_cache.enable_from_args(args)
     config = dataclasses.replace(ModelConfig.preset(args.preset),
                                  kv_block_size=args.block_size * args.dcp)
@@ -398,7 +399,7 @@ def main(argv: Sequence[str] | None = None, *, progress: TextIO | None = sys.std
     kinds = config.layer_types
     where = "one device" if plan is None else (
         f"a (tpo, dcp) = ({args.tp // args.dcp}, {args.dcp}) mesh of {args.tp} devices"
-        + ("" if group is None else f" over {group.num_processes} processes"))
+        + ("" if jax.process_count() == 1 else f" over {jax.process_count()} processes"))
     print(f"{config.name}: {kinds.count('kda')} KDA + {kinds.count('mla')} MLA layers on "
           f"{where}, prompt {len(tokens)} tokens, block {args.block_size} x dcp {args.dcp}, "
           f"budget {args.budget}, {len(spans)} spans")

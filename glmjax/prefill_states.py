@@ -52,12 +52,16 @@ def prefix_hash(tokens: np.ndarray, length: int) -> str:
 # --- saving and loading ---------------------------------------------------------------------
 
 def _checkpointer() -> ocp.Checkpointer:
-    """An orbax checkpointer of this process alone: over several processes only process 0
-    saves, and each process loads its own copy, so no barrier may wait for the others."""
+    """An orbax checkpointer of this process alone (every handler told so: orbax's default
+    waits at barriers for every process): over several processes only process 0 saves,
+    and each process loads its own copy."""
     me = jax.process_index()
-    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(),
-                            multiprocessing_options=ocp.options.MultiprocessingOptions(
-                                primary_host=me, active_processes={me}))
+    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    handler = ocp.CompositeCheckpointHandler(
+        composite_options=ocp.CompositeOptions(multiprocessing_options=alone),
+        arrays=ocp.StandardCheckpointHandler(multiprocessing_options=alone),
+        meta=ocp.JsonCheckpointHandler(multiprocessing_options=alone))
+    return ocp.Checkpointer(handler, multiprocessing_options=alone)
 
 
 def save_states(path: str | Path, states: SavedStates) -> None:
