@@ -64,14 +64,13 @@ from rich.progress import (
 
 from glmjax import compile_cache, distributed
 from glmjax.batch import CHECKPOINT_CAPACITY, PrefillBatch
-from glmjax.caches import Caches
 from glmjax.config import ModelConfig
 from glmjax.fingerprint import model_fingerprint
 from glmjax.model import ModelState
 from glmjax.prefill_states import (
     RUNNING_SLOT,
     SavedStates,
-    host_caches,
+    host_latents,
     kda_slots,
     load_states,
     prefix_hash,
@@ -231,7 +230,6 @@ def run_prefill(model_state: ModelState, config: ModelConfig, tokens: np.ndarray
     rows = math.ceil(max(span.num_tokens for span in spans) / block_size) * block_size
     fingerprint = model_fingerprint(model_state, config) if keep_states else ""
     steps = single_device_steps(config) if plan is None else plan.steps()
-    layout = steps.layout
     model_state = steps.place(model_state)
     start = 0
     if resume is None:
@@ -271,16 +269,16 @@ def run_prefill(model_state: ModelState, config: ModelConfig, tokens: np.ndarray
     retained = tuple(sorted({p for s in spans for p in s.retained_positions} | {length}))
     states = None
     if keep_states:
-        states = _collect(tokens, kept, host_caches(caches, layout), block_size, fingerprint,
-                          resume)
+        states = _collect(tokens, kept, host_latents(caches, steps.layout), block_size,
+                          fingerprint, resume)
     return PrefillResult(np.asarray(out.logits)[0], retained, start, tuple(spans), compile_s,
                          run_s, states)
 
 
-def _collect(tokens, kept, caches: Caches, block_size: int, fingerprint: str,
-             resume: tuple[SavedStates, int] | None) -> SavedStates:
+def _collect(tokens, kept, mla: list[dict[str, np.ndarray]], block_size: int,
+             fingerprint: str, resume: tuple[SavedStates, int] | None) -> SavedStates:
     """Stack the retained states (with those a resumed run inherited, up to its start);
-    `caches` on the host, MLA latents in token order."""
+    `mla` the MLA layers' latents on the host (`host_latents`)."""
     if resume is not None:
         saved, start = resume
         for r, position in enumerate(saved.positions):
@@ -288,9 +286,7 @@ def _collect(tokens, kept, caches: Caches, block_size: int, fingerprint: str,
                 kept[position] = [(rec[r], conv[r])
                                   for rec, conv in zip(saved.recurrent, saved.conv)]
     positions = tuple(sorted(kept))
-    num_layers = len(caches.kda)
-    mla = [{"latent": c.latent} | ({} if c.index_keys is None else {"index_keys": c.index_keys})
-           for c in caches.mla]
+    num_layers = len(kept[positions[0]])
     return SavedStates(
         positions,
         [np.stack([kept[p][i][0] for p in positions]) for i in range(num_layers)],
@@ -351,6 +347,8 @@ def main(argv: Sequence[str] | None = None, *, progress: TextIO | None = sys.std
     several processes every process returns it; process 0 alone prints, draws the progress
     bar and writes --save-states."""
     args = _parser().parse_args(argv)
+    if args.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {args.tp}")
     if args.tp > 1:
         request_cpu_devices(args.tp)
     distributed.initialize(args, tp=args.tp, flags=vars(args))

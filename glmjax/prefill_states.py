@@ -23,7 +23,6 @@ from glmjax.caches import Caches
 from glmjax.config import ModelConfig
 from glmjax.layers.paged_cache import DCPLayout, MLACache
 from glmjax.sharding import ShardingPlan, host_copy, put
-from glmjax.state_pool import StatePool
 
 # /2: the fingerprint covers whole tensors and the config (`glmjax.fingerprint`).
 FORMAT = "glmjax-offline-prefill-states/2"
@@ -114,13 +113,14 @@ def _latent_rows(layout: DCPLayout, block_size: int) -> np.ndarray:
     return np.asarray(layout.block_rows(block_size))
 
 
-def host_caches(caches: Caches, layout: DCPLayout) -> Caches:
-    """`caches` as NumPy arrays, whole, the MLA latents in token order."""
-    host = host_copy(caches)
-    if not host.mla:
-        return host
-    rows = _latent_rows(layout, host.mla[0].latent.shape[1])
-    return host._replace(mla=tuple(c._replace(latent=c.latent[:, rows]) for c in host.mla))
+def host_latents(caches: Caches, layout: DCPLayout) -> list[dict[str, np.ndarray]]:
+    """Per MLA layer {"latent": [M, P, D] in token order (+ "index_keys")}, on the host."""
+    host = host_copy(caches.mla)
+    if not host:
+        return []
+    rows = _latent_rows(layout, host[0].latent.shape[1])
+    return [{"latent": c.latent[:, rows]}
+            | ({} if c.index_keys is None else {"index_keys": c.index_keys}) for c in host]
 
 
 def resumed_caches(config: ModelConfig, num_slots: int, num_blocks: int, saved: SavedStates,
@@ -155,5 +155,5 @@ def resumed_caches(config: ModelConfig, num_slots: int, num_blocks: int, saved: 
 
 def kda_slots(caches: Caches, slots: list[int]) -> dict[int, list[tuple[np.ndarray, np.ndarray]]]:
     """{slot: [(recurrent [H, K, V], conv [C, W - 1]) per KDA layer]} on the host, whole."""
-    pools = host_copy([StatePool(p.recurrent, p.conv) for p in caches.kda])
+    pools = host_copy(caches.kda)
     return {slot: [(p.recurrent[slot], p.conv[slot]) for p in pools] for slot in slots}

@@ -244,3 +244,13 @@ def test_mesh_resumes_from_its_states_like_a_cold_run(model_state, saved_mesh, t
     logits, _ = cold_run(model_state, tokens)
     error = relative_logit_error(result.logits, logits)
     assert error <= LOGIT_RTOL, f"max relative logit error {error:.2e}"
+
+
+@pytest.mark.parametrize("mesh, message", [
+    (["--tp", "0"], "--tp must be >= 1, got 0"),
+    (["--tp", "3", "--dcp", "2"], "dcp=2 must divide tp=3"),
+    (["--tp", "16"], "tp=16 needs 16 devices"),
+])
+def test_bad_meshes_name_the_value(mesh, message):
+    with pytest.raises(ValueError, match=message):
+        main(["--random-tokens", str(SHORT), *GRID, *mesh], progress=None)
