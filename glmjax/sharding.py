@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -113,6 +114,18 @@ def put(tree, shardings):
 
     return jax.tree.map(one, tree, shardings)
 
+
+
+def host_copy(tree):
+    """`tree` with every array whole on the host (NumPy). Arrays other processes hold
+    shards of are gathered from them (``process_allgather``, a collective: every process
+    must call this with the same tree)."""
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
 
 def request_cpu_devices(count: int) -> None:
     """Ask JAX for `count` host (CPU) devices, so that a mesh can be tried on a CPU. Only
