@@ -23,6 +23,7 @@ token over "dcp" (`glmjax.layers.paged_cache.DCPLayout`), so it is replicated on
 | conv taps [C, W] | KDA conv | (TP, None) |
 | experts [E, D, I] / [E, I, D] | w_gate, w_up / w_down | (None, None, TP) / (None, TP, None) |
 | everything else | norms, mHC, router, q_a / kv_a / f_a / g_a, DSA indexer, eh_proj | replicated |
+| scanned group parameters (`glmjax.layer_scan`) | [G, ...] | (None, *their spec) |
 | token activations [T, ...] | residual stream, batch metadata, logits | replicated |
 | head activations [T, H, ...] | KDA q, k, v, g, o; MLA absorbed queries | (None, TP, None) |
 | KDA recurrent pool / states [S, H, K, V] | | (None, TP, None, None) |
@@ -53,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from glmjax.caches import Caches, copy_kv_blocks, copy_state_slots
 from glmjax.config import ModelConfig
+from glmjax.layer_scan import GROUPS
 from glmjax.layers.paged_cache import DCPLayout, MLACache
 from glmjax.mixed import mixed
 from glmjax.model import (
@@ -199,12 +201,15 @@ PARAM_SPECS = {
 
 
 def param_spec(path: tuple, specs: Specs = SPECS) -> P:
-    """The PartitionSpec of the parameter at `path` (a JAX key path into ``nnx.State``)."""
+    """The PartitionSpec of the parameter at `path` (a JAX key path into ``nnx.State``).
+    A scanned group's parameters (`glmjax.layer_scan`) gain a leading, unsplit layer axis."""
     names = [str(getattr(key, "key", getattr(key, "name", ""))) for key in path]
+    spec = specs.replicated
     for name in reversed(names):
         if name in PARAM_SPECS:
-            return getattr(specs, PARAM_SPECS[name])
-    return specs.replicated
+            spec = getattr(specs, PARAM_SPECS[name])
+            break
+    return P(None, *spec) if GROUPS in names else spec
 
 
 def cache_specs(caches: Caches, specs: Specs = SPECS) -> Caches:

@@ -12,16 +12,19 @@ from flax import nnx
 from glmjax.config import LayerType, ModelConfig
 from glmjax.layers.kda import KDA, KDAState
 from glmjax.layers.mhc import HyperConnection
-from glmjax.layers.mla import MLA
+from glmjax.layers.mla import MLA, NewLatents
 from glmjax.layers.moe import MLP, MoE
 from glmjax.layers.norms import RMSNorm
 from glmjax.layers.packing import PackedBatch
 from glmjax.layers.paged_cache import MLACache
+from glmjax.layers.prefill_keys import CachedPrefix
 
 if TYPE_CHECKING:
     from glmjax.sharding import ShardingPlan
 
-LayerCache = KDAState | MLACache | None
+# A KDA layer's states; an MLA layer's cache, or (in the layer scan) its cached prefix,
+# returned as the new tokens' latents (`glmjax.layers.mla.NewLatents`).
+LayerCache = KDAState | MLACache | CachedPrefix | NewLatents | None
 
 
 class PlainResidual(nnx.Module):
@@ -64,7 +67,9 @@ class DecoderBlock(nnx.Module):
                  ) -> tuple[jax.Array, LayerCache, KDAState | None]:
         """Returns the new residual, the mixer's new cache and (KDA) its snapshots.
 
-        `cache` is a `KDAState` for KDA, an `MLACache` (or None: no cache) for MLA. With
+        `cache` is a `KDAState` for KDA, an `MLACache` (or None: no cache) for MLA; in
+        prefill also a `CachedPrefix`, which makes the MLA layer return its new tokens'
+        latents instead of a cache (`MLA.attend`, for `glmjax.layer_scan`). With
         `decode`, every sequence has exactly one token, MLA attends in absorbed form, and
         KDA's `cache` is the layer's whole state pool, advanced in place at
         `batch.state_slots` (its snapshots are None).
@@ -93,6 +98,9 @@ class DecoderBlock(nnx.Module):
         if isinstance(self.mixer, KDA):
             out = self.mixer(x, batch.cu_seqlens, cache, batch.checkpoint_offsets, plan=plan)
             return out.y, out.state, out.snapshots
+        if isinstance(cache, CachedPrefix):
+            return (*self.mixer.attend(x, batch.cu_seqlens, cache, batch.prefix_lens, plan=plan),
+                    None)
         if decode:
             y, cache = self.mixer.decode(x, cache, batch.block_table, batch.prefix_lens,
                                          plan=plan)

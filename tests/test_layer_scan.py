@@ -1,0 +1,119 @@
+"""Scanned layer groups (`glmjax.layer_scan`): which layers each preset scans, and the
+scanned model against the unrolled one with the same weights (tiny preset cut to 9 layers,
+fp32: a dense layer, two scanned 3 KDA + 1 MLA groups): a cold prefill with snapshots, a
+resume from a retained snapshot over the cached MLA prefix, and a decode step; logits
+and every cache array equal within fp32 rounding. Weights convert both ways exactly.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_layers_oracles import random_module
+from test_model import CONFIG, NUM_BLOCKS, NUM_SLOTS, Span, prefill_batch
+
+from glmjax.batch import DecodeBatch
+from glmjax.caches import Caches, copy_state_slots
+from glmjax.config import ModelConfig
+from glmjax.layer_scan import GROUPS, LayerPlan, layer_plan, stack_params, unstack_params
+from glmjax.model import HybridModel, decode, prefill
+from glmjax.sharding import param_spec
+from glmjax.state_pool import PoolStatus
+
+UNROLLED = CONFIG.replace_depth(9)
+SCANNED = dataclasses.replace(UNROLLED, scan_layers=True)
+TOL = 1e-6  # max |diff| / max |unrolled value|, per array
+
+
+@pytest.mark.parametrize("preset, depth, plan", [
+    # Kimi: MLA at 3, 7, ..., 23 and the last layer; layer 0 dense.
+    ("kimi-linear-48b", 27, LayerPlan(27, 1, 4, 6)),
+    ("kimi-linear-48b", 10, LayerPlan(10, 1, 4, 2)),
+    ("kimi-linear-48b", 9, LayerPlan(9, 0, 4, 0)),  # the last MLA breaks the second group
+    # GLM: MLA at 3, 7, ..., 43; layers 0-2 dense.
+    ("glm5.3-flash", 45, LayerPlan(45, 3, 4, 10)),
+    ("tiny", 4, LayerPlan(4, 0, 4, 0)),
+    ("tiny", 9, LayerPlan(9, 1, 4, 2)),
+])
+def test_layer_plan(preset, depth, plan):
+    config = dataclasses.replace(ModelConfig.preset(preset).replace_depth(depth),
+                                 scan_layers=True)
+    assert layer_plan(config) == plan
+    kinds = config.layer_types
+    for j in range(plan.group_size):  # each position holds one kind, all with MoE
+        assert len({kinds[i] for i in plan.group_layers(j)}) <= 1
+        assert all(i >= config.first_dense_layers for i in plan.group_layers(j))
+    off = dataclasses.replace(config, scan_layers=False)
+    assert layer_plan(off).num_groups == 0
+    assert layer_plan(off).unrolled == tuple(range(depth))
+
+
+def test_scanned_parameters_are_stacked_and_split_like_their_layers():
+    _, params = nnx.split(nnx.eval_shape(lambda: HybridModel(SCANNED, nnx.Rngs(0))))
+    flat = dict(nnx.to_flat_state(params))
+    kernel = flat[(GROUPS, 0, "mixer", "q_proj", "kernel")].get_value()
+    assert kernel.shape == (2, 256, 256)
+    assert len(params["layers"]) == 1  # the dense layer 0
+    single = param_spec((jax.tree_util.DictKey("q_proj"), jax.tree_util.DictKey("kernel")))
+    stacked = param_spec((jax.tree_util.DictKey(GROUPS), jax.tree_util.DictKey("q_proj"),
+                          jax.tree_util.DictKey("kernel")))
+    assert tuple(stacked) == (None, *single)
+
+
+@pytest.fixture(scope="module")
+def models():
+    rng = np.random.default_rng(7)
+    unrolled = random_module(lambda: HybridModel(UNROLLED, nnx.Rngs(0)), rng)
+    pure = nnx.to_pure_dict(nnx.state(unrolled))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: HybridModel(SCANNED, nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, stack_params(pure, SCANNED))
+    back = unstack_params(nnx.to_pure_dict(state), SCANNED)
+    jax.tree.map(np.testing.assert_array_equal, back, pure)
+    tokens = rng.integers(0, UNROLLED.vocab_size, 200).astype(np.int32)
+    return nnx.split(unrolled), (graphdef, state), tokens
+
+
+def assert_close(actual, expected, what):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    scale = max(np.max(np.abs(expected)), 1e-30)
+    err = np.max(np.abs(actual - expected)) / scale if expected.size else 0.0
+    assert err <= TOL, f"{what}: max relative difference {err:.2e}"
+
+
+def assert_outputs_close(scanned, unrolled):
+    assert int(scanned.status) == int(unrolled.status) == PoolStatus.OK
+    assert_close(scanned.logits, unrolled.logits, "logits")
+    for k, (s, u) in enumerate(zip(jax.tree.leaves(scanned.caches),
+                                   jax.tree.leaves(unrolled.caches), strict=True)):
+        assert_close(s, u, f"cache array {k}")
+
+
+def test_scanned_steps_equal_unrolled(models):
+    """Cold prefill with snapshots, resume from a retained one over the MLA prefix the
+    first step wrote, then decode: the same outputs and caches from both models."""
+    unrolled_state, scanned_state, tokens = models
+    caches = {"unrolled": Caches.init(UNROLLED, NUM_SLOTS, NUM_BLOCKS),
+              "scanned": Caches.init(SCANNED, NUM_SLOTS, NUM_BLOCKS)}
+    states = {"unrolled": unrolled_state, "scanned": scanned_state}
+
+    def step(fn, batch, *extra):
+        outs = {name: fn(states[name], caches[name], batch, *extra) for name in states}
+        assert_outputs_close(outs["scanned"], outs["unrolled"])
+        caches.update({name: out.caches for name, out in outs.items()})
+
+    step(prefill, prefill_batch(tokens, Span(0, 130, 0, offsets=(1, 64, 130), dests=(1, 2, 3)),
+                                Span(0, 37, 4, blocks=(4, 5, 6, 7))))
+    for name in caches:  # resume after 64 tokens: copy the snapshot to a running slot
+        caches[name], status = copy_state_slots(caches[name], jnp.array([2], jnp.int32),
+                                                jnp.array([5], jnp.int32))
+        assert int(status) == PoolStatus.OK
+    step(prefill, prefill_batch(tokens, Span(64, 200, 5, has_initial=True, offsets=(136,),
+                                             dests=(6,)),
+                                Span(37, 90, 4, blocks=(4, 5, 6, 7), has_initial=True)))
+    step(decode, DecodeBatch(token_ids=jnp.asarray(tokens[[10, 20]], jnp.int32),
+                             positions=jnp.array([200, 90], jnp.int32),
+                             state_slots=jnp.array([5, 4], jnp.int32),
+                             block_tables=jnp.array([[0, 1, 2, 3], [4, 5, 6, 7]], jnp.int32)))
