@@ -211,8 +211,7 @@ def _scanned(unrolled: HybridModel, config: ModelConfig, sharding: ParamSharding
     model."""
     def stack(name, leaves):
         shape = (len(leaves), *leaves[0].shape)
-        stacked = jax.jit(lambda *xs: jnp.stack(xs),
-                          out_shardings=_resolve(sharding, name, shape))(*leaves)
+        stacked = jax.device_put(jnp.stack(leaves), _resolve(sharding, name, shape))
         for leaf in leaves:
             leaf.delete()
         return stacked

@@ -2,7 +2,10 @@
 scanned model against the unrolled one with the same weights (tiny preset cut to 9 layers,
 fp32: a dense layer, two scanned 3 KDA + 1 MLA groups): a cold prefill with snapshots, a
 resume from a retained snapshot over the cached MLA prefix, and a decode step; logits
-and every cache array equal within fp32 rounding. Weights convert both ways exactly.
+and every cache array equal within fp32 rounding. Weights convert both ways exactly, and
+load from and write back to per-layer safetensors checkpoints. On
+a (2, 2) mesh the scanned model (test_sharding's depth-2 model made four layers of two
+scanned KDA + MLA groups, with MoE) equals its one-device run.
 """
 
 import dataclasses
@@ -14,14 +17,19 @@ import pytest
 from flax import nnx
 from test_layers_oracles import random_module
 from test_model import CONFIG, NUM_BLOCKS, NUM_SLOTS, Span, prefill_batch
+from test_sharding import CONFIG as MESH_CONFIG
+from test_sharding import model_workload
+from test_weights import write_checkpoint
 
 from glmjax.batch import DecodeBatch
 from glmjax.caches import Caches, copy_state_slots
 from glmjax.config import ModelConfig
 from glmjax.layer_scan import GROUPS, LayerPlan, layer_plan, stack_params, unstack_params
 from glmjax.model import HybridModel, decode, prefill
-from glmjax.sharding import param_spec
+from glmjax.shard import run_workload
+from glmjax.sharding import ShardingPlan, make_mesh, param_spec, single_device_steps
 from glmjax.state_pool import PoolStatus
+from glmjax.weights import load_safetensors, upstream_tensors
 
 UNROLLED = CONFIG.replace_depth(9)
 SCANNED = dataclasses.replace(UNROLLED, scan_layers=True)
@@ -63,6 +71,21 @@ def test_scanned_parameters_are_stacked_and_split_like_their_layers():
     assert tuple(stacked) == (None, *single)
 
 
+def test_scanned_model_reads_and_writes_per_layer_checkpoints(tmp_path):
+    """A checkpoint (one tensor per layer) loads into the scanned model stacked, and the
+    scanned model writes the same tensors back."""
+    source = random_module(lambda: HybridModel(UNROLLED, nnx.Rngs(0)), np.random.default_rng(3))
+    tensors = upstream_tensors(source, "glm")
+    loaded = load_safetensors(write_checkpoint(tmp_path, tensors), SCANNED, family="glm")
+    want = stack_params(nnx.to_pure_dict(nnx.state(source, nnx.Param)), SCANNED)
+    jax.tree.map(np.testing.assert_array_equal,
+                 nnx.to_pure_dict(nnx.state(loaded, nnx.Param)), want)
+    written = upstream_tensors(loaded, "glm")
+    assert written.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        np.testing.assert_array_equal(written[name], tensor, err_msg=name)
+
+
 @pytest.fixture(scope="module")
 def models():
     rng = np.random.default_rng(7)
@@ -91,6 +114,7 @@ def assert_outputs_close(scanned, unrolled):
         assert_close(s, u, f"cache array {k}")
 
 
+@pytest.mark.slow
 def test_scanned_steps_equal_unrolled(models):
     """Cold prefill with snapshots, resume from a retained one over the MLA prefix the
     first step wrote, then decode: the same outputs and caches from both models."""
@@ -117,3 +141,22 @@ def test_scanned_steps_equal_unrolled(models):
                              positions=jnp.array([200, 90], jnp.int32),
                              state_slots=jnp.array([5, 4], jnp.int32),
                              block_tables=jnp.array([[0, 1, 2, 3], [4, 5, 6, 7]], jnp.int32)))
+
+
+@pytest.mark.slow
+def test_scanned_model_on_a_mesh_equals_one_device():
+    """test_sharding's workload (two prefills over a cached prefix, two decodes)."""
+    config = dataclasses.replace(MESH_CONFIG, num_layers=4, first_dense_layers=0,
+                                 scan_layers=True)
+    assert layer_plan(config) == LayerPlan(4, 0, 2, 2)
+    rng = np.random.default_rng(11)
+    model_state = nnx.split(random_module(lambda: HybridModel(config, nnx.Rngs(0)), rng))
+    workload = model_workload(rng.integers(0, config.vocab_size, 256).astype(np.int32))
+    want = run_workload(single_device_steps(config), model_state, workload)
+    plan = ShardingPlan(config, make_mesh(4, 2), interleave=2)
+    got = run_workload(plan.steps(), model_state, workload)
+    for kind in ("prefill_logits", "decode_logits"):
+        for g, w in zip(getattr(got, kind), getattr(want, kind), strict=True):
+            assert_close(g, w, kind)
+    for g, w in zip(jax.tree.leaves(got.caches), jax.tree.leaves(want.caches), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
