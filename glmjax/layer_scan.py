@@ -6,7 +6,9 @@ Both presets repeat one group of ``full_attn_interval`` layers (3 KDA + 1 MLA). 
 every array (`HybridModel.layer_groups[j]` holds position j of every group), and prefill
 runs the run as one `jax.lax.scan` whose body is one group (`scan_prefill`). The layers
 before and after it (dense MLP layers, a tail that is not a whole group) stay unrolled in
-`HybridModel.layers`. Decode runs the groups' layers one by one (`block_at`).
+`HybridModel.layers`. Decode runs the groups' layers one by one (`block_at`). The routed
+experts' weights (most of the parameters) are never sliced per layer: the MoE addresses
+one layer's experts inside the whole stack (`glmjax.layers.moe.MoE`, ``layer``).
 
 The caches keep their per-layer layout (`glmjax.caches.Caches`): the scan carries the
 residual only. Its inputs are each layer's small per-sequence KDA states and each MLA
@@ -84,6 +86,15 @@ def layer_plan(config: ModelConfig) -> LayerPlan:
     return best
 
 
+ROUTED_EXPERTS = ("w_gate", "w_up", "w_down")
+
+
+def _routed_expert(path, _) -> bool:
+    """nnx filter: the MoE's routed-expert weights, which stay stacked inside the scan
+    (`glmjax.layers.moe.MoE` addresses one layer's experts in the stack by `layer`)."""
+    return path[-1] in ROUTED_EXPERTS
+
+
 def stack_blocks(blocks: Sequence[DecoderBlock]) -> DecoderBlock:
     """One block whose every array is the blocks' arrays stacked on a new leading axis."""
     graphdef, *_ = nnx.split(blocks[0])
@@ -92,9 +103,10 @@ def stack_blocks(blocks: Sequence[DecoderBlock]) -> DecoderBlock:
 
 
 def block_at(stacked: DecoderBlock, index: int) -> DecoderBlock:
-    """Entry `index` of a stacked block: a block of one layer."""
-    graphdef, state = nnx.split(stacked)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: a[index], state))
+    """Entry `index` of a stacked block, its routed experts' weights left stacked: call it
+    with ``layer=index``."""
+    graphdef, experts, rest = nnx.split(stacked, _routed_expert, ...)
+    return nnx.merge(graphdef, experts, jax.tree.map(lambda a: a[index], rest))
 
 
 def _stack(trees: Sequence[Any]) -> Any:
@@ -120,19 +132,24 @@ def scan_prefill(groups: Sequence[DecoderBlock], x: jax.Array, batch: PackedBatc
         if isinstance(column[0], MLACache):
             column = [read_prefix(cache, batch.block_table, plan) for cache in column]
         prefixes.append(None if column[0] is None else _stack(column))
-    graphdefs, params = zip(*(nnx.split(block) for block in groups), strict=True)
+    graphdefs, experts, params = zip(*(nnx.split(block, _routed_expert, ...)
+                                       for block in groups), strict=True)
+    num_groups = len(caches[0])
 
     def group(x, per_group):
-        params, inputs = per_group
+        index, params, inputs = per_group
         outputs = []
-        for graphdef, layer_params, cache in zip(graphdefs, params, inputs, strict=True):
+        for graphdef, whole, layer_params, cache in zip(graphdefs, experts, params, inputs,
+                                                        strict=True):
             if plan is not None:
                 x = plan.constrain(x, plan.specs.tokens)
-            x, cache, snapshots = nnx.merge(graphdef, layer_params)(x, batch, cache, plan=plan)
+            block = nnx.merge(graphdef, whole, layer_params)
+            x, cache, snapshots = block(x, batch, cache, plan=plan, layer=index)
             outputs.append((cache, snapshots))
         return x, outputs
 
-    x, stacked = jax.lax.scan(group, x, (params, prefixes))
+    x, stacked = jax.lax.scan(group, x, (jnp.arange(num_groups, dtype=jnp.int32), params,
+                                         prefixes))
     results = []
     for column, (outs, snapshots) in zip(caches, stacked, strict=True):
         per_layer = []

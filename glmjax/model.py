@@ -118,10 +118,11 @@ class HybridModel(nnx.Module):
         caches = [next(kda_in) if kind == "kda" else next(mla_in) for kind in kinds]
         outs: list = [None] * len(kinds)
 
-        def run(block, i, x):
+        def run(block, i, x, layer=None):
             if plan is not None:
                 x = plan.constrain(x, plan.specs.tokens)
-            x, cache, snapshots = block(x, batch, caches[i], decode=decode, plan=plan)
+            x, cache, snapshots = block(x, batch, caches[i], decode=decode, plan=plan,
+                                        layer=layer)
             outs[i] = (cache, snapshots)
             return x
 
@@ -143,7 +144,8 @@ class HybridModel(nnx.Module):
         if decode:
             for g in range(layers.num_groups):
                 for j, stacked in enumerate(self.layer_groups):
-                    x = run(block_at(stacked, g), layers.start + g * layers.group_size + j, x)
+                    x = run(block_at(stacked, g), layers.start + g * layers.group_size + j, x,
+                            layer=g)
             return x
         columns = [[caches[i] for i in layers.group_layers(j)]
                    for j in range(layers.group_size)]

@@ -33,7 +33,10 @@ from glmjax.weights import load_safetensors, upstream_tensors
 
 UNROLLED = CONFIG.replace_depth(9)
 SCANNED = dataclasses.replace(UNROLLED, scan_layers=True)
-TOL = 1e-6  # max |diff| / max |unrolled value|, per array
+# max |diff| / max |unrolled value|, per array: fp32 rounding. The loop body fuses and
+# orders sums differently, and its routed experts are one layer's groups of the stacked
+# weights (a larger ragged_dot); measured: logits 1.3e-6, KDA states 5e-6.
+TOL = 1e-5
 
 
 @pytest.mark.parametrize("preset, depth, plan", [

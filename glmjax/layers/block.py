@@ -63,7 +63,8 @@ class DecoderBlock(nnx.Module):
         self.mlp_residual = _residual(config, rngs)
 
     def __call__(self, residual: jax.Array, batch: PackedBatch, cache: LayerCache, *,
-                 decode: bool = False, plan: ShardingPlan | None = None
+                 decode: bool = False, plan: ShardingPlan | None = None,
+                 layer: jax.Array | int | None = None
                  ) -> tuple[jax.Array, LayerCache, KDAState | None]:
         """Returns the new residual, the mixer's new cache and (KDA) its snapshots.
 
@@ -74,21 +75,26 @@ class DecoderBlock(nnx.Module):
         KDA's `cache` is the layer's whole state pool, advanced in place at
         `batch.state_slots` (its snapshots are None).
         `plan`: the mesh the mixers and the routed experts run on (None: one device).
+        `layer`: the entry of the MoE's stacked routed-expert weights this layer uses
+        (`glmjax.layer_scan`); None: the weights are this layer's alone.
         """
         return self.with_mixer(
-            residual, lambda x: self._mix(x, batch, cache, decode, plan), plan=plan)
+            residual, lambda x: self._mix(x, batch, cache, decode, plan), plan=plan,
+            layer=layer)
 
     def with_mixer(self, residual: jax.Array, mix: Callable, *,
-                   plan: ShardingPlan | None = None):
+                   plan: ShardingPlan | None = None, layer: jax.Array | int | None = None):
         """The block with ``mix`` (the normed rows [T, D] -> y [T, D] and whatever else
         it returns) in the mixer's place: returns the new residual and mix's extras.
-        (``glmjax.mixed`` runs prefill and decode rows through their own mixer paths.)"""
+        (``glmjax.mixed`` runs prefill and decode rows through their own mixer paths.)
+        `layer`: as `__call__`'s."""
         with jax.named_scope("decoder_block"):
             x, mixing = self.mixer_residual.read(residual)
             y, *extras = mix(self.input_layernorm(x))
             residual = self.mixer_residual.write(residual, y, mixing)
             x, mixing = self.mlp_residual.read(residual)
-            y = self.mlp(self.post_attention_layernorm(x), plan=plan)
+            x = self.post_attention_layernorm(x)
+            y = self.mlp(x, plan=plan) if layer is None else self.mlp(x, plan=plan, layer=layer)
             return self.mlp_residual.write(residual, y, mixing), *extras
 
     def _mix(self, x, batch: PackedBatch, cache, decode, plan):
