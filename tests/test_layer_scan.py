@@ -102,25 +102,36 @@ def models():
     return nnx.split(unrolled), (graphdef, state), tokens
 
 
-def assert_close(actual, expected, what):
+def assert_close(actual, expected, what, tol=TOL):
     actual, expected = np.asarray(actual), np.asarray(expected)
     scale = max(np.max(np.abs(expected)), 1e-30)
     err = np.max(np.abs(actual - expected)) / scale if expected.size else 0.0
-    assert err <= TOL, f"{what}: max relative difference {err:.2e}"
+    assert err <= tol, f"{what}: max relative difference {err:.2e}"
 
 
-def assert_outputs_close(scanned, unrolled):
+def assert_outputs_close(scanned, unrolled, tol):
     assert int(scanned.status) == int(unrolled.status) == PoolStatus.OK
-    assert_close(scanned.logits, unrolled.logits, "logits")
+    assert_close(scanned.logits, unrolled.logits, "logits", tol)
     for k, (s, u) in enumerate(zip(jax.tree.leaves(scanned.caches),
                                    jax.tree.leaves(unrolled.caches), strict=True)):
-        assert_close(s, u, f"cache array {k}")
+        assert_close(s, u, f"cache array {k}", tol)
 
 
 @pytest.mark.slow
 def test_scanned_steps_equal_unrolled(models):
     """Cold prefill with snapshots, resume from a retained one over the MLA prefix the
     first step wrote, then decode: the same outputs and caches from both models."""
+    check_steps(models, TOL)
+
+
+@pytest.mark.gpu
+def test_scanned_steps_equal_unrolled_on_the_gpu(models):
+    """The same on the GPU's kernels (Pallas KDA and grouped GEMM, flash attention); the
+    tolerance allows for other fusions of fp32 sums (not yet run on the H200)."""
+    check_steps(models, 1e-4)
+
+
+def check_steps(models, tol):
     unrolled_state, scanned_state, tokens = models
     caches = {"unrolled": Caches.init(UNROLLED, NUM_SLOTS, NUM_BLOCKS),
               "scanned": Caches.init(SCANNED, NUM_SLOTS, NUM_BLOCKS)}
@@ -128,7 +139,7 @@ def test_scanned_steps_equal_unrolled(models):
 
     def step(fn, batch, *extra):
         outs = {name: fn(states[name], caches[name], batch, *extra) for name in states}
-        assert_outputs_close(outs["scanned"], outs["unrolled"])
+        assert_outputs_close(outs["scanned"], outs["unrolled"], tol)
         caches.update({name: out.caches for name, out in outs.items()})
 
     step(prefill, prefill_batch(tokens, Span(0, 130, 0, offsets=(1, 64, 130), dests=(1, 2, 3)),
