@@ -97,7 +97,8 @@ def model_config(args) -> ModelConfig:
     config = ModelConfig.preset(args.preset)
     if args.num_layers or args.num_experts:
         config = config.replace_depth(args.num_layers or config.num_layers, args.num_experts)
-    return dataclasses.replace(config, kv_block_size=args.block_size * args.dcp)
+    return dataclasses.replace(config, kv_block_size=args.block_size * args.dcp,
+                               scan_layers=args.scan_layers)
 
 
 def model_steps(args, config: ModelConfig) -> ModelSteps | None:
@@ -332,6 +333,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--preset", help="model preset (glm5.3-flash)")
     add("--num-layers", type=int, help="layers kept (4)")
     add("--num-experts", type=int, help="routed experts kept (16)")
+    add("--scan-layers", action="store_true",
+        help="run the repeated layer groups as one scan (glmjax.layer_scan)")
     add("--lengths", help="cold prompt lengths, comma-separated (8192,16384,32768)")
     add("--unaligned", type=int, help="one more cold length, off the block grid (16228; 0: none)")
     add("--beside-lengths", help="cold lengths prefilled beside decoding requests")

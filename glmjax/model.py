@@ -63,7 +63,9 @@ class ForwardResult(NamedTuple):
 
 class HybridModel(nnx.Module):
     """Embedding, decoder blocks per `config.layer_types`, final norm, LM head; the MTP
-    heads are held (for drafting and weight loading) but not run by the forward passes."""
+    heads are held (for drafting and weight loading) but not run by the forward passes.
+    With `config.scan_layers` the repeated layer groups are held stacked in `layer_groups`
+    and `layers` holds the others (`glmjax.layer_scan.layer_plan`)."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
