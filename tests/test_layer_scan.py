@@ -1,9 +1,9 @@
 """Scanned layer groups (`glmjax.layer_scan`): which layers each preset scans, and the
-scanned model against the unrolled one with the same weights (tiny preset cut to 9 layers,
-fp32: a dense layer, two scanned 3 KDA + 1 MLA groups): a cold prefill with snapshots, a
-resume from a retained snapshot over the cached MLA prefix, and a decode step; logits
-and every cache array equal within fp32 rounding. Weights convert both ways exactly, and
-load from and write back to per-layer safetensors checkpoints. On
+scanned model against the unrolled one with the same weights (tiny preset cut to 9
+layers, fp32, DSA top 64: a dense layer, two scanned 3 KDA + 1 MLA groups): a cold
+prefill with snapshots, a resume from a retained snapshot over the cached MLA prefix, and
+a decode step; logits and every cache array equal within fp32 rounding. Weights convert
+both ways exactly, and load from and write back to per-layer safetensors checkpoints. On
 a (2, 2) mesh the scanned model (test_sharding's depth-2 model made four layers of two
 scanned KDA + MLA groups, with MoE) equals its one-device run.
 """
@@ -31,7 +31,9 @@ from glmjax.sharding import ShardingPlan, make_mesh, param_spec, single_device_s
 from glmjax.state_pool import PoolStatus
 from glmjax.weights import load_safetensors, upstream_tensors
 
-UNROLLED = CONFIG.replace_depth(9)
+# With a DSA indexer: the resumed span's queries see more than top_k keys (selected
+# attention), the cold ones fewer (dense).
+UNROLLED = dataclasses.replace(CONFIG.replace_depth(9), dsa_top_k=64)
 SCANNED = dataclasses.replace(UNROLLED, scan_layers=True)
 # max |diff| / max |unrolled value|, per array: fp32 rounding. The loop body fuses and
 # orders sums differently, and its routed experts are one layer's groups of the stacked
