@@ -98,8 +98,7 @@ def _routed_expert(path, _) -> bool:
 def stack_blocks(blocks: Sequence[DecoderBlock]) -> DecoderBlock:
     """One block whose every array is the blocks' arrays stacked on a new leading axis."""
     graphdef, *_ = nnx.split(blocks[0])
-    states = [nnx.split(block)[1] for block in blocks]
-    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+    return nnx.merge(graphdef, _stack([nnx.split(block)[1] for block in blocks]))
 
 
 def block_at(stacked: DecoderBlock, index: int) -> DecoderBlock:
