@@ -105,7 +105,7 @@ def mixed_step(model_state: ModelState, caches: Caches, prefill_batch: PrefillBa
     initial = iter(read_states(caches.kda, spans.state_slots, spans.has_initial))
     kda_in, mla_in = iter(caches.kda), iter(caches.mla)
     pools, finals, snapshots, mla_out = [], [], [], []
-    for block, kind in zip(model.layers, config.layer_types):
+    for (block, layer), kind in zip(model.blocks(), config.layer_types, strict=True):
         if plan is not None:
             x = plan.constrain(x, plan.specs.tokens)
         mixer = block.mixer
@@ -119,7 +119,7 @@ def mixed_step(model_state: ModelState, caches: Caches, prefill_batch: PrefillBa
                 y, pool = mixer.decode(h_rows, pool, slots, plan=plan)
                 return jnp.concatenate([out.y, y]), out.state, out.snapshots, StatePool(*pool)
 
-            x, final, snapshot, pool = block.with_mixer(x, mix, plan=plan)
+            x, final, snapshot, pool = block.with_mixer(x, mix, plan=plan, layer=layer)
             finals.append(final)
             snapshots.append(snapshot)
             pools.append(pool)
@@ -134,7 +134,7 @@ def mixed_step(model_state: ModelState, caches: Caches, prefill_batch: PrefillBa
                                              plan=plan)
                 return jnp.concatenate([y_spans, y_rows]), cache
 
-            x, cache = block.with_mixer(x, mix, plan=plan)
+            x, cache = block.with_mixer(x, mix, plan=plan, layer=layer)
             mla_out.append(cache)
     if config.mhc_streams is not None:
         x = collapse_streams(x)

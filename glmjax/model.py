@@ -128,12 +128,16 @@ class HybridModel(nnx.Module):
             outs[i] = (cache, snapshots)
             return x
 
-        for i, block in zip(layers.unrolled, self.layers, strict=True):
-            if layers.num_groups and i == layers.stop:
-                x = self._groups(x, batch, layers, caches, outs, run, decode=decode, plan=plan)
-            x = run(block, i, x)
-        if layers.num_groups and layers.stop == len(kinds):
-            x = self._groups(x, batch, layers, caches, outs, run, decode=decode, plan=plan)
+        if decode or not layers.num_groups:
+            for i, (block, layer) in enumerate(self.blocks()):
+                x = run(block, i, x, layer)
+        else:  # the scanned groups between the unrolled layers before and after them
+            for i, block in zip(layers.unrolled, self.layers, strict=True):
+                if i == layers.stop:
+                    x = self._scan(x, batch, layers, caches, outs, plan)
+                x = run(block, i, x)
+            if layers.stop == len(kinds):
+                x = self._scan(x, batch, layers, caches, outs, plan)
         if self.config.mhc_streams is not None:
             x = collapse_streams(x)
         kda_out = [outs[i] for i, kind in enumerate(kinds) if kind == "kda"]
@@ -141,14 +145,22 @@ class HybridModel(nnx.Module):
                              [snapshots for _, snapshots in kda_out],
                              [outs[i][0] for i, kind in enumerate(kinds) if kind == "mla"])
 
-    def _groups(self, x, batch, layers: LayerPlan, caches, outs, run, *, decode, plan):
-        """The scanned groups: a scan in prefill, their layers one by one in decode."""
-        if decode:
-            for g in range(layers.num_groups):
-                for j, stacked in enumerate(self.layer_groups):
-                    x = run(block_at(stacked, g), layers.start + g * layers.group_size + j, x,
-                            layer=g)
-            return x
+    def blocks(self) -> list[tuple[DecoderBlock, int | None]]:
+        """Every layer's block, in order, with the ``layer`` argument it is called with: a
+        scanned group's layer is its entry of the stacked block (`layer_scan.block_at`)."""
+        layers = layer_plan(self.config)
+        unrolled = dict(zip(layers.unrolled, self.layers, strict=True))
+        blocks = []
+        for i in range(self.config.num_layers):
+            if i in unrolled:
+                blocks.append((unrolled[i], None))
+            else:
+                g, j = divmod(i - layers.start, layers.group_size)
+                blocks.append((block_at(self.layer_groups[j], g), g))
+        return blocks
+
+    def _scan(self, x, batch, layers: LayerPlan, caches, outs, plan):
+        """Prefill through the scanned groups (`layer_scan.scan_prefill`)."""
         columns = [[caches[i] for i in layers.group_layers(j)]
                    for j in range(layers.group_size)]
         x, results = scan_prefill(self.layer_groups, x, batch, columns, plan=plan)

@@ -1,8 +1,9 @@
 """Scanned layer groups (`glmjax.layer_scan`): which layers each preset scans, and the
 scanned model against the unrolled one with the same weights (tiny preset cut to 9
 layers, fp32, DSA top 64: a dense layer, two scanned 3 KDA + 1 MLA groups): a cold
-prefill with snapshots, a resume from a retained snapshot over the cached MLA prefix, and
-a decode step; logits and every cache array equal within fp32 rounding. Weights convert
+prefill with snapshots, a resume from a retained snapshot over the cached MLA prefix, a
+decode step and a mixed step (`glmjax.mixed`); logits and every cache array equal within
+fp32 rounding. Weights convert
 both ways exactly, and load from and write back to per-layer safetensors checkpoints. On
 a (2, 2) mesh the scanned model (test_sharding's depth-2 model made four layers of two
 scanned KDA + MLA groups, with MoE) equals its one-device run.
@@ -25,6 +26,7 @@ from glmjax.batch import DecodeBatch
 from glmjax.caches import Caches, copy_state_slots
 from glmjax.config import ModelConfig
 from glmjax.layer_scan import GROUPS, LayerPlan, layer_plan, stack_params, unstack_params
+from glmjax.mixed import mixed
 from glmjax.model import HybridModel, decode, prefill
 from glmjax.shard import run_workload
 from glmjax.sharding import ShardingPlan, make_mesh, param_spec, single_device_steps
@@ -113,7 +115,9 @@ def assert_close(actual, expected, what, tol=TOL):
 
 def assert_outputs_close(scanned, unrolled, tol):
     assert int(scanned.status) == int(unrolled.status) == PoolStatus.OK
-    assert_close(scanned.logits, unrolled.logits, "logits", tol)
+    for field in ("logits", "prefill_logits", "decode_logits"):
+        if hasattr(unrolled, field):
+            assert_close(getattr(scanned, field), getattr(unrolled, field), field, tol)
     for k, (s, u) in enumerate(zip(jax.tree.leaves(scanned.caches),
                                    jax.tree.leaves(unrolled.caches), strict=True)):
         assert_close(s, u, f"cache array {k}", tol)
@@ -157,6 +161,12 @@ def check_steps(models, tol):
                              positions=jnp.array([200, 90], jnp.int32),
                              state_slots=jnp.array([5, 4], jnp.int32),
                              block_tables=jnp.array([[0, 1, 2, 3], [4, 5, 6, 7]], jnp.int32)))
+    # glmjax.mixed: a cold span and the first request's next token in one forward.
+    step(mixed, prefill_batch(tokens, Span(0, 50, 7, blocks=(8, 9, 10, 11))),
+         DecodeBatch(token_ids=jnp.asarray(tokens[[30, 0]], jnp.int32),
+                     positions=jnp.array([201, -1], jnp.int32),
+                     state_slots=jnp.array([5, -1], jnp.int32),
+                     block_tables=jnp.array([[0, 1, 2, 3], [-1] * 4], jnp.int32)))
 
 
 @pytest.mark.slow
