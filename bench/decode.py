@@ -261,6 +261,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--preset", help="model preset (kimi-linear-48b)")
     add("--num-layers", type=int, help="layers kept (all)")
     add("--num-experts", type=int, help="routed experts kept (all)")
+    add("--scan-layers", action="store_true",
+        help="prefill the repeated layer groups as one scan (glmjax.layer_scan)")
     add("--context", type=int, help="prompt tokens of every request (8192)")
     add("--batches", help="requests decoding together, comma-separated (1,16,64)")
     add("--decode-room", type=int, help="max_tokens of every request (512)")

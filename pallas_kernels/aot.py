@@ -5,24 +5,16 @@
 No GPU is needed. For each device the KDA prefill is lowered under an abstract mesh whose
 device kind is that GPU, with exactly the `KernelConfig` the runtime picks for it, at the
 real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs), on both gate paths
-<<<<<<< HEAD
 (bounded, as GLM's gate, and any decay, as Kimi's), and the segment-parallel scan's two
 kernels (`kda_segment_*`) at 16 heads and one 32K-token prompt with the config the runtime
 picks there (`segment_config`; 4 segments where it keeps the plain scan, as on GB10); the
 KDA decode kernel likewise, at 1 and 64 rows on a 256-slot pool, with the tiling the
 runtime picks for each (`kda_decode_bv*` in the table); the MLA prefill flash attention at
-both presets' heads and head dims
-(`ATTENTION_SHAPES`) with the tuning table's config. So is the routed experts' grouped GEMM
-(`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered, gathered +
-=======
-(bounded, as GLM's gate, and any decay, as Kimi's); the KDA decode kernel likewise, at 1
-and 64 rows on a 256-slot pool, with the tiling the runtime picks for each (`kda_decode_bv*`
-in the table); the MLA prefill flash attention at both presets' heads and head dims
-(`ATTENTION_SHAPES`) with the tuning table's config; the DSA sparse attention at
-glm5.3-flash's shape (`SPARSE_SHAPES`: 64 heads over 512-wide latents, top-k 2048) and
-its indexer's scores (`INDEX_SHAPES`). So is
-the routed experts' grouped GEMM (`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered, gathered +
->>>>>>> dsa
+both presets' heads and head dims (`ATTENTION_SHAPES`) with the tuning table's config; the
+DSA sparse attention at glm5.3-flash's shape (`SPARSE_SHAPES`: 64 heads over 512-wide
+latents, top-k 2048) and its indexer's scores (`INDEX_SHAPES`). So is the routed experts'
+grouped GEMM (`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered,
+gathered +
 SwiGLU, down, down + combine) at both presets' real shapes (`pallas_kernels.moe_shapes`)
 with the `GmmConfig` the runtime picks at 512 and 8192 tokens. Each Triton module the Pallas lowering
 embeds is then compiled by the official Triton compiler for that target, and ptxas reports

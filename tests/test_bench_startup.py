@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from bench.startup import main, parse_args
+pytest.importorskip("httpx")  # bench.startup polls the server through it
+
+from bench.startup import main, parse_args  # noqa: E402
 
 
 @pytest.mark.parametrize("runs", ["warm", "warm,cold", "lazy,warm", "cold,hot", ""])
