@@ -24,11 +24,19 @@ position, and each end-of-span copy as the retained state at the span's end.
 Retained states are an optimisation, so their destination slots are best effort: when
 the slot pool is short, a span keeps the destinations it can get (its end state first,
 then its checkpoints from the latest back) rather than preempting anyone.
+
+With ``speculative_tokens`` N, a greedy decode also verifies up to N of the request's
+drafts (``Request.draft_token_ids``), as many as its remaining ``max_tokens``, the budget
+and free state slots allow (one scratch slot per draft, held for the step): its block
+table then covers the drafts, and ``update_from_step`` takes the accepted tokens (1 to
+1 + drafts of them) for it.
 """
 
 import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from serving.plan import PrefillSpan, cut_span_to_budget, plan_prefill
 from serving.prefix_cache import PrefixCache, PrefixHit
@@ -173,6 +181,8 @@ class Scheduler:
         """
         if step is self._in_flight:
             self._in_flight = None
+            for decode in step.decodes:
+                self._states.free(decode.draft_slots)
             for prefill in step.prefills:
                 self._states.free(prefill.checkpoint_slots)
                 if prefill.retain_slot is not None:
@@ -210,14 +220,16 @@ class Scheduler:
         return step
 
     def update_from_step(
-        self, step: ScheduledStep, sampled_tokens: Mapping[str, int]
+        self, step: ScheduledStep, sampled_tokens: Mapping[str, int | Sequence[int]]
     ) -> list[Request]:
         """Records that ``step`` ran: advances, registers, appends tokens, finishes.
 
         Args:
           step: the step in flight.
           sampled_tokens: the token sampled for each of ``step.sampling_request_ids``
-            (those aborted since may be left out).
+            (those aborted since may be left out); for a decode that verified drafts, the
+            tokens it accepted, 1 to 1 + drafts of them, in order (the request computed
+            all but the last; a stop ends it at that token).
 
         Returns:
           The requests that finished (their resources are freed).
@@ -236,14 +248,28 @@ class Scheduler:
         missing = [i for i in expected if self._live(i) and i not in sampled_tokens]
         if missing:
             raise ValueError(f"no sampled token for requests {sorted(missing)}")
+        tokens = {i: _token_list(t) for i, t in sampled_tokens.items()}
+        for decode in step.decodes:
+            count = len(tokens.get(decode.request_id, [0]))
+            if not 1 <= count <= decode.num_tokens:
+                raise ValueError(f"request {decode.request_id!r}: {count} tokens for a decode "
+                                 f"of {decode.num_tokens}")
+        for prefill in step.prefills:
+            if len(tokens.get(prefill.request_id, [0])) != 1:
+                raise ValueError(f"request {prefill.request_id!r}: one token per prefill")
         self._in_flight = None
 
         finished = []
         for decode in step.decodes:
+            self._states.free(decode.draft_slots)
             request = self._live(decode.request_id)
             if request is not None:
-                request.num_computed += 1
-                self._append_token(request, sampled_tokens[request.request_id], finished)
+                accepted = tokens[request.request_id]
+                request.num_computed += len(accepted)
+                request.draft_token_ids = ()
+                for token in accepted:
+                    if self._append_token(request, token, finished):
+                        break
         for prefill in step.prefills:
             request = self._live(prefill.request_id)
             if request is not None:
@@ -253,7 +279,8 @@ class Scheduler:
                 if self.config.prefix_caching:
                     self._register(request, prefill)
                 if prefill.samples:
-                    self._append_token(request, sampled_tokens[request.request_id], finished)
+                    request.draft_token_ids = ()
+                    self._append_token(request, tokens[request.request_id][0], finished)
             self._states.free(prefill.checkpoint_slots)
             if prefill.retain_slot is not None:
                 self._states.free([prefill.retain_slot])
@@ -271,7 +298,14 @@ class Scheduler:
         if prefill.retain_slot is not None:
             self._cache.register_state(tokens, prefill.span.end, prefill.retain_slot)
 
-    def _append_token(self, request: Request, token: int, finished: list[Request]) -> None:
+    def set_drafts(self, request_id: str, draft_token_ids: Sequence[int]) -> None:
+        """Drafts for the next decode of a running request (ignored for any other)."""
+        request = self._live(request_id)
+        if request is not None:
+            request.draft_token_ids = tuple(int(t) for t in draft_token_ids)
+
+    def _append_token(self, request: Request, token: int, finished: list[Request]) -> bool:
+        """Appends ``token``; returns whether it finished the request."""
         request.output_token_ids.append(int(token))
         sampling = request.sampling
         if token in sampling.stop_token_ids or len(request.output_token_ids) >= sampling.max_tokens:
@@ -280,6 +314,18 @@ class Scheduler:
             del self._requests[request.request_id]
             request.status = RequestStatus.FINISHED
             finished.append(request)
+            return True
+        return False
+
+    def _num_drafts(self, request: Request, draft: _Draft) -> int:
+        """Drafts the request's next decode verifies: its drafts, as far as its remaining
+        tokens, the step's budget and the free state slots go (0 when sampling with a
+        temperature, which speculation leaves to plain decoding)."""
+        if not self.config.speculative_tokens or request.sampling.temperature > 0:
+            return 0
+        remaining = request.sampling.max_tokens - len(request.output_token_ids)
+        return max(0, min(len(request.draft_token_ids), self.config.speculative_tokens,
+                          remaining - 1, draft.budget - 1, self._states.num_allocatable))
 
     def _schedule_decodes(self, draft: _Draft) -> None:
         for request in list(self._running):
@@ -288,7 +334,10 @@ class Scheduler:
             if draft.budget < 1 or draft.seqs_left < 1:
                 return
             position = request.num_computed
-            new_blocks = self._blocks.blocks_needed(position + 1) - len(request.block_table)
+            num_drafts = self._num_drafts(request, draft)
+            new_blocks = (
+                self._blocks.blocks_needed(position + 1 + num_drafts) - len(request.block_table)
+            )
             if not self._make_room(new_blocks, request, draft):
                 continue
             request.block_table += self._blocks.allocate(new_blocks)
@@ -299,9 +348,11 @@ class Scheduler:
                     position,
                     request.state_slot,
                     tuple(request.block_table),
+                    request.draft_token_ids[:num_drafts],
+                    tuple(self._states.allocate(num_drafts)),
                 )
             )
-            draft.budget -= 1
+            draft.budget -= 1 + num_drafts
             draft.seqs_left -= 1
             draft.scheduled.add(request.request_id)
 
@@ -425,6 +476,7 @@ class Scheduler:
         self._running.remove(request)
         self._free_resources(request)
         request.num_computed = 0
+        request.draft_token_ids = ()
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self._waiting.appendleft(request)
@@ -442,3 +494,7 @@ class Scheduler:
             self._states.free([request.state_slot])
         request.block_table, request.state_slot = [], None
         request.pending_retained = ()
+
+
+def _token_list(tokens: int | Sequence[int]) -> list[int]:
+    return [int(tokens)] if isinstance(tokens, int | np.integer) else [int(t) for t in tokens]
