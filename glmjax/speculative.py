@@ -106,21 +106,24 @@ def accepted_counts(token_ids: jax.Array, sampled: jax.Array, num_drafts: jax.Ar
 
 
 def accept_and_draft_step(model_state: ModelState, caches: Caches, batch: VerifyBatch,
-                          sampled: jax.Array, hidden: jax.Array, verify_status: jax.Array, *,
-                          num_speculative: int) -> DraftOutput:
+                          sampled: jax.Array, hidden: jax.Array, hidden_rows: jax.Array,
+                          verify_status: jax.Array, *, num_speculative: int) -> DraftOutput:
     """Keep what the verification accepted and draft `num_speculative` tokens.
 
     Args:
       batch: the verified batch (or, after a prefill, J = 1: positions = the span's last
         position, no drafts, slot_chain -1).
-      sampled: int32 [J, R], the token sampled after each row.
-      hidden: [J R, D], the rows' final hidden states (`VerifyOutput.hidden`).
-      verify_status: the verify step's status; not OK: nothing is written.
+      sampled: int32 [>= J R], the token sampled after row j R + r (the sampler's rows).
+      hidden: [*, D], final hidden states (`VerifyOutput.hidden`, or a prefill's
+        `last_hidden`); row j R + r is hidden[hidden_rows[j R + r]] (int32 [J R]).
+      verify_status: the verify (or prefill) step's status; not OK: nothing is written.
     `caches` is donated by `accept_and_draft`: use the returned one.
     """
     model = nnx.merge(*model_state)
     mtp = model.mtp[0]
     num_chain, num_seqs = batch.token_ids.shape
+    sampled = sampled[:num_chain * num_seqs].reshape(num_chain, num_seqs)
+    hidden = hidden[hidden_rows]
     ok = verify_status == PoolStatus.OK
     live = ok & (batch.positions >= 0)
     accepted = jnp.where(live, accepted_counts(batch.token_ids, sampled, batch.num_drafts), 0)

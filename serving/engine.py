@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -47,8 +46,10 @@ from serving.block_allocator import BlockAllocator
 from serving.outputs import EngineMetrics, FinishReason, RequestOutput
 from serving.prefix_cache import PrefixCache
 from serving.request import Request, SamplingParams
-from serving.sampling import SEED_LIMIT, Sampled, SamplingTensors, sample
+from serving.sampling import SEED_LIMIT, Draw, Sampled, SamplingTensors, sample
 from serving.scheduler import Scheduler
+from serving.speculative import COUNTERS as SPECULATIVE_COUNTERS
+from serving.speculative import SpeculativeRunner, trim_draws
 from serving.state_slots import StateSlotAllocator
 from serving.step import ScheduledStep, SchedulerConfig
 
@@ -73,6 +74,9 @@ class EngineConfig(SchedulerConfig):
       eos_token_id: finishes a request unless its ``ignore_eos`` (None: no such token).
       single_bucket: pad every batch to the largest bucket, so each entry point compiles
         once; good for small models and tests, wasteful for long budgets.
+      speculative_tokens (from ``SchedulerConfig``): N > 0 drafts N tokens per request
+        with the model's MTP head and verifies them in the next step
+        (``serving.speculative``; greedy requests, one device).
       seed: draws the seed of every request that brings none.
     """
 
@@ -86,14 +90,6 @@ class EngineConfig(SchedulerConfig):
         """The scheduling knobs alone."""
         names = (field.name for field in dataclasses.fields(SchedulerConfig))
         return SchedulerConfig(**{name: getattr(self, name) for name in names})
-
-
-class _Draw(NamedTuple):
-    """One request's sampled token, its logprob and the top alternatives."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
 
 
 @dataclasses.dataclass(eq=False)
@@ -156,6 +152,10 @@ class Engine:
         self.steps = steps
         self._model_state: ModelState = steps.place(model)
         self._detokenize = detokenize
+        self._speculative = None
+        if engine_config.speculative_tokens:
+            self._speculative = SpeculativeRunner(config, engine_config.speculative_tokens,
+                                                  on_mesh=steps.mesh is not None)
         self._make_pools()
         buckets = BatchBuckets.for_config(sched_config)
         if engine_config.single_bucket:
@@ -184,7 +184,7 @@ class Engine:
             preemptions=0,
             kv_block_copies=0,
             steps=0,
-        )
+        ) | dict.fromkeys(SPECULATIVE_COUNTERS, 0)
 
     def _make_pools(self) -> None:
         """Empty caches, allocators, prefix cache and scheduler (at start and on a reset)."""
@@ -194,7 +194,9 @@ class Engine:
             StateSlotAllocator(config.num_state_slots),
         )
         self.scheduler = Scheduler(config.scheduler_config(), self.prefix_cache)
-        self.caches = self.steps.init_caches(config.num_state_slots, config.num_kv_blocks)
+        init_caches = self.steps.init_caches if self._speculative is None else (
+            self._speculative.init_caches)
+        self.caches = init_caches(config.num_state_slots, config.num_kv_blocks)
 
     @property
     def model_state(self) -> ModelState:
@@ -281,30 +283,38 @@ class Engine:
             return outputs
         self._counts["steps"] += 1
         try:
-            sampled = self._run(step)
+            if self._speculative is None:
+                sampled = self._run(step)
+            else:
+                sampled = {i: trim_draws(self._tracked[i].request, draws,
+                                         self._tracked[i].stop_token_ids, self._detokenize)
+                           for i, draws in self._speculative.run(self, step).items()}
             finished = {
                 r.request_id
                 for r in self.scheduler.update_from_step(
-                    step, {i: draw.token for i, draw in sampled.items()}
+                    step, {i: [draw.token for draw in draws] for i, draws in sampled.items()}
                 )
             }
+            if self._speculative is not None:
+                self._speculative.set_drafts(self)
         except DeviceLostError:  # raised by multi-process steps (serving.multiprocess)
             raise
         except Exception as error:
             return outputs + self._fail_step(step, error)
-        for request_id, draw in sampled.items():
+        for request_id, draws in sampled.items():
             tracked = self._tracked[request_id]
             try:
-                tracked.logprobs.append(draw.logprob)
-                tracked.top_logprobs.append(draw.top)
-                self._counts["generated_tokens"] += 1
+                for draw in draws:
+                    tracked.logprobs.append(draw.logprob)
+                    tracked.top_logprobs.append(draw.top)
+                    self._counts["generated_tokens"] += 1
                 outputs.append(self._after_token(tracked, request_id in finished))
             except Exception:
                 logger.exception("request %s failed after step %d", request_id, step.step_id)
                 outputs += self._fail_requests([request_id])
         return outputs
 
-    def _run(self, step: ScheduledStep) -> dict[str, _Draw]:
+    def _run(self, step: ScheduledStep) -> dict[str, list[Draw]]:
         """Copies, the model's prefill and decode, retain copies and sampling of one step,
         dispatched back to back; then the step's one blocking device-to-host transfer
         fetches every call's pool status with the draws.
@@ -338,15 +348,9 @@ class Engine:
                 raise StepRefusedError(f"step {step.step_id}: the model refused the {what} "
                                        f"({PoolStatus(int(code)).name}); the caches are unchanged")
         self._count_cached_tokens(step)
-        draws = {}
-        for sampled, request_ids in zip(drawn, order):
-            for k, request_id in enumerate(request_ids):
-                top = zip(sampled.top_ids[k].tolist(), sampled.top_logprobs[k].tolist(),
-                          strict=True)
-                draws[request_id] = _Draw(
-                    int(sampled.tokens[k]), float(sampled.logprobs[k]), tuple(top)
-                )
-        return draws
+        return {request_id: [Draw.from_row(sampled, k)]
+                for sampled, request_ids in zip(drawn, order)
+                for k, request_id in enumerate(request_ids)}
 
     def _fail_step(self, step: ScheduledStep, error: Exception) -> list[RequestOutput]:
         """Fails the step's requests (or, with the caches gone, every live request)."""

@@ -82,3 +82,18 @@ class EngineMetrics:
     state_slots_total: int
     state_slots_used: int
     state_slots_retained: int
+    spec_verified_decodes: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Drafts accepted / drafts verified (0 before any)."""
+        return self.spec_accepted_tokens / max(self.spec_draft_tokens, 1)
+
+    @property
+    def spec_tokens_per_step(self) -> float:
+        """Tokens a decode that verified drafts gained per step, on average (1 + accepted;
+        0 before any)."""
+        decodes = self.spec_verified_decodes
+        return (decodes + self.spec_accepted_tokens) / decodes if decodes else 0.0

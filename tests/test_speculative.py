@@ -1,7 +1,9 @@
 """MTP speculative decoding (glmjax.speculative, serving.speculative) on the tiny preset in
 fp32 on the CPU: the verify step against plain one-token decodes, the accepted state
 against the state plain decoding reaches, and the engine's greedy output with and without
-speculation (with the MTP's own drafts and with oracle drafts that are partly right)."""
+speculation (with the MTP's own drafts, which random weights almost never get right, and
+with oracle drafts that are often right), under preemption, prefix hits and every stop.
+The engines share ``tests/test_engine.py``'s shapes and weights."""
 
 import dataclasses
 
@@ -10,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_engine import BASE, logprob_diff, make_engine
+from test_engine import model_state as engine_model_state  # noqa: F401 (fixture)
 from test_layers_oracles import random_module
 
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
@@ -24,6 +28,7 @@ from glmjax.speculative import (
     verify,
 )
 from glmjax.state_pool import PoolStatus
+from serving.request import SamplingParams
 
 P = 64
 CONFIG = dataclasses.replace(ModelConfig.preset("tiny"), kv_block_size=P)
@@ -106,8 +111,8 @@ def test_verify_matches_plain_decodes_and_keeps_the_accepted_state(model_state, 
     for j in range(4):
         np.testing.assert_allclose(logits[j], want_logits[j], rtol=1e-5, atol=1e-5)
     sampled = np.argmax(logits, axis=-1).astype(np.int32)
-    drafted = accept_and_draft(model_state, out.caches, batch, sampled, out.hidden, out.status,
-                               num_speculative=3)
+    drafted = accept_and_draft(model_state, out.caches, batch, sampled.reshape(-1), out.hidden,
+                               np.arange(8, dtype=np.int32), out.status, num_speculative=3)
     np.testing.assert_array_equal(drafted.accepted, [3, 1])
     assert int(drafted.status) == PoolStatus.OK and drafted.drafts.shape == (2, 3)
     for r, accepted in enumerate([3, 1]):
@@ -116,3 +121,90 @@ def test_verify_matches_plain_decodes_and_keeps_the_accepted_state(model_state, 
             np.testing.assert_allclose(pool.recurrent[r], want.recurrent[r], rtol=1e-5,
                                        atol=1e-6, err_msg=f"row {r} layer {layer}")
             np.testing.assert_allclose(pool.conv[r], want.conv[r], rtol=1e-5, atol=1e-5)
+
+
+# --- the engine -----------------------------------------------------------------------------
+
+N = 3
+
+
+def requests(plain_free):
+    """Two waves of (id, prompt, sampling): long prompts (preemption in a pool of 10
+    blocks), then one sharing a prefix with them (a hit), every kind of stop, and a seeded
+    sampled request (never speculated)."""
+    greedy = dict(ignore_eos=True)
+    free = plain_free.output_token_ids
+    first = [(f"g{i}", BASE[100 * i : 100 * i + 190], SamplingParams(max_tokens=6 + 2 * i,
+                                                                      **greedy))
+             for i in range(3)]
+    return first, [
+        ("shares_g2", BASE[200:328] + BASE[:9], SamplingParams(max_tokens=9, **greedy)),
+        ("stop_id", BASE[:40], SamplingParams(max_tokens=12, stop_token_ids=(free[5],), **greedy)),
+        ("stop_str", BASE[:40], SamplingParams(max_tokens=12, stop=(f"<{free[3]}><",), **greedy)),
+        ("seeded", BASE[:40], SamplingParams(max_tokens=6, temperature=0.8, seed=3, **greedy)),
+    ]
+
+
+def run_engine(engine, *waves):
+    outputs = {}
+    for wave in waves:
+        for request_id, prompt, sampling in wave:
+            engine.add_request(request_id, prompt, sampling)
+        outputs |= engine.run_until_done()
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def plain(engine_model_state):  # noqa: F811
+    engine = make_engine(engine_model_state)
+    free = run_engine(engine, [("free", BASE[:40], SamplingParams(max_tokens=12,
+                                                                  ignore_eos=True))])["free"]
+    waves = requests(free)
+    return waves, run_engine(make_engine(engine_model_state), *waves)
+
+
+def oracle_drafts(engine, plain_outputs, rng):
+    """Replaces the MTP's drafts by the plain run's next tokens, a third of the time with
+    one wrong."""
+    runner = engine._speculative
+    set_drafts = runner.set_drafts
+
+    def set_oracle(engine):
+        for request_id in runner.drafts:
+            request = engine.scheduler.get_request(request_id)
+            if request is None:
+                continue
+            done = len(request.output_token_ids)
+            drafts = list(plain_outputs[request_id].output_token_ids[done : done + N])
+            if drafts and rng.random() < 1 / 3:
+                drafts[rng.integers(len(drafts))] ^= 1
+            runner.drafts[request_id] = tuple(drafts)
+        set_drafts(engine)
+
+    runner.set_drafts = set_oracle
+
+
+@pytest.mark.parametrize("drafts", ["mtp", "oracle"])
+def test_greedy_output_is_the_plain_output(engine_model_state, plain, drafts, rng):  # noqa: F811
+    waves, want = plain
+    engine = make_engine(engine_model_state, speculative_tokens=N)
+    if drafts == "oracle":
+        oracle_drafts(engine, want, rng)
+    got = run_engine(engine, *waves)
+    diffs = []
+    for request_id, _, _ in waves[0] + waves[1]:
+        a, b = got[request_id], want[request_id]
+        assert a.output_token_ids == b.output_token_ids, request_id
+        assert (a.finish_reason, a.stop_reason, a.text) == (b.finish_reason, b.stop_reason,
+                                                           b.text), request_id
+        diffs.append(logprob_diff(a.logprobs, b.logprobs))
+    metrics = engine.metrics()
+    assert (metrics.kv_blocks_used, metrics.state_slots_used) == (0, 0)
+    assert metrics.prefix_cache_hits > 0 and metrics.spec_verified_decodes > 0
+    if drafts == "oracle":  # decodes finish sooner: the pool no longer runs short
+        assert metrics.spec_tokens_per_step > 1.5, metrics
+    else:
+        assert metrics.preemptions > 0
+    print(f"{drafts}: acceptance {metrics.spec_acceptance_rate:.2f}, "
+          f"{metrics.spec_tokens_per_step:.2f} tokens per verified decode, "
+          f"max |logprob - plain| = {max(diffs):.3g}")
