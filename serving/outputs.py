@@ -54,8 +54,10 @@ class EngineMetrics:
     Counters (since start): requests added / finished / aborted / failed, steps that
     failed and engine resets (``serving.engine``), prompt tokens added,
     prompt tokens served by the prefix cache at first admission, tokens generated,
-    preemptions, copy-on-write block copies, steps, prefix-cache lookups and hits, evictions. Gauges (now): requests
-    running and waiting, KV blocks and state slots total / referenced / cached.
+    preemptions, copy-on-write block copies, steps, prefix-cache lookups and hits, evictions,
+    and with speculative decoding the decodes that verified drafts, the drafts verified and
+    those accepted. Gauges (now): requests running and waiting, KV blocks and state slots
+    total / referenced / cached.
     """
 
     requests_added: int

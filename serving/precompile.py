@@ -27,20 +27,25 @@ import numpy as np
 from tqdm import tqdm
 
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
+from serving import speculative
 from serving.batch_builder import BatchBuckets
 from serving.sampling import SamplingTensors
+
+SPECULATIVE_KINDS = ("spec_prefill", "verify", "sample_verify", "draft_prefill", "draft_verify")
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One program an engine calls: its kind and static shape."""
 
-    kind: str  # "prefill", "decode", "copy_kv_blocks", "copy_state_slots", "sample"
+    kind: str  # "prefill", "decode", "copy_kv_blocks", "copy_state_slots", "sample", or one
+    # of SPECULATIVE_KINDS
     shape: tuple[int, ...]  # prefill (T, N, M), decode (N, M), sample (N,), copies ()
 
 
-def reachable_programs(buckets: BatchBuckets) -> list[Program]:
-    """Every program an engine padding to ``buckets`` can call, cheapest first."""
+def reachable_programs(buckets: BatchBuckets, speculative_tokens: int = 0) -> list[Program]:
+    """Every program an engine padding to ``buckets`` can call, cheapest first (with
+    ``speculative_tokens``, those of ``serving.speculative`` instead of prefill and decode)."""
     # A bucket of n rows holds more than the bucket below it (k spans need k tokens), so it
     # is reachable with t tokens when that lower bucket is smaller than t.
     below = dict(zip(buckets.seqs, (0, *buckets.seqs[:-1])))
@@ -54,6 +59,10 @@ def reachable_programs(buckets: BatchBuckets) -> list[Program]:
     decode = [Program("decode", (n, m)) for n in buckets.seqs for m in buckets.block_table_widths]
     sample = [Program("sample", (n,)) for n in buckets.seqs]
     copies = [Program("copy_kv_blocks", ()), Program("copy_state_slots", ())]
+    if speculative_tokens:
+        shapes = [p.shape for p in prefill]
+        return copies + sample + [Program(kind, shape) for kind, shape in
+                                  speculative.programs(buckets, shapes)]
     return copies + sample + decode + prefill
 
 
@@ -86,6 +95,8 @@ def _lower(engine, program: Program, logits_sharding=None):
     """The program lowered with arguments shaped and placed as the engine passes them
     (the sampler's logits placed as the model steps return them)."""
     steps, rows = engine.steps, engine.sampler_rows
+    if program.kind in SPECULATIVE_KINDS:
+        return speculative.lower(engine, program.kind, program.shape)
     if program.kind == "prefill":
         batch = jax.device_put(padding_prefill(*program.shape))
         return steps.prefill.lower(engine.model_state, engine.caches, batch)
@@ -118,7 +129,7 @@ def precompile(engine, *, workers: int | None = None, progress: bool = True,
       progress: show a progress bar (tqdm, on stderr).
       log: called once with a summary line.
     """
-    programs = reachable_programs(engine.builder.buckets)
+    programs = reachable_programs(engine.builder.buckets, engine.config.speculative_tokens)
     workers = workers or os.cpu_count() or 1
     start = time.perf_counter()
 
@@ -126,7 +137,7 @@ def precompile(engine, *, workers: int | None = None, progress: bool = True,
     # tells how they are sharded, so it compiles before the samplers. On one device the
     # steps return uncommitted arrays, which a plain device_put reproduces (naming their
     # device would put a sharding into the sampler's program and miss the cache).
-    first_decode = next(p for p in programs if p.kind == "decode")
+    first_decode = next(p for p in programs if p.kind in ("decode", "verify"))
     bar = tqdm(total=len(programs), desc="precompiling", unit="program", disable=not progress)
     begin = time.perf_counter()
     compiled = _lower(engine, first_decode).compile()

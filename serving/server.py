@@ -277,6 +277,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="KDA state slots: running requests plus retained states",
     )
     p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        choices=range(4),
+        metavar="N",
+        help="MTP speculative decoding: draft N (1-3) tokens per greedy request with the "
+        "model's MTP head and verify them in the next step (same output as plain decoding; "
+        "each decode then costs N + 1 rows of compute and N extra state slots while in "
+        "flight; sampled requests decode one token per step). 0: off. One device only; "
+        "acceptance and tokens per step are in /metrics",
+    )
+    p.add_argument(
         "--single-bucket",
         action="store_true",
         help="pad every batch to the largest shape: one compile per entry point",
@@ -342,6 +354,7 @@ def build_engine(args: argparse.Namespace, channel: multiprocess.StepChannel | N
         eos_token_id=tokenizer.eos_token_id,
         single_bucket=args.single_bucket,
         seed=args.seed,
+        speculative_tokens=args.speculative_tokens,
     )
     model = load_model(args, config)
     engine = Engine(config, model, engine_config, detokenize=tokenizer.decode, steps=steps)
@@ -378,6 +391,8 @@ def log_features(engine: Engine, tokenizer: Tokenizer) -> None:
     c = engine.config
     logger.info("prefill coalescing: %s", "on" if c.coalesce else "off (reference ladder)")
     logger.info("prefix caching: %s", "on" if c.prefix_caching else "off")
+    logger.info("speculative decoding: %s", f"MTP, {c.speculative_tokens} drafts per step"
+                if c.speculative_tokens else "off")
     mesh = engine.steps.mesh
     if mesh is None:
         where = " (emulated on one device: a block id names block_size * dcp tokens)"

@@ -23,10 +23,14 @@ string or ``max_tokens`` inside the accepted tokens ends the request there, as p
 decoding would (``trim_draws``). Requests sampled with a temperature decode one token per
 step: exact rejection sampling of drafts is not implemented.
 
+Programs (``serving.precompile`` compiles them all at start): ``spec_prefill`` per prefill
+bucket (T, N, M), ``verify`` per (N, M), the sampler per prefill N and, over J N rows, per
+verify N (``sample_verify``), ``draft_prefill`` per prefill (N, M) and ``draft_verify``
+per (N, M).
+
 Limits: one device (a mesh's steps are refused); the drafting depths 2..N write their MTP
 cache rows only where the request's blocks already reach (a draft past them attends
-without its own key; exactness is unaffected); the server's precompile does not cover the
-speculative programs, which compile on first use.
+without its own key; exactness is unaffected).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from glmjax.caches import Caches
 from glmjax.config import ModelConfig
 from glmjax.speculative import accept_and_draft, spec_prefill, verify
 from glmjax.state_pool import PoolStatus
+from serving.batch_builder import BatchBuckets
 from serving.request import Request
 from serving.sampling import Draw, SamplingTensors
 from serving.step import ScheduledStep
@@ -179,6 +184,63 @@ class SpeculativeRunner:
         engine.caches = drafted.caches
         return sampled, (drafted.drafts, drafted.accepted, drafted.status), \
             [d.request_id for d in step.decodes], width
+
+
+def programs(buckets: BatchBuckets, prefill_shapes: Sequence[tuple[int, int, int]]
+             ) -> list[tuple[str, tuple[int, ...]]]:
+    """(kind, shape) of every speculative program an engine padding to `buckets` can call,
+    given the prefill shapes (T, N, M) it can reach."""
+    widths, seqs = buckets.block_table_widths, buckets.seqs
+    prefill_seqs = sorted({n for _, n, _ in prefill_shapes})
+    return ([("verify", (n, m)) for n in seqs for m in widths]
+            + [("sample_verify", (n,)) for n in seqs]
+            + [("draft_verify", (n, m)) for n in seqs for m in widths]
+            + [("draft_prefill", (n, m)) for n in prefill_seqs for m in widths]
+            + [("spec_prefill", shape) for shape in prefill_shapes])
+
+
+def lower(engine: Engine, kind: str, shape: tuple[int, ...]):
+    """The program lowered with arguments shaped as `SpeculativeRunner.run` passes them."""
+    from serving.precompile import padding_prefill
+
+    chain, rows = engine.config.speculative_tokens + 1, engine.sampler_rows
+    state, caches = engine.model_state, engine.caches
+    if kind == "spec_prefill":
+        t, n, m = shape
+        return spec_prefill.lower(state, caches, jax.device_put(padding_prefill(t, n, m)),
+                                  np.zeros(n, np.int32))
+    if kind == "sample_verify":
+        (n,) = shape
+        logits = jax.device_put(np.zeros((chain * n, engine.model_config.vocab_size),
+                                         np.float32))
+        return engine.sampler.lower(logits, np.zeros(chain * rows, np.int32),
+                                    SamplingTensors.host([], chain * rows))
+    n, m = shape
+    if kind == "verify":
+        return verify.lower(state, caches, jax.device_put(_padding_verify(chain, n, m)))
+    hidden = jax.ShapeDtypeStruct((chain * n if kind == "draft_verify" else n,
+                                   engine.model_config.hidden_size), _hidden_dtype(engine))
+    status = np.zeros((), np.int32)
+    if kind == "draft_verify":
+        return accept_and_draft.lower(state, caches, _padding_verify(chain, n, m),
+                                      np.zeros(chain * rows, np.int32), hidden,
+                                      np.zeros(chain * n, np.int32), status,
+                                      num_speculative=chain - 1)
+    return accept_and_draft.lower(state, caches, _padding_verify(1, rows, m),
+                                  np.zeros(rows, np.int32), hidden, np.zeros(rows, np.int32),
+                                  status, num_speculative=chain - 1)
+
+
+def _padding_verify(chain: int, n: int, m: int) -> VerifyBatch:
+    zeros = np.zeros((chain, n), np.int32)
+    return VerifyBatch(zeros, np.full(n, -1, np.int32), zeros[0], zeros - 1,
+                       np.full((n, m), -1, np.int32))
+
+
+def _hidden_dtype(engine: Engine):
+    """The dtype of the model's final hidden states (what `verify` returns)."""
+    out = jax.eval_shape(verify, engine.model_state, engine.caches, _padding_verify(1, 1, 1))
+    return out.hidden.dtype
 
 
 def trim_draws(request: Request, draws: Sequence[Draw], stop_token_ids: frozenset[int],

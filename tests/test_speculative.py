@@ -11,15 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from test_engine import BASE, logprob_diff, make_engine
 from test_engine import model_state as engine_model_state  # noqa: F401 (fixture)
-from test_layers_oracles import random_module
 
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
-from glmjax.model import HybridModel, decode
+from glmjax.model import decode
 from glmjax.speculative import (
     VerifyBatch,
     accept_and_draft,
@@ -28,17 +26,17 @@ from glmjax.speculative import (
     verify,
 )
 from glmjax.state_pool import PoolStatus
+from serving.outputs import FinishReason
 from serving.request import SamplingParams
 
 P = 64
 CONFIG = dataclasses.replace(ModelConfig.preset("tiny"), kv_block_size=P)
-SLOTS, BLOCKS, WIDTH = 12, 8, 4
-
-
-@pytest.fixture(scope="module")
-def model_state():
-    model = random_module(lambda: HybridModel(CONFIG, nnx.Rngs(0)), np.random.default_rng(7))
-    return nnx.split(model)
+# test_engine.py's engine shapes (slots, blocks, prefill tokens, sequences, table width):
+# the steps compile once for the whole suite.
+SLOTS, BLOCKS, TOKENS, SEQS, WIDTH = 8, 10, 3 * P, 4, 4
+TABLES = np.full((SEQS, WIDTH), -1, np.int32)
+TABLES[:2] = np.arange(8).reshape(2, WIDTH)
+RUNNING = np.array([0, 1, -1, -1], np.int32)
 
 
 def copy(tree):
@@ -48,16 +46,14 @@ def copy(tree):
 def prefill_two(model_state, prompts):
     """Both prompts prefilled from cold (running slots 0 and 1, blocks 0-3 and 4-7)."""
     lengths = [len(p) for p in prompts]
-    tokens = np.zeros(2 * P * 2, np.int32)
-    tokens[: lengths[0]] = prompts[0]
-    tokens[lengths[0] : sum(lengths)] = prompts[1]
-    none = np.full((2, CHECKPOINT_CAPACITY), -1, np.int32)
-    batch = PrefillBatch(
-        tokens, np.zeros_like(tokens), np.array([0, lengths[0], sum(lengths)], np.int32),
-        np.array([0, 1], np.int32), np.zeros(2, bool), none, none,
-        np.arange(8, dtype=np.int32).reshape(2, WIDTH), np.zeros(2, np.int32))  # fmt: skip
+    tokens = np.zeros(TOKENS, np.int32)
+    tokens[: sum(lengths)] = prompts[0] + prompts[1]
+    none = np.full((SEQS, CHECKPOINT_CAPACITY), -1, np.int32)
+    cu = np.array([0, lengths[0]] + [sum(lengths)] * 3, np.int32)
+    batch = PrefillBatch(tokens, np.zeros_like(tokens), cu, RUNNING, np.zeros(SEQS, bool), none,
+                         none, TABLES, np.zeros(SEQS, np.int32))
     caches = Caches.init(CONFIG, SLOTS, BLOCKS, mtp=True)
-    out = spec_prefill(model_state, caches, batch, np.zeros(2, np.int32))
+    out = spec_prefill(model_state, caches, jax.device_put(batch), np.zeros(SEQS, np.int32))
     assert int(out.status) == PoolStatus.OK
     return out
 
@@ -67,12 +63,12 @@ def plain_decodes(model_state, caches, tokens, positions):
     KDA pools after each step."""
     logits, pools = [], []
     for j, step in enumerate(tokens):
-        batch = DecodeBatch(np.asarray(step, np.int32), np.asarray(positions, np.int32) + j,
-                            np.array([0, 1], np.int32),
-                            np.arange(8, dtype=np.int32).reshape(2, WIDTH))
-        out = decode(model_state, caches, batch)
+        batch = DecodeBatch(np.pad(np.asarray(step, np.int32), (0, 2)),
+                            np.array([positions[0] + j, positions[1] + j, 0, 0], np.int32),
+                            RUNNING, TABLES)
+        out = decode(model_state, caches, jax.device_put(batch))
         caches = out.caches
-        logits.append(np.asarray(out.logits))
+        logits.append(np.asarray(out.logits)[:2])
         pools.append(jax.tree.map(np.asarray, caches.kda))
     return logits, pools, caches
 
@@ -85,11 +81,12 @@ def test_accepted_counts_stop_at_the_first_mismatch():
     np.testing.assert_array_equal(got, [3, 1, 2, 0])
 
 
-def test_verify_matches_plain_decodes_and_keeps_the_accepted_state(model_state, rng):
+def test_verify_matches_plain_decodes_and_keeps_the_accepted_state(engine_model_state, rng):  # noqa: F811
+    model_state = engine_model_state
     prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (70, 33)]
     positions = [70, 33]
     pre = prefill_two(model_state, prompts)
-    first = np.argmax(np.asarray(pre.logits), axis=-1).astype(np.int32)
+    first = np.argmax(np.asarray(pre.logits)[:2], axis=-1).astype(np.int32)
     # The greedy continuation of both, from plain decodes.
     caches = copy(pre.caches)
     greedy = [first]
@@ -102,25 +99,51 @@ def test_verify_matches_plain_decodes_and_keeps_the_accepted_state(model_state, 
     tokens = np.concatenate([first[None], drafts]).astype(np.int32)  # [4, 2]
     want_logits, want_pools, _ = plain_decodes(model_state, copy(pre.caches), tokens, positions)
 
-    batch = VerifyBatch(tokens, np.array(positions, np.int32), np.array([3, 3], np.int32),
-                        np.array([[0, 1], [2, 3], [4, 5], [6, 7]], np.int32),
-                        np.arange(8, dtype=np.int32).reshape(2, WIDTH))
-    out = verify(model_state, copy(pre.caches), batch)
+    chain = np.full((4, SEQS), -1, np.int32)
+    chain[:, :2] = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    batch = VerifyBatch(np.pad(tokens, ((0, 0), (0, 2))),
+                        np.array(positions + [-1, -1], np.int32),
+                        np.array([3, 3, 0, 0], np.int32), chain, TABLES)
+    out = verify(model_state, copy(pre.caches), jax.device_put(batch))
     assert int(out.status) == PoolStatus.OK
-    logits = np.asarray(out.logits).reshape(4, 2, -1)
+    logits = np.asarray(out.logits).reshape(4, SEQS, -1)
     for j in range(4):
-        np.testing.assert_allclose(logits[j], want_logits[j], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(logits[j, :2], want_logits[j], rtol=1e-5, atol=1e-5)
+    assert not np.any(logits[:, 2:])  # padding sequences
     sampled = np.argmax(logits, axis=-1).astype(np.int32)
     drafted = accept_and_draft(model_state, out.caches, batch, sampled.reshape(-1), out.hidden,
-                               np.arange(8, dtype=np.int32), out.status, num_speculative=3)
-    np.testing.assert_array_equal(drafted.accepted, [3, 1])
-    assert int(drafted.status) == PoolStatus.OK and drafted.drafts.shape == (2, 3)
+                               np.arange(4 * SEQS, dtype=np.int32), out.status,
+                               num_speculative=3)
+    np.testing.assert_array_equal(drafted.accepted, [3, 1, 0, 0])
+    assert int(drafted.status) == PoolStatus.OK and drafted.drafts.shape == (SEQS, 3)
     for r, accepted in enumerate([3, 1]):
         for layer, pool in enumerate(drafted.caches.kda):
             want = want_pools[accepted][layer]
             np.testing.assert_allclose(pool.recurrent[r], want.recurrent[r], rtol=1e-5,
                                        atol=1e-6, err_msg=f"row {r} layer {layer}")
             np.testing.assert_allclose(pool.conv[r], want.conv[r], rtol=1e-5, atol=1e-5)
+
+
+def test_a_refused_verify_and_its_drafting_write_nothing(engine_model_state, rng):  # noqa: F811
+    model_state = engine_model_state
+    pre = prefill_two(model_state, [rng.integers(0, CONFIG.vocab_size, n).tolist()
+                                    for n in (20, 9)])
+    before = jax.tree.map(np.asarray, pre.caches)
+    chain = np.full((4, SEQS), -1, np.int32)
+    chain[:, :2] = [[0, 1], [2, 3], [4, 1], [6, 7]]  # slot 1 twice: refused
+    tokens = np.zeros((4, SEQS), np.int32)
+    tokens[:, :2] = rng.integers(0, CONFIG.vocab_size, (4, 2))
+    batch = VerifyBatch(tokens, np.array([20, 9, -1, -1], np.int32),
+                        np.array([3, 3, 0, 0], np.int32), chain, TABLES)
+    out = verify(model_state, pre.caches, jax.device_put(batch))
+    assert int(out.status) == PoolStatus.DUPLICATE_DESTINATION
+    sampled = np.tile(tokens[1:2], (4, 1)).reshape(-1)  # would accept the first draft
+    drafted = accept_and_draft(model_state, out.caches, batch, sampled, out.hidden,
+                               np.arange(4 * SEQS, dtype=np.int32), out.status,
+                               num_speculative=3)
+    np.testing.assert_array_equal(drafted.accepted, 0)
+    for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(drafted.caches), strict=True):
+        np.testing.assert_array_equal(old, new)
 
 
 # --- the engine -----------------------------------------------------------------------------
@@ -208,3 +231,57 @@ def test_greedy_output_is_the_plain_output(engine_model_state, plain, drafts, rn
     print(f"{drafts}: acceptance {metrics.spec_acceptance_rate:.2f}, "
           f"{metrics.spec_tokens_per_step:.2f} tokens per verified decode, "
           f"max |logprob - plain| = {max(diffs):.3g}")
+
+
+def test_one_blocking_transfer_per_speculative_step(engine_model_state, monkeypatch):  # noqa: F811
+    """Copies, prefill, verify, sampling, acceptance and drafts come back in one
+    ``jax.device_get`` per step; any other device-to-host transfer would raise."""
+    engine = make_engine(engine_model_state, speculative_tokens=N)
+    first = [("a", BASE[:150], SamplingParams(max_tokens=4, ignore_eos=True))]
+    run_engine(engine, first)  # compiles; "b" then resumes from its retained state
+    fetches = []
+    device_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda tree: fetches.append(1) or device_get(tree))
+    for request_id, prompt in (("b", BASE[:140] + BASE[300:330]), ("c", BASE[200:260])):
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+    with jax.transfer_guard_device_to_host("disallow"):
+        while engine.has_unfinished():
+            before = len(fetches)
+            engine.step()
+            assert len(fetches) - before == 1
+    assert engine.metrics().spec_verified_decodes > 0
+
+
+def test_a_refused_verify_fails_its_requests_and_touches_nothing_retained(engine_model_state):  # noqa: F811
+    sampling = SamplingParams(max_tokens=3, ignore_eos=True)
+    first = [("first", BASE[:150], sampling)]
+    second = [("second", BASE[:140] + BASE[300:330], sampling)]
+    clean = run_engine(make_engine(engine_model_state), first, second)
+    engine = make_engine(engine_model_state, speculative_tokens=N)
+    run_engine(engine, first)
+    engine.add_request(*second[0])
+    engine.step()  # second resumes from first's state at 128, samples its first token
+    tokens = second[0][1]
+    hit = engine.prefix_cache.lookup(tokens)
+    assert hit.state_slot is not None
+    before = [np.array(leaf[hit.state_slot]) for leaf in jax.tree.leaves(engine.caches.kda)]
+    build = engine.builder.build
+
+    def corrupt(step):  # the first draft's slot is the running slot: refused
+        prefill, verify_batch = build(step)
+        chain = verify_batch.slot_chain.copy()
+        assert verify_batch.num_drafts[0] >= 1
+        chain[1, 0] = chain[0, 0]
+        return prefill, verify_batch._replace(slot_chain=chain)
+
+    engine.builder.build = corrupt
+    (output,) = engine.step()
+    assert output.finish_reason is FinishReason.ERROR
+    after = [np.array(leaf[hit.state_slot]) for leaf in jax.tree.leaves(engine.caches.kda)]
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_array_equal(old, new)
+    metrics = engine.metrics()
+    assert (metrics.kv_blocks_used, metrics.state_slots_used, metrics.engine_resets) == (0, 0, 0)
+    engine.builder.build = build
+    again = run_engine(engine, second)["second"]
+    assert again.output_token_ids == clean["second"].output_token_ids
