@@ -26,10 +26,10 @@ the slot pool is short, a span keeps the destinations it can get (its end state 
 then its checkpoints from the latest back) rather than preempting anyone.
 
 With ``speculative_tokens`` N, a greedy decode also verifies up to N of the request's
-drafts (``Request.draft_token_ids``), as many as its remaining ``max_tokens``, the budget
-and free state slots allow (one scratch slot per draft, held for the step): its block
-table then covers the drafts, and ``update_from_step`` takes the accepted tokens (1 to
-1 + drafts of them) for it.
+drafts (``Request.draft_token_ids``), as many as its remaining ``max_tokens``, the budget,
+the free state slots (one scratch slot per draft, held for the step) and the free KV
+blocks allow (drafts never preempt): its block table then covers the drafts, and
+``update_from_step`` takes the accepted tokens (1 to 1 + drafts of them) for it.
 """
 
 import collections
@@ -319,13 +319,16 @@ class Scheduler:
 
     def _num_drafts(self, request: Request, draft: _Draft) -> int:
         """Drafts the request's next decode verifies: its drafts, as far as its remaining
-        tokens, the step's budget and the free state slots go (0 when sampling with a
-        temperature, which speculation leaves to plain decoding)."""
+        tokens, the step's budget and the free state slots go, keeping one slot for an
+        admission while requests wait (0 when sampling with a temperature, which
+        speculation leaves to plain decoding). Drafts never preempt (``_schedule_decodes``
+        drops those whose blocks the pool cannot give)."""
         if not self.config.speculative_tokens or request.sampling.temperature > 0:
             return 0
         remaining = request.sampling.max_tokens - len(request.output_token_ids)
+        slots = self._states.num_allocatable - int(bool(self._waiting))
         return max(0, min(len(request.draft_token_ids), self.config.speculative_tokens,
-                          remaining - 1, draft.budget - 1, self._states.num_allocatable))
+                          remaining - 1, draft.budget - 1, slots))
 
     def _schedule_decodes(self, draft: _Draft) -> None:
         for request in list(self._running):
@@ -338,6 +341,10 @@ class Scheduler:
             new_blocks = (
                 self._blocks.blocks_needed(position + 1 + num_drafts) - len(request.block_table)
             )
+            while num_drafts and new_blocks > self._blocks.num_allocatable:
+                num_drafts -= 1  # a draft never preempts anyone
+                new_blocks = (self._blocks.blocks_needed(position + 1 + num_drafts)
+                              - len(request.block_table))
             if not self._make_room(new_blocks, request, draft):
                 continue
             request.block_table += self._blocks.allocate(new_blocks)

@@ -26,7 +26,9 @@ from glmjax.speculative import (
     verify,
 )
 from glmjax.state_pool import PoolStatus
+from serving.compiles import CompileLog
 from serving.outputs import FinishReason
+from serving.precompile import precompile
 from serving.request import SamplingParams
 
 P = 64
@@ -285,3 +287,15 @@ def test_a_refused_verify_fails_its_requests_and_touches_nothing_retained(engine
     engine.builder.build = build
     again = run_engine(engine, second)["second"]
     assert again.output_token_ids == clean["second"].output_token_ids
+
+
+@pytest.mark.slow  # compiles the speculative programs for a pool of its own (~1-2 min)
+def test_precompile_covers_every_speculative_program(engine_model_state):  # noqa: F811
+    engine = make_engine(engine_model_state, speculative_tokens=N, num_kv_blocks=11)
+    report = precompile(engine, progress=False)
+    assert report.programs == 8
+    with CompileLog() as compiles:
+        run_engine(engine, [("a", BASE[:150], SamplingParams(max_tokens=5, ignore_eos=True)),
+                            ("b", BASE[:20], SamplingParams(max_tokens=4, ignore_eos=True))])
+    assert engine.metrics().spec_verified_decodes > 0
+    assert compiles.count == 0, compiles.by_function()
