@@ -12,8 +12,9 @@ speculating, not its gain. ``--drafts oracle`` replaces every draft by the plain
 tokens (a fraction ``--oracle-error`` of the draft lists with one token wrong): the speed-up
 the verify machinery gives at a known, high acceptance. Both engines pad every batch to one
 bucket (``single_bucket``), and each first runs a few warm-up requests so that the timed
-run compiles nothing. Timed: ``--prompts`` random prompts of ``--prompt-len`` tokens, at
-most ``--batch`` per step, ``--max-tokens`` each, all added at once.
+run compiles nothing (the JSON counts the compiles it did). Timed: ``--prompts`` random
+prompts of ``--prompt-len`` tokens, at most ``--batch`` per step, ``--max-tokens`` each,
+all added at once.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy as np
 
 from glmjax.config import ModelConfig
 from glmjax.random_weights import random_model
+from serving.compiles import CompileLog
 from serving.engine import Engine, EngineConfig
 from serving.request import SamplingParams
 
@@ -71,14 +73,16 @@ def use_oracle_drafts(engine: Engine, want: dict, num: int, error: float, seed: 
     runner.set_drafts = oracle
 
 
-def run(engine: Engine, prompts: dict, max_tokens: int) -> tuple[dict, float]:
-    """Outputs of every prompt, and the wall time."""
+def run(engine: Engine, prompts: dict, max_tokens: int) -> tuple[dict, float, int]:
+    """Outputs of every prompt, the wall time and the compiles during the run."""
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    for request_id, prompt in prompts.items():
-        engine.add_request(request_id, prompt, sampling)
-    outputs = engine.run_until_done()
-    return ({i: o.output_token_ids for i, o in outputs.items()}, time.perf_counter() - start)
+    with CompileLog() as compiles:
+        start = time.perf_counter()
+        for request_id, prompt in prompts.items():
+            engine.add_request(request_id, prompt, sampling)
+        outputs = engine.run_until_done()
+        seconds = time.perf_counter() - start
+    return {i: o.output_token_ids for i, o in outputs.items()}, seconds, compiles.count
 
 
 def main(argv=None) -> dict:
@@ -116,14 +120,14 @@ def main(argv=None) -> dict:
     plain = make_engine(config, model, args, 0)
     run(plain, warm, min(args.max_tokens, 4))
     plain_steps = plain.metrics().steps
-    want, plain_s = run(plain, prompts, args.max_tokens)
+    want, plain_s, plain_compiles = run(plain, prompts, args.max_tokens)
     plain_steps = plain.metrics().steps - plain_steps
     spec = make_engine(config, model, args, args.speculative_tokens)
     run(spec, warm, min(args.max_tokens, 4))
     if args.drafts == "oracle":
         use_oracle_drafts(spec, want, args.speculative_tokens, args.oracle_error, args.seed)
     before = spec.metrics()
-    got, spec_s = run(spec, prompts, args.max_tokens)
+    got, spec_s, spec_compiles = run(spec, prompts, args.max_tokens)
     after = spec.metrics()
     verified = after.spec_verified_decodes - before.spec_verified_decodes
     drafted = after.spec_draft_tokens - before.spec_draft_tokens
@@ -136,8 +140,8 @@ def main(argv=None) -> dict:
         batch=args.batch, speculative_tokens=args.speculative_tokens, drafts=args.drafts,
         identical=not mismatched, mismatched=mismatched, generated_tokens=tokens,
         plain=dict(seconds=plain_s, tokens_per_s=tokens / plain_s,
-                   steps=plain_steps),
-        speculative=dict(seconds=spec_s, tokens_per_s=tokens / spec_s,
+                   steps=plain_steps, compiles=plain_compiles),
+        speculative=dict(seconds=spec_s, tokens_per_s=tokens / spec_s, compiles=spec_compiles,
                          steps=after.steps - before.steps, verified_decodes=verified,
                          draft_tokens=drafted, accepted_tokens=accepted,
                          acceptance_rate=accepted / max(drafted, 1),
@@ -150,6 +154,9 @@ def main(argv=None) -> dict:
     print(f"  speculative: {spec_s:7.2f} s  {tokens / spec_s:8.1f} tokens/s  acceptance "
           f"{s['acceptance_rate']:.3f}  {s['tokens_per_verified_decode']:.2f} tokens per "
           f"verified decode")
+    if plain_compiles or spec_compiles:
+        print(f"  warning: the timed runs compiled {plain_compiles} (plain) and "
+              f"{spec_compiles} (speculative) programs")
     print(f"  greedy outputs identical: {not mismatched}"
           + (f" (mismatched: {mismatched})" if mismatched else ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)
