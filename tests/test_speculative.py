@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from test_engine import BASE, logprob_diff, make_engine
 from test_engine import model_state as engine_model_state  # noqa: F401 (fixture)
+from test_engine_faults import raise_once
 
+import serving.speculative
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
@@ -299,3 +301,33 @@ def test_precompile_covers_every_speculative_program(engine_model_state):  # noq
                             ("b", BASE[:20], SamplingParams(max_tokens=4, ignore_eos=True))])
     assert engine.metrics().spec_verified_decodes > 0
     assert compiles.count == 0, compiles.by_function()
+
+
+@pytest.mark.parametrize("stage", ["spec_prefill", "verify", "accept_and_draft",
+                                   "accept_and_draft_donated"])
+def test_a_fault_in_a_speculative_call_fails_only_its_step(engine_model_state, stage,  # noqa: F811
+                                                            monkeypatch):
+    """As ``test_engine_faults``: the step's requests fail, everything they held is freed
+    (after a call that consumed the caches, every request fails and the pools restart),
+    and the engine serves the same answers again."""
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    first = [("first", BASE[:150], sampling)]
+    later = [("second", BASE[:140] + BASE[300:330], sampling), ("third", BASE[200:260], sampling)]
+    clean = run_engine(make_engine(engine_model_state), first, later)
+    engine = make_engine(engine_model_state, speculative_tokens=N)
+    run_engine(engine, first)
+    name = stage.removesuffix("_donated")
+    fault = raise_once(getattr(serving.speculative, name), after_call=stage.endswith("_donated"))
+    monkeypatch.setattr(serving.speculative, name, fault)
+    outputs = run_engine(engine, later)
+    assert fault.fired
+    failed = {i for i, o in outputs.items() if o.finish_reason is FinishReason.ERROR}
+    assert failed
+    for request_id in outputs.keys() - failed:
+        assert outputs[request_id].output_token_ids == clean[request_id].output_token_ids
+    metrics = engine.metrics()
+    assert metrics.engine_resets == int(stage.endswith("_donated"))
+    assert (metrics.kv_blocks_used, metrics.state_slots_used, metrics.running) == (0, 0, 0)
+    again = run_engine(engine, [r for r in later if r[0] in failed])
+    for request_id in failed:
+        assert again[request_id].output_token_ids == clean[request_id].output_token_ids
