@@ -62,7 +62,8 @@ class ForwardResult(NamedTuple):
 
 class HybridModel(nnx.Module):
     """Embedding, decoder blocks per `config.layer_types`, final norm, LM head; the MTP
-    heads are held (for drafting and weight loading) but not run by the forward passes."""
+    heads are held (for drafting and weight loading) but not run by the forward passes
+    (`glmjax.speculative` drafts with the first)."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config

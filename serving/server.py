@@ -49,7 +49,7 @@ from glmjax import compile_cache, distributed
 from glmjax.config import ModelConfig
 from glmjax.random_weights import random_model
 from glmjax.sharding import ShardingPlan, make_mesh, request_cpu_devices
-from serving import api, multiprocess
+from serving import api, multiprocess, speculative
 from serving.async_engine import AsyncEngine
 from serving.compiles import CompileLog
 from serving.engine import Engine, EngineConfig
@@ -337,6 +337,11 @@ def build_engine(args: argparse.Namespace, channel: multiprocess.StepChannel | N
     """
     config = build_config(args)
     steps = build_steps(args, config)
+    if args.speculative_tokens:  # before any weight is read
+        try:
+            speculative.check_supported(config, on_mesh=steps is not None or channel is not None)
+        except ValueError as error:
+            raise ValueError(f"--speculative-tokens {args.speculative_tokens}: {error}") from None
     if channel is not None:
         steps = multiprocess.leader_steps(steps, channel)
     tokenizer = load_tokenizer(args.tokenizer, config.vocab_size)

@@ -57,16 +57,21 @@ if TYPE_CHECKING:
 COUNTERS = ("spec_verified_decodes", "spec_draft_tokens", "spec_accepted_tokens")
 
 
+def check_supported(config: ModelConfig, *, on_mesh: bool) -> None:
+    """Raises ValueError for a model without an MTP layer, or steps on a mesh."""
+    if config.num_mtp_layers < 1:
+        raise ValueError(f"speculative decoding drafts with the MTP head; model "
+                         f"{config.name!r} has num_mtp_layers={config.num_mtp_layers}")
+    if on_mesh:
+        raise ValueError("speculative decoding runs on one device; the steps are on a mesh")
+
+
 class SpeculativeRunner:
     """Runs the engine's steps with MTP drafts (see the module docstring)."""
 
     def __init__(self, config: ModelConfig, num_speculative: int, *, on_mesh: bool):
-        """Raises ValueError for a model without an MTP layer or steps on a mesh."""
-        if config.num_mtp_layers < 1:
-            raise ValueError(f"speculative decoding drafts with the MTP head; model "
-                             f"{config.name!r} has num_mtp_layers={config.num_mtp_layers}")
-        if on_mesh:
-            raise ValueError("speculative decoding runs on one device; the steps are on a mesh")
+        """Raises ValueError as ``check_supported``."""
+        check_supported(config, on_mesh=on_mesh)
         self.config = config
         self.num_speculative = num_speculative
         self.drafts: dict[str, tuple[int, ...]] = {}  # the last step's, for set_drafts

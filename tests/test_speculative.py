@@ -331,3 +331,13 @@ def test_a_fault_in_a_speculative_call_fails_only_its_step(engine_model_state, s
     again = run_engine(engine, [r for r in later if r[0] in failed])
     for request_id in failed:
         assert again[request_id].output_token_ids == clean[request_id].output_token_ids
+
+
+def test_the_server_checks_the_flag_before_reading_any_weight():
+    pytest.importorskip("uvicorn")
+    from serving.server import build_engine, parse_args
+
+    with pytest.raises(ValueError, match="--speculative-tokens 2: .*num_mtp_layers=0"):
+        build_engine(parse_args(["--preset", "kimi-linear-48b", "--speculative-tokens", "2"]))
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative-tokens", "4"])
