@@ -44,6 +44,7 @@ class Output(NamedTuple):
     output_token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     num_cached_tokens: int
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # per token, most likely first
 
 
 class DryRun:

@@ -3,14 +3,21 @@
     python -m bench.kda_kernel                      # the three standard cases
     python -m bench.kda_kernel --sweep              # also time every tiling at 32K tokens
     python -m bench.kda_kernel --pass-cases 32K     # time the passes alone at 32K only
+    python -m bench.kda_kernel --heads 16 --cases 32K --segments 1,3,4,8
+                                                    # the segment-parallel scan (issue 20)
+    python -m bench.kda_kernel --quick              # CPU smoke run: tiny shapes, interpret mode
 
-Cases (H = 32, K = V = 128, bf16 q/k/v/beta, fp32 decay): one sequence of 8192 and of
-32768 tokens, a packed batch of 4 x 8192. Rows: our kernel on its bounded-gate path
+Cases (H = 32 unless `--heads`, K = V = 128, bf16 q/k/v/beta, fp32 decay): one sequence
+of 8192 and of 32768 tokens, a packed batch of 4 x 8192. Rows: our kernel on its bounded-gate path
 (`gate_lower_bound=-5`, GLM's gate; the benchmark's decays are inside it) with no snapshot
 (capacity 1, inactive) and with 4 snapshots at unaligned offsets; our kernel on its
 any-decay path with 4 snapshots; the jitted jax.numpy chunked oracle; fla-core `chunk_kda`
-(output_final_state=True) on identical inputs when fla imports, by default (any decay) and
-with `safe_gate=True, lower_bound=-5` (its bounded-gate path).
+(output_final_state=True, `cu_seqlens` as its varlen users pass it, under
+`torch.inference_mode`) on identical inputs when fla imports, by default (any decay) and
+with `safe_gate=True, lower_bound=-5` (its bounded-gate path). `--segments P,...` adds our
+bounded path with 4 snapshots and the scan forced to P segments per sequence (1: the plain
+scan), at each of `--segment-warps`. Each case prints the bytes the kernel moves per
+token-head by source count (`pallas_kernels.kda_traffic`) and the time they take at GB10's 273 GB/s.
 
 Timing: warm-up, then `--samples` samples of `--iters` back-to-back launches closed by one
 device synchronisation (the launches queue on the device, so a sample measures device
@@ -31,17 +38,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import kda_pallas, kda_prefill, kda_prep
+from pallas_kernels import kda_pallas, kda_prefill, kda_prep, kda_segments
+from pallas_kernels.kda_traffic import traffic_summary
 from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 
 HEADS, HEAD_K, HEAD_V = 32, 128, 128
+QUICK_HEADS, QUICK_HEAD_DIM = 2, 32  # --quick: interpret mode on the CPU
 GATE_LOWER_BOUND = -5.0
-CASES = {"8K": [8192], "32K": [32768], "4x8K": [8192] * 4}
+CASES = {"8K": [8192], "32K": [32768], "4x8K": [8192] * 4, "quick": [700, 90]}
 RESULTS = Path(__file__).parent / "results"
 
 
 def make_inputs(lens, seed=0):
-    """Random inputs shaped like a KDA layer's: unit q/k, logsigmoid/16 decays."""
+    """Random inputs shaped like a KDA layer's: unit q/k, logsigmoid/16 decays (HEADS,
+    HEAD_K, HEAD_V as `main` sets them)."""
     rng = np.random.default_rng(seed)
     tokens = sum(lens)
 
@@ -127,8 +137,9 @@ def fla_runner(inputs, lens, **options):
     h0 = torch.zeros((len(lens), HEADS, HEAD_K, HEAD_V), dtype=torch.float32, device="cuda")
 
     def call():
-        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                         cu_seqlens=cu if len(lens) > 1 else None, **options)
+        with torch.inference_mode():
+            return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                             cu_seqlens=cu, **options)
 
     return call, lambda out: torch.cuda.synchronize()
 
@@ -140,34 +151,46 @@ def relative_error(ours, reference):
 
 
 def time_passes(inputs, lens, config, timing):
-    """Milliseconds of each pass alone: prep (its two kernels, then both), the scan with
-    4 snapshots, the output pass."""
-    chunk = config.chunk_size
-    flags = dict(config=config, interpret=False, exact=False)
-    cu = inputs["cu_seqlens"]
+    """Milliseconds of each pass alone: prep (its two kernels, then both), with P > 1 scan
+    segments their transitions and their combine, the scan with 4 snapshots, the output
+    pass. On the CPU (interpret mode, inputs padded by a chunk of rows) as a smoke test."""
+    chunk, segments = config.chunk_size, config.scan_segments
+    interpret = jax.default_backend() == "cpu"
+    flags = dict(config=config, interpret=interpret, exact=False)
+    cu, init = inputs["cu_seqlens"], inputs["initial_states"]
     slots = kda_prep.chunk_slots(cu, sum(lens), chunk)
-    q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))  # T rows, as on the GPU
+    q, k, v, g, beta = (kda_prep.pad_rows(inputs[n], chunk) if interpret else inputs[n]
+                        for n in ("q", "k", "v", "g", "beta"))
     offsets = snapshot_offsets(lens, 4)
     matrices = jax.jit(lambda s: kda_prep.chunk_matrices(
         q, k, g, beta, s, scale=HEAD_K ** -0.5, bounded_gates=True, **flags))
     w_u = jax.jit(lambda m, s: kda_prep.chunk_w_u(m, k, v, beta, s, **flags))
     prep = jax.jit(lambda s: kda_prep.chunk_prep(
         q, k, v, g, beta, s, scale=HEAD_K ** -0.5, bounded_gates=True, **flags))
-    scan = jax.jit(lambda t, s: kda_pallas.chunk_scan(t, k, s, cu, inputs["initial_states"],
-                                                      offsets, **flags))
+    transitions = jax.jit(lambda t, s: kda_segments.segment_transitions(t, s, cu, init,
+                                                                        **flags))
+    combine = jax.jit(lambda tr: kda_segments.combine_segments(init, tr, segments))
+    scan = jax.jit(lambda t, s, states: kda_pallas.chunk_scan(t, k, s, cu, states, offsets,
+                                                              **flags))
     output = jax.jit(lambda t, e, vn, s: kda_pallas.chunk_output(t, e, vn, s,
                                                                  out_dtype=jnp.bfloat16,
                                                                  **flags))
     chunk_matrices = matrices(slots)
     tensors = prep(slots)
-    entry_states, v_new, _, _ = scan(tensors, slots)
     calls = {
         "prep matrices": lambda: matrices(slots),
         "prep w_u": lambda: w_u(chunk_matrices, slots),
         "prep": lambda: prep(slots),
-        "scan": lambda: scan(tensors, slots),
-        "output": lambda: output(tensors, entry_states, v_new, slots),
     }
+    segment_states = init
+    if segments > 1:
+        trans = transitions(tensors, slots)
+        segment_states = combine(trans)
+        calls["segment transitions"] = lambda: transitions(tensors, slots)
+        calls["segment combine"] = lambda: combine(trans)
+    entry_states, v_new, _, _ = scan(tensors, slots, segment_states)
+    calls["scan"] = lambda: scan(tensors, slots, segment_states)
+    calls["output"] = lambda: output(tensors, entry_states, v_new, slots)
     return {name: time_calls(call, jax.block_until_ready, **timing)[0]
             for name, call in calls.items()}
 
@@ -176,7 +199,7 @@ def run_case(name, lens, config, args, bandwidth):
     inputs = make_inputs(lens)
     rows = {}
 
-    def ours(capacity, bound=GATE_LOWER_BOUND):
+    def ours(capacity, bound=GATE_LOWER_BOUND, config=config):
         offsets = snapshot_offsets(lens, capacity)
         fn = jax.jit(lambda i, off: kda_prefill(**i, checkpoint_offsets=off, config=config,
                                                 gate_lower_bound=bound))
@@ -189,9 +212,18 @@ def run_case(name, lens, config, args, bandwidth):
 
     timing = dict(iters=args.iters, samples=args.samples)
     bounded4, any_decay4 = ours(4), ours(4, None)  # each compiled once: timed, then checked
+    checked = {"bounded": bounded4, "any decay": any_decay4}
     measure("pallas, 0 snapshots", ours(1), **timing)
     measure("pallas, 4 snapshots", bounded4, **timing)
     measure("pallas any decay, 4 snap", any_decay4, **timing)
+    for segments in map(int, filter(None, args.segments.split(","))):
+        # one segment is the plain scan, at its own warps
+        for warps in args.segment_warps.split(",")[:1 if segments == 1 else None]:
+            forced = dataclasses.replace(config, scan_segments=segments,
+                                         segment_num_warps=int(warps))
+            row = f"pallas {segments} seg{f' w{warps}' if segments > 1 else ''}, 4 snap"
+            checked[row] = ours(4, config=forced)
+            measure(row, checked[row], **timing)
     ref = jax.jit(lambda i, off: kda_prefill(**i, checkpoint_offsets=off, backend="reference"))
     offsets4 = snapshot_offsets(lens, 4)
     measure("jax.numpy reference", lambda: ref(inputs, offsets4), iters=2,
@@ -205,13 +237,15 @@ def run_case(name, lens, config, args, bandwidth):
 
     ref_out = ref(inputs, offsets4)
     errors = {}
-    for path, call in (("bounded", bounded4), ("any decay", any_decay4)):
+    for path, call in checked.items():
         for out_name, a, b in zip(("o", "final_states", "snapshots"), call(), ref_out):
             errors[f"{path} {out_name}"] = relative_error(a, b)
     floor_ms = floor_bytes(lens, 4) / bandwidth * 1e3
     ours4 = rows["pallas, 4 snapshots"]
     return dict(
         case=name, lens=lens, ms=rows, relative_error_vs_reference=errors,
+        traffic=traffic_summary(config, HEAD_K, HEAD_V, bounded=True, tokens=sum(lens),
+                                heads=HEADS),
         pass_ms=(time_passes(inputs, lens, config, timing)
                  if name in args.pass_cases.split(",") else None),
         snapshot_overhead=ours4 / rows["pallas, 0 snapshots"] - 1.0,
@@ -238,12 +272,17 @@ def sweep_configs(base: KernelConfig):
 
 def print_table(results):
     """Milliseconds per row, ratios to ours with 4 snapshots, passes, errors, ceilings."""
-    header = f"{'case':6} {'rows':26} {'ms':>9} {'vs ours(4)':>11}"
+    header = f"{'case':6} {'rows':28} {'ms':>9} {'vs ours(4)':>11}"
     print(header)
     for result in results:
         ours4 = result["ms"]["pallas, 4 snapshots"]
         for row, ms in result["ms"].items():
-            print(f"{result['case']:6} {row:26} {ms:9.3f} {ms / ours4:10.2f}x")
+            print(f"{result['case']:6} {row:28} {ms:9.3f} {ms / ours4:10.2f}x")
+        traffic = result["traffic"]
+        passes = ", ".join(f"{k} {v:.0f}" for k, v in traffic["bytes_per_token_head"].items())
+        print(f"{'':6} scan segments {result['config']['scan_segments']}; bytes per "
+              f"token-head {traffic['total_bytes_per_token_head']:.0f} ({passes}): "
+              f"{traffic['gb10_ms_at_273GBs']:.2f} ms at 273 GB/s")
         if result["pass_ms"]:
             passes = ", ".join(f"{k} {v:.3f}" for k, v in result["pass_ms"].items())
             print(f"{'':6} passes alone (ms): {passes}")
@@ -269,23 +308,36 @@ def write_results(path, args, device, bandwidth, results, sweep):
     path.write_text(json.dumps(payload, indent=2))
 
 
-def main():
+def main(argv=None):
+    global HEADS, HEAD_K, HEAD_V
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default="8K,32K,4x8K")
+    parser.add_argument("--heads", type=int, default=HEADS)
+    parser.add_argument("--segments", default="",
+                        help="also time the scan forced to these segment counts, e.g. 1,3,8")
+    parser.add_argument("--segment-warps", default=str(KernelConfig.segment_num_warps),
+                        help="warps of the segment kernels for --segments, e.g. 4,8")
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU smoke run: the quick case, 2 heads of 32, one sample")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--samples", type=int, default=7)
     parser.add_argument("--sweep", action="store_true", help="time every tiling at 32K")
     parser.add_argument("--no-fla", action="store_true")
-    parser.add_argument("--pass-cases", default=",".join(CASES),
+    parser.add_argument("--pass-cases", default="8K,32K,4x8K",
                         help="cases whose passes are also timed alone (a minute of compiles each)")
     parser.add_argument("--out", type=Path, default=RESULTS / "kda_kernel.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    HEADS = args.heads
+    if args.quick:  # interpret mode: no fla; passes alone only with --pass-cases quick
+        HEADS, HEAD_K, HEAD_V = QUICK_HEADS, QUICK_HEAD_DIM, QUICK_HEAD_DIM
+        args.cases, args.no_fla, args.iters, args.samples = "quick", True, 1, 1
+        args.pass_cases = "quick" if args.pass_cases == "quick" else ""
     for name in {*args.cases.split(","), *filter(None, args.pass_cases.split(","))} - set(CASES):
         parser.error(f"unknown case {name!r}: the cases are {', '.join(CASES)}")
 
     device = jax.devices()[0]
     spec = device_spec(device)
-    bandwidth = measure_copy_bandwidth()
+    bandwidth = 4.8e12 if args.quick else measure_copy_bandwidth()
     print(f"device {device.device_kind}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     sweep = []
     if args.sweep:
@@ -310,7 +362,7 @@ def main():
     for name in args.cases.split(","):
         lens = CASES[name]
         config = select_config(spec, num_seqs=len(lens), num_heads=HEADS, head_k=HEAD_K,
-                               head_v=HEAD_V)
+                               head_v=HEAD_V, num_tokens=sum(lens))
         result = run_case(name, lens, config, args, bandwidth)
         result["config"] = dataclasses.asdict(config)
         results.append(result)

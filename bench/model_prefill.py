@@ -109,7 +109,8 @@ def main():
         num_experts=config.num_experts, layer_types=list(config.layer_types),
         tokens=args.tokens, device=jax.devices()[0].device_kind,
         kda_backend=config.resolved_kda_backend(),
-        mla_attention=config.mla_attention or default_implementation(),
+        mla_attention=config.mla_attention or default_implementation(
+            num_sequences=batch.block_tables.shape[0], dtype=config.dtype),
         first_call_s=compile_s, median_s=median, samples_s=times,
         tokens_per_s=args.tokens / median,
     )

@@ -10,8 +10,8 @@
   (`python -m bench.prefill`): median cold TTFT against prompt length, coalesced and
   ladder, each point labelled with the ladder / coalesced ratio. Skipped or failed lengths
   are left out.
-- docs/img/<stem>_<preset>_<part>.png from each bench/results/moe*.json (`python -m
-  bench.moe`): useful TFLOP/s against tokens, one series per implementation, with the
+- docs/img/moe_<preset>_<part>.png from every bench/results/moe*.json of the H200 joined
+  (`python -m bench.moe`): useful TFLOP/s against tokens, one series per implementation, with the
   memory floor (every expert's weights read once at 4.8 TB/s) as the TFLOP/s it allows.
   Failed (e.g. out-of-memory) points are left out.
 """
@@ -109,14 +109,15 @@ def prefill_figure(plt, results: dict, path: Path) -> bool:
 
 def moe_figures(plt, results: dict, out: Path, stem: str) -> list[Path]:
     """Per preset and part ("gemm": one grouped GEMM, "moe": the routed experts): useful
-    TFLOP/s against tokens, per implementation, and the memory floor's bound."""
+    TFLOP/s against tokens, per implementation, and the memory floor's bound. `results`
+    may join several runs' rows (`main` joins every bench/results/moe*.json of a device)."""
     written = []
     for preset, part in sorted({(r["preset"], r["part"]) for r in results["rows"]}):
         rows = [r for r in results["rows"] if r["preset"] == preset and r["part"] == part]
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
         for impl in dict.fromkeys(r["impl"] for r in rows):
-            points = sorted((r["tokens"], r["tflops"]) for r in rows
-                            if r["impl"] == impl and "tflops" in r)
+            points = sorted({r["tokens"]: r["tflops"] for r in rows  # a later run wins
+                             if r["impl"] == impl and "tflops" in r}.items())
             if points:
                 ax.plot(*zip(*points), "o-", label=impl)
         floor = sorted({(r["tokens"], r["useful_tflop"] / r["floor_ms_h200"] * 1e3)
@@ -163,8 +164,11 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
             written.append(path)
         else:
             print(f"{source}: no cold length with both schedules measured; no figure")
-    for source in sorted(args.results.glob("moe*.json")):
-        written += moe_figures(plt, json.loads(source.read_text()), args.out, source.stem)
+    moe_runs = [json.loads(p.read_text()) for p in sorted(args.results.glob("moe*.json"))]
+    for device in dict.fromkeys(run["device"] for run in moe_runs):
+        rows = [row for run in moe_runs if run["device"] == device for row in run["rows"]]
+        stem = "moe" + ("" if device == "NVIDIA H200" else "_" + device.replace(" ", "_"))
+        written += moe_figures(plt, {"device": device, "rows": rows}, args.out, stem)
     if not written:
         raise SystemExit(f"no benchmark results in {args.results}")
     return written

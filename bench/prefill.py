@@ -313,6 +313,10 @@ def print_table(result: dict) -> None:
     print(f"greedy tokens identical: {greedy['identical']} ({greedy['compared_tokens']} tokens "
           f"of {greedy['requests']} requests; max |logprob diff| "
           f"{greedy['max_abs_logprob_diff']:.2e})")
+    for request_id, tie in greedy["near_ties"].items():
+        print(f"  {request_id} differs at token {tie['position']}: each run's top minus the "
+              f"other's choice {tie.get('gaps')} (coalesced, ladder), bound "
+              f"{tie.get('bound', 0):.3f}; near tie: {tie['near_tie']}")
 
 
 def _ints(text: str) -> list[int]:

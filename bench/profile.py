@@ -40,6 +40,7 @@ sorts and gathers, cache writes, sampling).
 
 from __future__ import annotations
 
+import collections
 import gzip
 import json
 import re
@@ -68,6 +69,7 @@ CATEGORIES = ("moe", "shared_experts", "mla_attention", "dsa_indexer", "kda_kern
 # calls), XLA's Triton GEMM fusions, jax's "dot_general".
 GEMM_MARKS = ("gemm", "dot", "matmul", "cublas", "nvjet", "xmma", "cutlass")
 GPU_PROCESS = "/device:GPU"
+TOP_OPS = 8  # per category, the ops with the most device time (`top_ops_ms`)
 
 
 class KernelEvent(NamedTuple):
@@ -226,6 +228,14 @@ def record_trace(run: Callable[[], Any], trace_dir: Path) -> Path:
     return max(trace_dir.rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
 
 
+def _op_label(event: KernelEvent) -> str:
+    """Where a kernel's time goes in `top_ops_ms`: its op path without the jit prefix and
+    numeric suffixes (so a layer's 27 copies add up), else its kernel name."""
+    if not event.op_path:
+        return event.name
+    return re.sub(r"\.\d+|\[\d+\]", "", event.op_path.split("/", 1)[-1])
+
+
 def _per_second(flops: float, seconds: float | None) -> float | None:
     return flops / seconds if seconds else None
 
@@ -241,10 +251,14 @@ def summarize(events: Sequence[KernelEvent], flops: dict[str, int] | None = None
     trace (a mesh's kernels are summed over its devices, the FLOPs are the whole step's).
     """
     rows = {c: {"ms": 0.0, "kernels": 0} for c in CATEGORIES}
+    ops = {c: collections.Counter() for c in CATEGORIES}
     for e in events:
-        row = rows[categorize(e)]
-        row["ms"] += e.duration_us / 1e3
-        row["kernels"] += 1
+        category = categorize(e)
+        rows[category]["ms"] += e.duration_us / 1e3
+        rows[category]["kernels"] += 1
+        ops[category][_op_label(e)] += e.duration_us / 1e3
+    for category, row in rows.items():
+        row["top_ops_ms"] = dict(ops[category].most_common(TOP_OPS))
     busy_ms = sum(r["ms"] for r in rows.values())
     span_ms = (max(e.start_us + e.duration_us for e in events) - events[0].start_us) / 1e3 \
         if events else 0.0
@@ -292,6 +306,8 @@ def print_profile(summary: dict, title: str = "step") -> None:
         rate = row.get("tflop_per_s")
         print(f"{category:>15} {row['ms']:>9.3f} {100 * row['share']:>6.1f} "
               f"{1e3 * row.get('tflop', 0):>9.1f} {'-' if rate is None else f'{rate:.1f}':>8}")
+        for op, ms in list(row.get("top_ops_ms", {}).items())[:3]:
+            print(f"{'':>17}{ms:>9.3f}  {op[-90:]}")
     if "useful_tflop" not in summary:
         return
     mfu = {k: "-" if v is None else f"{100 * v:.1f}%" for k, v in summary["mfu"].items()}

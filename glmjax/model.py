@@ -76,11 +76,12 @@ class HybridModel(nnx.Module):
                             param_dtype=config.param_dtype)
         self.lm_head = (None if config.tie_word_embeddings
                         else projection(config, config.hidden_size, config.vocab_size,
-                                        rngs=rngs))
+                                        rngs=rngs, out_dtype=jnp.float32))
         self.mtp = nnx.List([MTP(config, rngs=rngs) for _ in range(config.num_mtp_layers)])
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """[..., D] normed hidden -> fp32 [..., vocab]."""
+        """[..., D] normed hidden -> fp32 [..., vocab] (the head's output is not rounded to
+        bf16: at |logit| ~ 16-32 a bf16 step is 0.125-0.25, enough to flip a greedy token)."""
         if self.lm_head is None:
             return self.embed_tokens.attend(hidden).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)

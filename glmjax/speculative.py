@@ -113,7 +113,7 @@ def accept_and_draft_step(model_state: ModelState, caches: Caches, batch: Verify
     Args:
       batch: the verified batch (or, after a prefill, J = 1: positions = the span's last
         position, no drafts, slot_chain -1).
-      sampled: int32 [>= J R], the token sampled after row j R + r (the sampler's rows).
+      sampled: J arrays int32 [>= R]: sampled[j][r], the token sampled after row j R + r.
       hidden: [*, D], final hidden states (`VerifyOutput.hidden`, or a prefill's
         `last_hidden`); row j R + r is hidden[hidden_rows[j R + r]] (int32 [J R]).
       verify_status: the verify (or prefill) step's status; not OK: nothing is written.
@@ -122,7 +122,7 @@ def accept_and_draft_step(model_state: ModelState, caches: Caches, batch: Verify
     model = nnx.merge(*model_state)
     mtp = model.mtp[0]
     num_chain, num_seqs = batch.token_ids.shape
-    sampled = sampled[:num_chain * num_seqs].reshape(num_chain, num_seqs)
+    sampled = jnp.stack([tokens[:num_seqs] for tokens in sampled])  # [J, R]
     hidden = hidden[hidden_rows]
     ok = verify_status == PoolStatus.OK
     live = ok & (batch.positions >= 0)

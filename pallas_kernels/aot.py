@@ -5,11 +5,24 @@
 No GPU is needed. For each device the KDA prefill is lowered under an abstract mesh whose
 device kind is that GPU, with exactly the `KernelConfig` the runtime picks for it, at the
 real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs), on both gate paths
+<<<<<<< HEAD
+(bounded, as GLM's gate, and any decay, as Kimi's), and the segment-parallel scan's two
+kernels (`kda_segment_*`) at 16 heads and one 32K-token prompt with the config the runtime
+picks there (`segment_config`; 4 segments where it keeps the plain scan, as on GB10); the
+KDA decode kernel likewise, at 1 and 64 rows on a 256-slot pool, with the tiling the
+runtime picks for each (`kda_decode_bv*` in the table); the MLA prefill flash attention at
+both presets' heads and head dims
+(`ATTENTION_SHAPES`) with the tuning table's config. So is the routed experts' grouped GEMM
+(`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered, gathered +
+=======
 (bounded, as GLM's gate, and any decay, as Kimi's); the KDA decode kernel likewise, at 1
 and 64 rows on a 256-slot pool, with the tiling the runtime picks for each (`kda_decode_bv*`
 in the table); the MLA prefill flash attention at both presets' heads and head dims
-(`ATTENTION_SHAPES`) with the tuning table's config. So is the routed experts' grouped GEMM
-(`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered, gathered +
+(`ATTENTION_SHAPES`) with the tuning table's config; the DSA sparse attention at
+glm5.3-flash's shape (`SPARSE_SHAPES`: 64 heads over 512-wide latents, top-k 2048) and
+its indexer's scores (`INDEX_SHAPES`). So is
+the routed experts' grouped GEMM (`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered, gathered +
+>>>>>>> dsa
 SwiGLU, down, down + combine) at both presets' real shapes (`pallas_kernels.moe_shapes`)
 with the `GmmConfig` the runtime picks at 512 and 8192 tokens. Each Triton module the Pallas lowering
 embeds is then compiled by the official Triton compiler for that target, and ptxas reports
@@ -47,9 +60,19 @@ from pallas_kernels.attention_pallas import (
 )
 from pallas_kernels.gmm_pallas import gmm_pallas
 from pallas_kernels.gmm_tuning import GmmConfig, select_gmm_config
+from pallas_kernels.index_scores_pallas import (
+    IndexConfig,
+    index_scores_pallas,
+    select_index_config,
+)
 from pallas_kernels.kda_decode_pallas import kda_decode_pallas
 from pallas_kernels.kda_pallas import kda_prefill_pallas
 from pallas_kernels.moe_shapes import MOE_SHAPES, GemmSpec, gemm_specs
+from pallas_kernels.sparse_attention_pallas import (
+    SparseConfig,
+    select_sparse_config,
+    sparse_attention_pallas,
+)
 from pallas_kernels.tuning import (
     KNOWN_DEVICES,
     DecodeConfig,
@@ -60,6 +83,9 @@ from pallas_kernels.tuning import (
 )
 
 HEAD_COUNTS = (32, 64)
+# The segment-parallel scan's kernels, at the shape it is for: TP4's 16 of GLM's 64 KDA
+# heads, one long prompt (the runtime's pick there; 4 segments if it keeps the plain scan).
+SEGMENT_HEADS, SEGMENT_TOKENS = 16, 32768
 HEAD_DIM = 128
 NUM_TOKENS = 8192
 CAPACITY = 4
@@ -68,6 +94,11 @@ DECODE_ROWS = (1, 64)  # the decode kernel's tiling depends on the row count (tu
 DECODE_POOL_SLOTS = 256
 # MLA prefill attention (heads, qk dim, v dim): kimi-linear-48b, glm5.3-flash.
 ATTENTION_SHAPES = ((32, 192, 128), (64, 256, 256))
+# DSA sparse attention (heads, kv_lora, rope, top_k): glm5.3-flash.
+SPARSE_SHAPES = ((64, 512, 0, 2048),)
+# DSA index scores (index heads, head dim): glm5.3-flash; 1024 queries (the layer's block).
+INDEX_SHAPES = ((32, 128),)
+INDEX_ROWS = 1024
 GMM_TOKENS = (512, 8192)  # the two ends of bench.moe: they get different tilings
 
 
@@ -141,6 +172,13 @@ def lower_kda_prefill(spec: DeviceSpec, heads: int, config: KernelConfig | None 
     return _triton_modules(prefill, args, spec)
 
 
+def segment_config(spec: DeviceSpec) -> KernelConfig:
+    """The config of the segment-parallel scan that `check_devices` compiles for `spec`."""
+    config = select_config(spec, num_seqs=1, num_heads=SEGMENT_HEADS, head_k=HEAD_DIM,
+                           head_v=HEAD_DIM, num_tokens=SEGMENT_TOKENS)
+    return config if config.scan_segments > 1 else dataclasses.replace(config, scan_segments=4)
+
+
 def lower_kda_decode(spec: DeviceSpec, heads: int, config: DecodeConfig | None = None,
                      *, rows: int = 64) -> list[TritonModule]:
     """The Triton module of the KDA decode kernel for `spec` at `rows` rows of bf16 q/k/v
@@ -180,6 +218,40 @@ def lower_flash_attention(spec: DeviceSpec, heads: int, head_qk: int, head_v: in
                                       interpret=False)
 
     return _triton_modules(attend, args, spec)
+
+
+def lower_sparse_attention(spec: DeviceSpec, heads: int, kv_lora: int, rope: int, top_k: int,
+                           config: SparseConfig | None = None) -> list[TritonModule]:
+    """The Triton module of the bf16 DSA sparse attention for `spec` at one preset's shape
+    (queries over NUM_TOKENS latents), by default with the tuning table's config."""
+    config = config or select_sparse_config(num_heads=heads, spec=spec)
+    shape = jax.ShapeDtypeStruct
+    args = (shape((NUM_TOKENS, heads, kv_lora + rope), jnp.bfloat16),
+            shape((NUM_TOKENS, kv_lora + rope), jnp.bfloat16),
+            shape((NUM_TOKENS, top_k), jnp.int32))
+
+    def attend(*arrays):
+        return sparse_attention_pallas(*arrays, kv_lora=kv_lora,
+                                       scale=(kv_lora + rope) ** -0.5, config=config,
+                                       interpret=False)
+
+    return _triton_modules(attend, args, spec)
+
+
+def lower_index_scores(spec: DeviceSpec, heads: int, dim: int,
+                       config: IndexConfig | None = None) -> list[TritonModule]:
+    """The Triton module of the bf16 DSA index scores for `spec` (INDEX_ROWS queries over
+    NUM_TOKENS keys), by default with the tuning table's config."""
+    config = config or select_index_config(spec)
+    shape = jax.ShapeDtypeStruct
+    args = (shape((INDEX_ROWS, heads, dim), jnp.bfloat16),
+            shape((INDEX_ROWS, heads), jnp.float32), shape((NUM_TOKENS, dim), jnp.bfloat16),
+            shape((INDEX_ROWS,), jnp.int32), shape((INDEX_ROWS,), jnp.int32))
+
+    def scores(*arrays):
+        return index_scores_pallas(*arrays, config=config, interpret=False)
+
+    return _triton_modules(scores, args, spec)
 
 
 def lower_gmm(spec: DeviceSpec, gemm: GemmSpec,
@@ -312,8 +384,18 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                 for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)
             reports.extend(compile_module(module, spec, num_heads) for module in modules.values())
+        for module in lower_kda_prefill(spec, SEGMENT_HEADS, segment_config(spec),
+                                        bounded_gates=True):
+            if module.name.startswith("kda_segment"):  # the rest are the plain path's
+                reports.append(compile_module(module, spec, SEGMENT_HEADS))
         for num_heads, head_qk, head_v in ATTENTION_SHAPES:
             for module in lower_flash_attention(spec, num_heads, head_qk, head_v):
+                reports.append(compile_module(module, spec, num_heads))
+        for num_heads, *shape in SPARSE_SHAPES:
+            for module in lower_sparse_attention(spec, num_heads, *shape):
+                reports.append(compile_module(module, spec, num_heads))
+        for num_heads, dim in INDEX_SHAPES:
+            for module in lower_index_scores(spec, num_heads, dim):
                 reports.append(compile_module(module, spec, num_heads))
     return reports
 

@@ -20,7 +20,8 @@ Implementations behind the one signature (`IMPLEMENTATIONS`):
   block's ranges skipped; Pallas Triton, AOT-checked for sm_121 and sm_90.
 - "cudnn": cuDNN flash attention over packed segments (`pallas_kernels.attention_cudnn`),
   sm_90 and later.
-`default_implementation` picks one from the device; `GPU_IMPLEMENTATION` is the switch.
+`default_implementation` picks one from the device, the batch's sequence bucket and the
+dtype; `GPU_IMPLEMENTATION` is the switch.
 """
 
 from __future__ import annotations
@@ -36,19 +37,29 @@ from pallas_kernels.attention_cudnn import attention_cudnn
 from pallas_kernels.attention_pallas import flash_attention_pallas, select_flash_config
 
 IMPLEMENTATIONS = ("reference", "pallas", "cudnn")
-# By compute capability major. cuDNN serves sm_90/sm_100 once measured faster there (the
-# lead's H200 run decides); until then every GPU runs the Pallas kernel.
-GPU_IMPLEMENTATION = {8: "pallas", 9: "pallas", 10: "pallas", 12: "pallas"}
+# By compute capability major: (one sequence, a packed batch). On the H200 (sm_90,
+# bench/results/attention_cudnn_fix.json) cuDNN beats our kernel on one span, 1.25x at
+# Kimi's heads (192/128) and 2.25x at GLM's (256/256) for 8K tokens, but loses 1.46x on
+# Kimi's 8 x 1K packed batch (it launches every segment over the whole query length); on
+# GLM's 8 x 1K it wins by 1.10x. Every other GPU runs the Pallas kernel (cuDNN unmeasured
+# there; GB10 has no packed cuDNN path).
+GPU_IMPLEMENTATION = {9: ("cudnn", "pallas")}
 REFERENCE_QUERY_BLOCK = 1024
 
 
-def default_implementation(device: jax.Device | None = None) -> str:
-    """The implementation `prefill_attention` uses on `device` (default: the first one)."""
+def default_implementation(device: jax.Device | None = None, *, num_sequences: int = 1,
+                           dtype=jnp.bfloat16) -> str:
+    """The implementation `prefill_attention` uses on `device` (default: the first one)
+    for a batch of `num_sequences` (the static bucket) in `dtype` (cuDNN: bf16/fp16)."""
     device = device or jax.devices()[0]
     if device.platform != "gpu":
         return "reference"
     major = int(str(device.compute_capability).split(".")[0])
-    return GPU_IMPLEMENTATION.get(major, "pallas")
+    single, packed = GPU_IMPLEMENTATION.get(major, ("pallas", "pallas"))
+    choice = single if num_sequences == 1 else packed
+    if choice == "cudnn" and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return "pallas"
+    return choice
 
 
 def key_ranges(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, num_queries: int,
@@ -153,14 +164,16 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale: float | Non
         selects IEEE fp32 matmuls).
       cu_seqlens_q, cu_seqlens_k: int32 [N + 1] (see the module docstring).
       scale: score scale, default D ** -0.5.
-      implementation: one of `IMPLEMENTATIONS`; None: `default_implementation()`.
+      implementation: one of `IMPLEMENTATIONS`; None: `default_implementation` for the
+        device, N and the dtype.
       interpret: Pallas interpret mode (default: on the CPU); "pallas" only.
       config: a `attention_pallas.FlashConfig` override; "pallas" only.
     Returns:
       o [T, H, Dv] in q's dtype (zero on rows without keys) and lse fp32 [T, H] (-inf there).
     """
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    implementation = implementation or default_implementation()
+    implementation = implementation or default_implementation(
+        num_sequences=cu_seqlens_q.shape[0] - 1, dtype=q.dtype)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")

@@ -32,8 +32,17 @@ from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cu
 
 
 def _segments(offsets, lengths):
-    """[1, N + 1] offsets and [1, N] lengths, segments of length 0 dropped (-1), plus each
-    sequence's index among the kept segments and whether it was kept."""
+    """[1, max(N, 2) + 1] offsets and [1, max(N, 2)] lengths, segments of length 0 dropped
+    (-1), plus each sequence's index among the kept segments and whether it was kept.
+
+    jax takes the offsets as packed segments only when there are at least two per batch
+    row (`get_max_seg_per_batch(q_offsets) > 1`); with one it passes them to cuDNN
+    unconverted, which then reads keys from row 0 instead of the segment's offset. So a
+    single sequence gets an empty second segment.
+    """
+    if lengths.shape[0] < 2:
+        lengths = jnp.pad(lengths, (0, 2 - lengths.shape[0]))
+        offsets = jnp.pad(offsets, (0, 2 - offsets.shape[0]))
     keep = lengths > 0
     lengths = jnp.where(keep, lengths, -1).astype(jnp.int32)
     offsets = jnp.where(keep, offsets, -1).astype(jnp.int32)

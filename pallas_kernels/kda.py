@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from pallas_kernels.kda_pallas import kda_prefill_pallas
 from pallas_kernels.kda_prep import SUB_CHUNK
 from pallas_kernels.reference import kda_chunked_reference
-from pallas_kernels.tuning import KernelConfig, device_spec, select_config
+from pallas_kernels.tuning import MAX_SEGMENTS, KernelConfig, device_spec, select_config
 
 BACKENDS = ("pallas", "reference")
 CAPACITIES = (1, 2, 4)
@@ -71,7 +71,8 @@ def kda_prefill(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets
         (g >= b everywhere, e.g. GLM's b * sigmoid(...) gate): the kernel then forms the
         diagonal 16 x 16 blocks of the in-chunk matrices on the tensor cores instead of
         elementwise. The reference backend ignores it (it is exact for any decay).
-      config: tiling override; by default picked from the device by `select_config`.
+      config: tiling override; by default picked from the device by `select_config`
+        (which also decides whether the scan runs segment-parallel: `scan_segments`).
 
     Returns:
       o [T, H, V] in v.dtype (zero on padding rows), final_states fp32 [N, H, K, V],
@@ -103,11 +104,14 @@ def kda_prefill(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets
     if config is None:
         config = select_config(device_spec(), num_seqs=cu_seqlens.shape[0] - 1,
                                num_heads=num_heads, head_k=head_k, head_v=head_v,
-                               operand_bytes=4 if exact else 2)
+                               operand_bytes=4 if exact else 2, num_tokens=q.shape[0])
     config = dataclasses.replace(config, chunk_size=chunk_size)
     if head_v % config.block_v:
         raise ValueError(f"head dim V={head_v} must be a multiple of the kernel's value "
                          f"block {config.block_v}")
+    if not 1 <= config.scan_segments <= MAX_SEGMENTS:
+        raise ValueError(f"scan_segments must be in [1, {MAX_SEGMENTS}], got "
+                         f"{config.scan_segments}")
     if head_k % min(config.prep_block_k, head_k):
         raise ValueError(f"head dim K={head_k} must be a multiple of the prep pass's key "
                          f"slice {config.prep_block_k}")

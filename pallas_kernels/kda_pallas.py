@@ -6,7 +6,9 @@ and head), turns each chunk of C tokens into W, U, Aqk, Qg, Kg and G (see that m
 
 Pass 2, `_recurrence_kernel` (grid: sequences x heads x value blocks), runs the
 chunk-to-chunk recurrence in one program's `fori_loop`, with only the two matmuls the
-recurrence depends on:
+recurrence depends on (with `KernelConfig.scan_segments` P > 1, the grid is sequences x P
+segments x heads x value blocks, each segment starting from its entry state as
+`pallas_kernels.kda_segments` computes it):
 
     store S (the chunk's entry state);   Vnew = U - W S;   S <- diag(exp(G_last)) S + Kg^T Vnew
 
@@ -32,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda_prep import ChunkSlots, ChunkTensors, chunk_prep, chunk_slots, pad_rows
+from pallas_kernels.kda_segments import combine_segments, segment_chunks, segment_transitions
 from pallas_kernels.tiles import dot, dot_tn, iota, matmul_precision, operand_dtype
 from pallas_kernels.tuning import KernelConfig
 
@@ -39,16 +42,21 @@ from pallas_kernels.tuning import KernelConfig
 def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_ref, u_ref,
                        kg_ref, gcum_ref, glast_ref,
                        states_ref, vnew_ref, final_ref, snap_ref, *, chunk, block_v, capacity,
-                       precision):
-    """One sequence x head x value block: the chunk-to-chunk scan with snapshots.
+                       segments, precision):
+    """One segment x head x value block: the chunk-to-chunk scan with snapshots.
 
+    Program axis 0 is sequence n's segment s at n * segments + s; init_ref [N segments,
+    H, K, V] holds each segment's entry state (the initial states when segments == 1).
     Stores each chunk's entry state (for the output pass) at its chunk slot and Vnew at
-    the chunk's rows; only the two matmuls the recurrence depends on run here.
+    the chunk's rows; only the two matmuls the recurrence depends on run here. Each
+    snapshot is stored by the one segment holding its offset, zeros by segment 0 when the
+    offset is inactive; the final state by the sequence's last non-empty segment.
     """
-    n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    index, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n, s = index // segments, index % segments
     start = cu_ref[n]
     seq_len = cu_ref[n + 1] - start
-    num_chunks = (seq_len + chunk - 1) // chunk
+    first, end, last = segment_chunks((seq_len + chunk - 1) // chunk, s, segments)
     first_slot = first_slot_ref[n]
     head_k = k_ref.shape[-1]
     vcols = pl.ds(vb * block_v, block_v)
@@ -57,7 +65,9 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_r
     operand = w_ref.dtype
 
     for c in range(capacity):
-        snap_ref[n, c, h, :, vcols] = jnp.zeros((head_k, block_v), jnp.float32)
+        @pl.when((s == 0) & jnp.logical_not((offsets[c] >= 1) & (offsets[c] <= seq_len)))
+        def _(c=c):
+            snap_ref[n, c, h, :, vcols] = jnp.zeros((head_k, block_v), jnp.float32)
 
     def body(i, state):
         r0 = start + i * chunk
@@ -92,8 +102,11 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_r
         kg = load(kg_ref, slice(None)).astype(operand)
         return jnp.exp(g_last)[:, None] * state + dot_tn(kg, v_new.astype(operand), precision)
 
-    state0 = init_ref[n, h, :, vcols]
-    final_ref[n, h, :, vcols] = lax.fori_loop(0, num_chunks, body, state0)
+    state = lax.fori_loop(first, end, body, init_ref[index, h, :, vcols])
+
+    @pl.when(s == last)
+    def _():
+        final_ref[n, h, :, vcols] = state
 
 
 def _output_kernel(chunk_start_ref, chunk_len_ref, qg_ref, aqk_ref, states_ref, vnew_ref,
@@ -119,9 +132,11 @@ def _output_kernel(chunk_start_ref, chunk_len_ref, qg_ref, aqk_ref, states_ref, 
         plgpu.store(o_ref.at[rows, h, vcols], out.astype(o_ref.dtype), mask=valid)
 
 
-def chunk_scan(tensors: ChunkTensors, k, slots: ChunkSlots, cu_seqlens, initial_states,
+def chunk_scan(tensors: ChunkTensors, k, slots: ChunkSlots, cu_seqlens, segment_states,
                checkpoint_offsets, *, config: KernelConfig, interpret: bool, exact: bool):
-    """Pass 2: the recurrence. k: [T', H, K], T' = T (GPU) or T + C (interpret mode).
+    """Pass 2: the recurrence. k: [T', H, K], T' = T (GPU) or T + C (interpret mode);
+    segment_states fp32 [N P, H, K, V]: each segment's entry state, P =
+    config.scan_segments (the initial states when P = 1; `kda_segments`).
 
     Returns entry_states [S, H, K, V] (each chunk slot's entry state, operand dtype),
     v_new [T', H, V] (operand dtype), final_states fp32 [N, H, K, V] and snapshots
@@ -130,24 +145,26 @@ def chunk_scan(tensors: ChunkTensors, k, slots: ChunkSlots, cu_seqlens, initial_
     rows, num_heads, head_k = k.shape
     head_v = tensors.u.shape[-1]
     num_seqs, capacity = checkpoint_offsets.shape
-    block_v = config.block_v
+    block_v, segments = config.block_v, config.scan_segments
     inter, f32 = operand_dtype(exact), jnp.float32
+    warps, stages = ((config.scan_num_warps, config.scan_num_stages) if segments == 1 else
+                     (config.segment_num_warps, config.segment_num_stages))
     scan = pl.pallas_call(
         functools.partial(_recurrence_kernel, chunk=config.chunk_size, block_v=block_v,
-                          capacity=capacity, precision=matmul_precision(exact)),
+                          capacity=capacity, segments=segments,
+                          precision=matmul_precision(exact)),
         out_shape=(
             jax.ShapeDtypeStruct((slots.start.shape[0], num_heads, head_k, head_v), inter),
             jax.ShapeDtypeStruct((rows, num_heads, head_v), inter),
             jax.ShapeDtypeStruct((num_seqs, num_heads, head_k, head_v), f32),
             jax.ShapeDtypeStruct((num_seqs, capacity, num_heads, head_k, head_v), f32),
         ),
-        grid=(num_seqs, num_heads, head_v // block_v),
-        compiler_params=plgpu.CompilerParams(num_warps=config.scan_num_warps,
-                                             num_stages=config.scan_num_stages),
+        grid=(num_seqs * segments, num_heads, head_v // block_v),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name="kda_chunk_scan",
+        name="kda_chunk_scan" if segments == 1 else "kda_segment_scan",
     )
-    return scan(cu_seqlens, slots.first_slot, checkpoint_offsets, initial_states, k,
+    return scan(cu_seqlens, slots.first_slot, checkpoint_offsets, segment_states, k,
                 tensors.w, tensors.u, tensors.kg, tensors.g_cum, tensors.g_last)
 
 
@@ -189,7 +206,11 @@ def kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_
         q, k, v, g, beta = (pad_rows(x, chunk) for x in (q, k, v, g, beta))
     tensors = chunk_prep(q, k, v, g, beta, slots, scale=scale, bounded_gates=bounded_gates,
                          **flags)
+    segment_states = initial_states
+    if config.scan_segments > 1:
+        transitions = segment_transitions(tensors, slots, cu_seqlens, initial_states, **flags)
+        segment_states = combine_segments(initial_states, transitions, config.scan_segments)
     entry_states, v_new, final_states, snapshots = chunk_scan(
-        tensors, k, slots, cu_seqlens, initial_states, checkpoint_offsets, **flags)
+        tensors, k, slots, cu_seqlens, segment_states, checkpoint_offsets, **flags)
     o = chunk_output(tensors, entry_states, v_new, slots, out_dtype=v.dtype, **flags)
     return o[:num_tokens], final_states, snapshots

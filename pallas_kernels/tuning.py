@@ -10,6 +10,7 @@ a configuration inside the device's per-block limit (the real compile-and-measur
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 
@@ -24,10 +25,11 @@ class DeviceSpec:
     compute_capability: tuple[int, int]
     num_sms: int
     smem_per_block: int  # bytes a block may use (opt-in maximum)
+    memory_bandwidth: float = 0.0  # bytes/s; 0: unknown (the segment rule ignores it)
 
 
-H200 = DeviceSpec("NVIDIA H200", (9, 0), 132, 227 * 1024)
-GB10 = DeviceSpec("NVIDIA GB10", (12, 1), 48, 99 * 1024)
+H200 = DeviceSpec("NVIDIA H200", (9, 0), 132, 227 * 1024, 4.8e12)
+GB10 = DeviceSpec("NVIDIA GB10", (12, 1), 48, 99 * 1024, 273e9)
 KNOWN_DEVICES = {"h200": H200, "gb10": GB10}
 
 
@@ -46,6 +48,12 @@ class KernelConfig:
     output_block_v: int = 128   # value columns per output program
     output_num_warps: int = 4
     output_num_stages: int = 1
+    # The segment-parallel scan (docs/KERNEL.md): each sequence split into this many
+    # segments, 1 = the plain scan. Its two loop kernels (the segments' transitions and
+    # the scan from each segment's entry state) run at these warps and stages.
+    scan_segments: int = 1
+    segment_num_warps: int = 4
+    segment_num_stages: int = 1
 
 
 def device_spec(device: jax.Device | None = None) -> DeviceSpec:
@@ -62,7 +70,9 @@ def device_spec(device: jax.Device | None = None) -> DeviceSpec:
         smem = 163 * 1024
     else:
         smem = 227 * 1024
-    return DeviceSpec(device.device_kind, (major, minor), num_sms or 1, smem)
+    # Memory bandwidth: GB10's for sm_12x (the deployment target), the H200's for sm_90.
+    bandwidth = {12: GB10.memory_bandwidth, 9: H200.memory_bandwidth}.get(major, 0.0)
+    return DeviceSpec(device.device_kind, (major, minor), num_sms or 1, smem, bandwidth)
 
 
 def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
@@ -74,9 +84,10 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
     pipeline stage past the first buffers the tiles loaded per chunk (W, Qg, Kg [C, K],
     Aqk [C, C], U [C, BV] in the operand dtype). Hopper and datacenter Blackwell (9.x,
     10.x) feed wgmma from shared memory and double-buffer those tiles; mma.sync targets
-    (8.x, 12.x, GB10 among them) stage them once. Prep pass (fp32, no loop): its largest
-    kernel, intra, stages a [C, K] key tile and a [16, K] row tile, bounded by
-    [C, C] + [C, max(K, V)] fp32. Output pass (no loop): its operands Qg [C, K],
+    (8.x, 12.x, GB10 among them) stage them once. The segment-parallel scan's kernels
+    ("segment") hold the same tiles at `segment_num_stages`. Prep pass (fp32, no loop):
+    its largest kernel, intra, stages a [C, K] key tile and a [16, K] row tile, bounded
+    by [C, C] + [C, max(K, V)] fp32. Output pass (no loop): its operands Qg [C, K],
     S [K, BV_out], Aqk [C, C] and Vnew [C, BV_out].
 
     Calibrated against Triton 3.9 (`python -m pallas_kernels.aot`; the test suite checks
@@ -90,24 +101,104 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
     else:
         base, per_stage = 2 * c * head_k * operand_bytes + 1024, loop_tiles
     scan = base + max(0, config.scan_num_stages - 1) * per_stage
+    segment = base + max(0, config.segment_num_stages - 1) * per_stage
     prep = FP32_BYTES * (c * c + c * max(head_k, head_v))
     out_v = min(config.output_block_v, head_v)
     output = operand_bytes * (c * head_k + head_k * out_v + c * c + c * out_v)
-    return {"scan": scan, "prep": prep, "output": output}
+    return {"scan": scan, "segment": segment, "prep": prep, "output": output}
+
+
+# The segment-parallel scan's rule (`scan_segments`), a model in units of one chunk step
+# of one scan program (docs/KERNEL.md, "The segment-parallel scan"):
+SCAN_STEP_SECONDS = 2.6e-6      # H200: the scan, 1.36 ms for 512 chunks in one wave (32K)
+REGISTERS_PER_SM = 65536        # sm_90 and sm_121 alike
+SCAN_REGISTERS = 256            # per thread, scan kernels: 255 with the snapshot code (aot)
+TRANSITION_REGISTERS = 168      # kda_segment_transition at 4 warps: 126 sm_90, 168 sm_121
+SEGMENT_STEP_COST = 1.14        # a step at 4 warps against 8: 1.48 / 1.30 ms (H200, 32K)
+MIN_SEGMENT_GAIN = 1.2          # modelled speed-up below which the plain scan is kept
+MIN_SEGMENT_CHUNKS = 16         # chunks per segment below which segments are not worth it
+MAX_SEGMENTS = 16
+
+
+def resident_programs(num_warps: int, registers: int = SCAN_REGISTERS) -> int:
+    """Programs of `num_warps` warps one SM holds at once, limited by registers."""
+    return max(1, REGISTERS_PER_SM // (registers * 32 * num_warps))
+
+
+def segment_model(num_sms: int, programs: int, key_blocks: int, value_blocks: int,
+                  segments: int, chunks: int, *, plain_warps: int, segment_warps: int) -> float:
+    """Modelled scan time (chunk steps of one program) of one sequence of `chunks` chunks.
+
+    programs: plain-scan programs (sequences x heads x value blocks). segments = 1 is the
+    plain scan: ceil(programs / slots) waves of `chunks` steps. With P > 1 segments of
+    ceil(chunks / P) steps: the transitions of segments 0..P-2 (segment 0 only its value
+    columns, the others key and value columns), then the scan of all P segments, each a
+    number of waves of that length, at SEGMENT_STEP_COST per step; the combine is ignored.
+    A wave is as many programs as the SMs hold (`resident_programs`: the transitions need
+    fewer registers than the scan, which carries the snapshot code).
+    """
+    def waves(count, warps, registers=SCAN_REGISTERS):
+        return -(-count // (num_sms * resident_programs(warps, registers)))
+
+    if segments == 1:
+        return float(waves(programs, plain_warps) * chunks)
+    per_head = programs // value_blocks
+    transitions = programs + (segments - 2) * per_head * (key_blocks + value_blocks)
+    length = -(-chunks // segments)
+    return SEGMENT_STEP_COST * length * (
+        waves(transitions, segment_warps, TRANSITION_REGISTERS)
+        + waves(programs * segments, segment_warps))
+
+
+def select_segments(spec: DeviceSpec, config: KernelConfig, *, num_seqs: int, num_heads: int,
+                    head_k: int, head_v: int, num_tokens: int | None) -> int:
+    """Segments per sequence for the scan: of the counts from 3 to MAX_SEGMENTS that leave
+    every segment MIN_SEGMENT_CHUNKS chunks (at the average sequence length), the one the
+    model (`segment_model`) finds fastest, if it beats the plain scan by MIN_SEGMENT_GAIN;
+    else 1 (plain).
+
+    Each count's modelled time is its steps at SCAN_STEP_SECONDS, or the time the scan's
+    bytes (the transitions' included: `kda_traffic`) take at the device's bandwidth, if
+    longer: a bandwidth-bound scan gains nothing from segments that add bytes.
+    Two segments never help (the second waits for the first), so P starts at 3. Without
+    a token count (`num_tokens=None`) the scan stays plain.
+    """
+    from pallas_kernels.kda_traffic import bytes_per_token_head  # it imports this module
+
+    if num_tokens is None:
+        return 1
+    chunks = -(-num_tokens // (num_seqs * config.chunk_size))
+    value_blocks = head_v // config.block_v
+    steps = functools.partial(segment_model, spec.num_sms, num_seqs * num_heads * value_blocks,
+                              head_k // config.block_v, value_blocks, chunks=chunks,
+                              plain_warps=config.scan_num_warps,
+                              segment_warps=config.segment_num_warps)
+
+    def seconds(segments):
+        passes = bytes_per_token_head(dataclasses.replace(config, scan_segments=segments),
+                                      head_k, head_v, bounded=True)
+        scan_bytes = (passes["scan"] + passes.get("transition", 0.0)) * num_tokens * num_heads
+        floor = scan_bytes / spec.memory_bandwidth if spec.memory_bandwidth else 0.0
+        return max(steps(segments) * SCAN_STEP_SECONDS, floor)
+
+    candidates = range(3, min(MAX_SEGMENTS, chunks // MIN_SEGMENT_CHUNKS) + 1)
+    best = min(candidates, key=lambda p: (seconds(p), p), default=1)
+    return best if seconds(1) >= MIN_SEGMENT_GAIN * seconds(best) else 1
 
 
 def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: int,
-                  head_v: int, operand_bytes: int = 2) -> KernelConfig:
+                  head_v: int, operand_bytes: int = 2,
+                  num_tokens: int | None = None) -> KernelConfig:
     """Pick the tiling for a device and a problem shape.
 
     The scan runs one program per (sequence, head, value block). Value blocks of 32 were
     fastest on the H200 at 32K tokens (bench/results/kda_kernel_091ba60.json, sweep) and
     keep GB10 free of register spills; 2 pipeline stages beat 1 there. Stages are dropped while the
     shared-memory estimate exceeds the device's per-block limit; the output pass takes the
-    widest value block (128, 64, 32; 128 was fastest on the H200) that fits.
+    widest value block (128, 64, 32; 128 was fastest on the H200) that fits. When those
+    programs leave most SMs idle (few sequences x heads, long sequences: `num_tokens` rows
+    in all), the scan is split into segments (`select_segments`).
     """
-    del num_seqs, num_heads  # the grid grows with them; the tiling does not need to
-
     def fits(candidate, pass_name):
         estimate = estimate_shared_memory(candidate, head_k, head_v,
                                           compute_capability=spec.compute_capability,
@@ -117,12 +208,15 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
     base = KernelConfig(block_v=min(32, head_v))
     for stages in (2, 1):
         config = dataclasses.replace(base, scan_num_stages=stages)
-        if not (fits(config, "scan") and fits(config, "prep")):
+        if not (fits(config, "scan") and fits(config, "segment") and fits(config, "prep")):
             continue
         for out_v in (128, 64, 32):
             candidate = dataclasses.replace(config, output_block_v=min(out_v, head_v))
             if fits(candidate, "output"):
-                return candidate
+                segments = select_segments(spec, candidate, num_seqs=num_seqs,
+                                           num_heads=num_heads, head_k=head_k, head_v=head_v,
+                                           num_tokens=num_tokens)
+                return dataclasses.replace(candidate, scan_segments=segments)
     raise ValueError(
         f"no KDA kernel configuration fits {spec.smem_per_block} bytes of shared memory on "
         f"{spec.name} for head_k={head_k}, head_v={head_v}")

@@ -210,8 +210,15 @@ class Engine:
 
     @property
     def sampler(self) -> Callable:
-        """The jitted sampler: (logits fp32 [N, V], rows int32 [R], SamplingTensors)."""
-        return _sample_rows
+        """The jitted sampler, one compiled shape: (logits fp32 [R, V], SamplingTensors of
+        R rows), R = ``sampler_rows``."""
+        return _sample
+
+    @property
+    def row_gather(self) -> Callable:
+        """The jitted gather of the sampled rows: (logits fp32 [N, V], rows int32 [R]) ->
+        fp32 [R, V]; one small program per sequence bucket N."""
+        return _gather_rows
 
     @property
     def schedule_log(self) -> list[dict]:
@@ -455,7 +462,8 @@ class Engine:
         of ``Sampled`` (device arrays) and, for each, the request ids of its rows.
 
         Prefill and decode rows are sampled by separate calls of one sampler whose row
-        count is fixed, so it compiles once per logits bucket, never per pair of them."""
+        count is fixed: its rows are gathered from each logits bucket first, so the
+        sampler compiles once, and only the gather once per sequence bucket."""
         parts = [
             (prefill_logits, [(i, p.request_id) for i, p in enumerate(step.prefills) if p.samples]),
             (decode_logits, [(i, d.request_id) for i, d in enumerate(step.decodes)]),
@@ -544,6 +552,16 @@ class Engine:
 
 
 @jax.jit
+def _gather_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
+    """Rows ``rows`` (int32 [R]) of one batch's logits (fp32 [N, V]): fp32 [R, V]."""
+    return logits[rows]
+
+
+_sample = jax.jit(sample)
+
+
 def _sample_rows(logits: jax.Array, rows: jax.Array, params: SamplingTensors) -> Sampled:
-    """Sample from rows ``rows`` (int32 [R]) of one batch's logits (fp32 [N, V])."""
-    return sample(logits[rows], params)
+    """Samples rows ``rows`` (int32 [R]) of one batch's logits (fp32 [N, V]): a gather
+    compiled per N (a copy of R rows), then the sampler, compiled once for [R, V]. The
+    sort over the vocabulary, the costly compile, is in the sampler alone."""
+    return _sample(_gather_rows(logits, rows), params)

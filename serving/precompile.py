@@ -3,7 +3,8 @@
 An engine pads each batch to a bucket (``serving.batch_builder.BatchBuckets``): prefill
 batches to (tokens T, sequences N, block-table width M), decode batches to (N, M). Every
 bucket it can reach is one compiled prefill or decode program; the KV-block and state-slot
-copies have one shape each, and the sampler one per sequence bucket. ``reachable_programs``
+copies and the sampler have one shape each, and the gather of the sampled rows one per
+sequence bucket. ``reachable_programs``
 lists them all for an engine's buckets, and ``precompile`` compiles them on a thread pool
 (XLA compiles outside the GIL), with a progress bar. A later call of the same jitted step
 finds the executable in JAX's compilation cache, so it does not compile again; with the
@@ -31,16 +32,16 @@ from serving import speculative
 from serving.batch_builder import BatchBuckets
 from serving.sampling import SamplingTensors
 
-SPECULATIVE_KINDS = ("spec_prefill", "verify", "sample_verify", "draft_prefill", "draft_verify")
+SPECULATIVE_KINDS = ("spec_prefill", "verify", "draft_prefill", "draft_verify")
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One program an engine calls: its kind and static shape."""
 
-    kind: str  # "prefill", "decode", "copy_kv_blocks", "copy_state_slots", "sample", or one
-    # of SPECULATIVE_KINDS
-    shape: tuple[int, ...]  # prefill (T, N, M), decode (N, M), sample (N,), copies ()
+    kind: str  # "prefill", "decode", "copy_kv_blocks", "copy_state_slots", "gather_rows",
+    #            "sample", or one of SPECULATIVE_KINDS
+    shape: tuple[int, ...]  # prefill (T, N, M), decode (N, M), gather_rows (N,), others ()
 
 
 def reachable_programs(buckets: BatchBuckets, speculative_tokens: int = 0) -> list[Program]:
@@ -57,13 +58,17 @@ def reachable_programs(buckets: BatchBuckets, speculative_tokens: int = 0) -> li
         for m in buckets.block_table_widths
     ]
     decode = [Program("decode", (n, m)) for n in buckets.seqs for m in buckets.block_table_widths]
-    sample = [Program("sample", (n,)) for n in buckets.seqs]
-    copies = [Program("copy_kv_blocks", ()), Program("copy_state_slots", ())]
+    gathers = [Program("gather_rows", (n,)) for n in buckets.seqs]
+    small = [Program("copy_kv_blocks", ()), Program("copy_state_slots", ()), Program("sample", ())]
     if speculative_tokens:
+        # Verified decodes' logits have (N + 1) n rows: their gathers too.
+        chain = speculative_tokens + 1
+        gathers += [Program("gather_rows", (chain * n,)) for n in buckets.seqs
+                    if chain * n not in buckets.seqs]
         shapes = [p.shape for p in prefill]
-        return copies + sample + [Program(kind, shape) for kind, shape in
+        return small + gathers + [Program(kind, shape) for kind, shape in
                                   speculative.programs(buckets, shapes)]
-    return copies + sample + decode + prefill
+    return small + gathers + decode + prefill
 
 
 def padding_prefill(t: int, n: int, m: int) -> PrefillBatch:
@@ -91,10 +96,12 @@ def padding_decode(n: int, m: int) -> DecodeBatch:
     )
 
 
-def _lower(engine, program: Program, logits_sharding=None):
-    """The program lowered with arguments shaped and placed as the engine passes them
-    (the sampler's logits placed as the model steps return them)."""
-    steps, rows = engine.steps, engine.sampler_rows
+def _lower(engine, program: Program, shardings: dict | None = None):
+    """The program lowered with arguments shaped and placed as the engine passes them:
+    the gather's logits as the model steps return them (``shardings["logits"]``), the
+    sampler's as the gather returns them (``shardings["gathered"]``)."""
+    steps, rows, shardings = engine.steps, engine.sampler_rows, shardings or {}
+    vocab = engine.model_config.vocab_size
     if program.kind in SPECULATIVE_KINDS:
         return speculative.lower(engine, program.kind, program.shape)
     if program.kind == "prefill":
@@ -103,12 +110,13 @@ def _lower(engine, program: Program, logits_sharding=None):
     if program.kind == "decode":
         batch = jax.device_put(padding_decode(*program.shape))
         return steps.decode.lower(engine.model_state, engine.caches, batch)
-    if program.kind == "sample":
+    if program.kind == "gather_rows":
         (n,) = program.shape
-        logits = np.zeros((n, engine.model_config.vocab_size), np.float32)
-        logits = jax.device_put(logits, logits_sharding)
-        params = SamplingTensors.host([], rows)
-        return engine.sampler.lower(logits, np.zeros(rows, np.int32), params)
+        logits = jax.device_put(np.zeros((n, vocab), np.float32), shardings.get("logits"))
+        return engine.row_gather.lower(logits, np.zeros(rows, np.int32))
+    if program.kind == "sample":
+        logits = jax.device_put(np.zeros((rows, vocab), np.float32), shardings.get("gathered"))
+        return engine.sampler.lower(logits, SamplingTensors.host([], rows))
     pairs = np.full(rows, -1, np.int32)
     return getattr(steps, program.kind).lower(engine.caches, pairs, pairs)
 
@@ -133,26 +141,32 @@ def precompile(engine, *, workers: int | None = None, progress: bool = True,
     workers = workers or os.cpu_count() or 1
     start = time.perf_counter()
 
-    # The sampler's logits come out of the model steps: on a mesh the first decode program
-    # tells how they are sharded, so it compiles before the samplers. On one device the
-    # steps return uncommitted arrays, which a plain device_put reproduces (naming their
-    # device would put a sharding into the sampler's program and miss the cache).
-    first_decode = next(p for p in programs if p.kind in ("decode", "verify"))
+    # The gathers' logits come out of the model steps, the sampler's out of a gather: on a
+    # mesh the first decode program tells how the logits are sharded and the first gather
+    # how its rows are, so those two compile first. On one device the steps return
+    # uncommitted arrays, which a plain device_put reproduces (naming their device would
+    # put a sharding into the programs and miss the cache). (Speculation: one device.)
+    decode = "verify" if engine.config.speculative_tokens else "decode"
+    first = [next(p for p in programs if p.kind == kind) for kind in (decode, "gather_rows")]
     bar = tqdm(total=len(programs), desc="precompiling", unit="program", disable=not progress)
-    begin = time.perf_counter()
-    compiled = _lower(engine, first_decode).compile()
-    logits_sharding = None if engine.steps.mesh is None else compiled.output_shardings.logits
-    seconds = [time.perf_counter() - begin]
-    bar.update()
+    shardings, seconds = {}, []
+    for program, name in zip(first, ("logits", "gathered")):
+        begin = time.perf_counter()
+        compiled = _lower(engine, program, shardings).compile()
+        if engine.steps.mesh is not None:
+            out = compiled.output_shardings
+            shardings[name] = out.logits if program.kind == "decode" else out
+        seconds.append(time.perf_counter() - begin)
+        bar.update()
 
     def compile_one(program: Program) -> float:
         begin = time.perf_counter()
-        _lower(engine, program, logits_sharding).compile()
+        _lower(engine, program, shardings).compile()
         bar.update()
         return time.perf_counter() - begin
 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool, bar:
-        seconds += pool.map(compile_one, [p for p in programs if p != first_decode])
+        seconds += pool.map(compile_one, [p for p in programs if p not in first])
     report = PrecompileReport(len(programs), time.perf_counter() - start, sum(seconds))
     if log is not None:
         log(f"precompiled {report.programs} programs in {report.seconds:.1f} s "

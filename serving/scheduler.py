@@ -260,31 +260,40 @@ class Scheduler:
         self._in_flight = None
 
         finished = []
-        for decode in step.decodes:
+        for decode in step.decodes:  # the drafts' scratch slots were the step's alone
             self._states.free(decode.draft_slots)
-            request = self._live(decode.request_id)
-            if request is not None:
-                accepted = tokens[request.request_id]
-                request.num_computed += len(accepted)
-                request.draft_token_ids = ()
-                for token in accepted:
-                    if self._append_token(request, token, finished):
-                        break
-        for prefill in step.prefills:
-            request = self._live(prefill.request_id)
-            if request is not None:
-                request.num_computed = prefill.span.end
-                request.pending_retained = ()
-                self._release_pins(request)
-                if self.config.prefix_caching:
-                    self._register(request, prefill)
-                if prefill.samples:
+        unreleased = list(step.prefills)  # whose step-held state slots are not yet freed
+        try:
+            for decode in step.decodes:
+                request = self._live(decode.request_id)
+                if request is not None:
+                    accepted = tokens[request.request_id]
+                    request.num_computed += len(accepted)
                     request.draft_token_ids = ()
-                    self._append_token(request, tokens[request.request_id][0], finished)
-            self._states.free(prefill.checkpoint_slots)
-            if prefill.retain_slot is not None:
-                self._states.free([prefill.retain_slot])
+                    for token in accepted:
+                        if self._append_token(request, token, finished):
+                            break
+            for prefill in step.prefills:
+                request = self._live(prefill.request_id)
+                if request is not None:
+                    request.num_computed = prefill.span.end
+                    request.pending_retained = ()
+                    self._release_pins(request)
+                    if self.config.prefix_caching:
+                        self._register(request, prefill)
+                    if prefill.samples:
+                        request.draft_token_ids = ()
+                        self._append_token(request, tokens[request.request_id][0], finished)
+                self._free_step_slots(unreleased.pop(0))
+        finally:  # a bug above must not leak the slots the step held
+            for prefill in unreleased:
+                self._free_step_slots(prefill)
         return finished
+
+    def _free_step_slots(self, prefill: ScheduledPrefill) -> None:
+        self._states.free(prefill.checkpoint_slots)
+        if prefill.retain_slot is not None:
+            self._states.free([prefill.retain_slot])
 
     def _live(self, request_id: str) -> Request | None:
         request = self._requests.get(request_id)

@@ -51,6 +51,7 @@ from glmjax.random_weights import random_model
 from glmjax.sharding import ShardingPlan, make_mesh, request_cpu_devices
 from serving import api, multiprocess, speculative
 from serving.async_engine import AsyncEngine
+from serving.batch_builder import BatchBuckets
 from serving.compiles import CompileLog
 from serving.engine import Engine, EngineConfig
 from serving.handlers import Handlers
@@ -61,9 +62,10 @@ from serving.http_guard import (
     HTTPOptions,
 )
 from serving.json_body import MAX_JSON_DEPTH
-from serving.precompile import precompile
+from serving.precompile import precompile, reachable_programs
 from serving.request import SamplingParams
 from serving.sampling import MAX_TOP_LOGPROBS
+from serving.step import SchedulerConfig
 from serving.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("serving.server")
@@ -75,6 +77,25 @@ request limits (a request past any is answered 4xx, nothing else is affected):
   stop: at most {api.MAX_STOP_STRINGS} non-empty strings; top_k <= vocabulary (-1 or 0: all)
   seed in [0, 2**32); temperature in [0, 2]; top_p in (0, 1]
   body <= --max-body-bytes (413); JSON nested <= {MAX_JSON_DEPTH} deep, valid Unicode, no NaN
+"""
+
+STARTUP = """\
+start-up (time to ready: python -m bench.startup measures it, cold and warm):
+  Every batch is padded to a bucket (tokens x sequences x block-table width, powers of two
+  up to --max-num-batched-tokens, --max-num-seqs and --max-model-len); each bucket is one
+  compiled program. With the copies, the sampler and the gathers of its rows, the default
+  flags reach {programs} programs.
+  --precompile all (default): /health answers only once every program is compiled, on
+    all cores, so no request ever waits on a compile. The first start with given flags
+    pays every compile (seconds each on a CPU, tens of seconds for a deep model on a
+    GPU); a restart with the same flags, JAX version and device reads them from the
+    persistent cache (--compile-cache-dir) in a fraction of that.
+  --precompile none: ready once the weights are in memory and a warm-up request has
+    compiled the smallest shapes; each new bucket then compiles the first time a step
+    needs it, stalling every request meanwhile.
+  Fewer buckets start faster: lower --max-num-seqs, --max-model-len or
+  --max-num-batched-tokens, or --single-bucket (one program per entry point, but every
+  step computes the largest batch).
 """
 
 
@@ -201,12 +222,21 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         return super()._get_help_string(action)
 
 
+def _default_programs(parser: argparse.ArgumentParser) -> int:
+    """How many programs a server with ``parser``'s default flags precompiles."""
+    default = parser.get_default
+    config = SchedulerConfig(max_model_len=default("max_model_len"),
+                             block_size=default("block_size"),
+                             budget=default("max_num_batched_tokens"),
+                             max_num_seqs=default("max_num_seqs"))
+    return len(reachable_programs(BatchBuckets.for_config(config)))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m serving.server",
         description=__doc__.splitlines()[0],
         formatter_class=_HelpFormatter,
-        epilog=LIMITS,
     )
     p.add_argument("--preset", default="tiny", help="model config (glmjax.config.PRESETS)")
     p.add_argument(
@@ -306,6 +336,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="random weights and request seeds")
     p.add_argument("--log-level", default="info", help="debug, info, warning or error")
     distributed.add_arguments(p)
+    p.epilog = LIMITS + "\n" + STARTUP.format(programs=_default_programs(p))
     args = p.parse_args(argv)
     try:
         # Read here, not as the flag's default, so that --help never prints the key.

@@ -10,7 +10,7 @@ model's MTP head. One step dispatches, back to back:
     spec_prefill   prefill spans; also fills the MTP cache over them
     verify         each decode's token and drafts, J = N + 1 rows per decode
     retain copies
-    sampler        prefill rows; then all J R verify rows (one compiled shape each)
+    sampler        prefill rows; then the verify rows, one call per row j
     accept_and_draft   after the prefill rows (J = 1) and after the verify rows: keeps the
                    KDA state after the accepted tokens, writes the MTP cache, drafts
     one device_get: every status, every draw, the accepted counts and the drafts
@@ -24,9 +24,9 @@ decoding would (``trim_draws``). Requests sampled with a temperature decode one 
 step: exact rejection sampling of drafts is not implemented.
 
 Programs (``serving.precompile`` compiles them all at start): ``spec_prefill`` per prefill
-bucket (T, N, M), ``verify`` per (N, M), the sampler per prefill N and, over J N rows, per
-verify N (``sample_verify``), ``draft_prefill`` per prefill (N, M) and ``draft_verify``
-per (N, M).
+bucket (T, N, M), ``verify`` per (N, M), the engine's one sampler (called once per verify
+row j) and its row gathers (also over the J N rows of each verify bucket),
+``draft_prefill`` per prefill (N, M) and ``draft_verify`` per (N, M).
 
 Limits: one device (a mesh's steps are refused); the drafting depths 2..N write their MTP
 cache rows only where the request's blocks already reach (a draft past them attends
@@ -106,7 +106,7 @@ class SpeculativeRunner:
             statuses.append(("verify", out.status))
         if step.retain_state_copies:
             statuses.append(("retain copies", engine._copy_slots(step.retain_state_copies)))
-        fetch = []  # (Sampled, (drafts, accepted, status), request ids by column, stride)
+        fetch = []  # ([Sampled per row j], (drafts, accepted, status), request ids by column)
         rows = [p for p in step.prefills if p.samples]
         if rows:
             fetch.append(self._draft_after_prefill(engine, step, prefill, prefill_batch, rows))
@@ -122,9 +122,9 @@ class SpeculativeRunner:
                                        f"({PoolStatus(int(code)).name})")
         engine._count_cached_tokens(step)
         draws = {}
-        for (sampled, (drafts, accepted)), (_, _, request_ids, stride) in zip(fetched, fetch):
+        for (sampled, (drafts, accepted)), (_, _, request_ids) in zip(fetched, fetch):
             for r, request_id in enumerate(request_ids):
-                draws[request_id] = [Draw.from_row(sampled, j * stride + r)
+                draws[request_id] = [Draw.from_row(sampled[j], r)
                                      for j in range(int(accepted[r]) + 1)]
                 self.drafts[request_id] = tuple(int(t) for t in drafts[r])
         counts = engine._counts
@@ -157,38 +157,40 @@ class SpeculativeRunner:
         index = np.zeros(width, np.int32)
         index[: len(rows)] = [step.prefills.index(p) for p in rows]
         params = [engine._sampling_row(p.request_id) for p in rows]
-        sampled = engine.sampler(out.logits, index, SamplingTensors.host(params, width))
+        sampled = engine.sampler(engine.row_gather(out.logits, index),
+                                 SamplingTensors.host(params, width))
         tables = np.full((width, batch.block_tables.shape[1]), -1, np.int32)
         tables[: len(rows)] = batch.block_tables[index[: len(rows)]]
         positions = np.full(width, -1, np.int32)
         positions[: len(rows)] = [p.span.end - 1 for p in rows]
         zeros = np.zeros((1, width), np.int32)
         start = VerifyBatch(zeros, positions, zeros[0], zeros - 1, tables)
-        drafted = accept_and_draft(engine.model_state, engine.caches, start, sampled.tokens,
+        drafted = accept_and_draft(engine.model_state, engine.caches, start, (sampled.tokens,),
                                    out.last_hidden, index, out.status,
                                    num_speculative=self.num_speculative)
         engine.caches = drafted.caches
-        return sampled, (drafted.drafts, drafted.accepted, drafted.status), \
-            [p.request_id for p in rows], 1
+        return [sampled], (drafted.drafts, drafted.accepted, drafted.status), \
+            [p.request_id for p in rows]
 
     def _verify_and_draft(self, engine: Engine, step, out, batch: VerifyBatch):
-        """Sample every verify row (J R of them) and keep what each decode accepted."""
+        """Sample every verify row (J R of them: one call of the engine's sampler per row
+        j) and keep what each decode accepted."""
         chain, width = batch.token_ids.shape
-        size = chain * engine.sampler_rows
-        index = np.zeros(size, np.int32)
-        index[: chain * width] = np.arange(chain * width)
-        params = [(0.0, 0, 1.0, 0, 0)] * size
-        for r, decode in enumerate(step.decodes):
-            for j in range(chain):
-                row = engine._sampling_row(decode.request_id)
-                params[j * width + r] = (*row[:4], row[4] + j)
-        sampled = engine.sampler(out.logits, index, SamplingTensors.host(params, size))
-        drafted = accept_and_draft(engine.model_state, engine.caches, batch, sampled.tokens,
-                                   out.hidden, np.arange(chain * width, dtype=np.int32),
-                                   out.status, num_speculative=self.num_speculative)
+        rows = [engine._sampling_row(d.request_id) for d in step.decodes]
+        sampled = []
+        for j in range(chain):
+            index = np.zeros(engine.sampler_rows, np.int32)
+            index[:width] = j * width + np.arange(width)
+            params = [(*row[:4], row[4] + j) for row in rows]
+            sampled.append(engine.sampler(engine.row_gather(out.logits, index),
+                                          SamplingTensors.host(params, engine.sampler_rows)))
+        drafted = accept_and_draft(engine.model_state, engine.caches, batch,
+                                   tuple(s.tokens for s in sampled), out.hidden,
+                                   np.arange(chain * width, dtype=np.int32), out.status,
+                                   num_speculative=self.num_speculative)
         engine.caches = drafted.caches
         return sampled, (drafted.drafts, drafted.accepted, drafted.status), \
-            [d.request_id for d in step.decodes], width
+            [d.request_id for d in step.decodes]
 
 
 def programs(buckets: BatchBuckets, prefill_shapes: Sequence[tuple[int, int, int]]
@@ -198,7 +200,6 @@ def programs(buckets: BatchBuckets, prefill_shapes: Sequence[tuple[int, int, int
     widths, seqs = buckets.block_table_widths, buckets.seqs
     prefill_seqs = sorted({n for _, n, _ in prefill_shapes})
     return ([("verify", (n, m)) for n in seqs for m in widths]
-            + [("sample_verify", (n,)) for n in seqs]
             + [("draft_verify", (n, m)) for n in seqs for m in widths]
             + [("draft_prefill", (n, m)) for n in prefill_seqs for m in widths]
             + [("spec_prefill", shape) for shape in prefill_shapes])
@@ -214,12 +215,6 @@ def lower(engine: Engine, kind: str, shape: tuple[int, ...]):
         t, n, m = shape
         return spec_prefill.lower(state, caches, jax.device_put(padding_prefill(t, n, m)),
                                   np.zeros(n, np.int32))
-    if kind == "sample_verify":
-        (n,) = shape
-        logits = jax.device_put(np.zeros((chain * n, engine.model_config.vocab_size),
-                                         np.float32))
-        return engine.sampler.lower(logits, np.zeros(chain * rows, np.int32),
-                                    SamplingTensors.host([], chain * rows))
     n, m = shape
     if kind == "verify":
         return verify.lower(state, caches, jax.device_put(_padding_verify(chain, n, m)))
@@ -228,11 +223,11 @@ def lower(engine: Engine, kind: str, shape: tuple[int, ...]):
     status = np.zeros((), np.int32)
     if kind == "draft_verify":
         return accept_and_draft.lower(state, caches, _padding_verify(chain, n, m),
-                                      np.zeros(chain * rows, np.int32), hidden,
+                                      (np.zeros(rows, np.int32),) * chain, hidden,
                                       np.zeros(chain * n, np.int32), status,
                                       num_speculative=chain - 1)
     return accept_and_draft.lower(state, caches, _padding_verify(1, rows, m),
-                                  np.zeros(rows, np.int32), hidden, np.zeros(rows, np.int32),
+                                  (np.zeros(rows, np.int32),), hidden, np.zeros(rows, np.int32),
                                   status, num_speculative=chain - 1)
 
 

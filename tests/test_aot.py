@@ -22,13 +22,22 @@ def test_every_kernel_compiles_within_limits(device):
         "kda_chunk_w_u",
         "kda_chunk_scan",
         "kda_chunk_output",
+        "kda_segment_transition",
+        "kda_segment_scan",
         "flash_attention",
+        "sparse_attention",
+        "index_scores",
     }
     decode = [r for r in reports if r.kernel.startswith("kda_decode_bv")]
     assert {r.heads for r in decode} == set(aot.HEAD_COUNTS)
     # The decode kernel streams states through registers: a spill would double its traffic.
     assert all(r.spill_bytes == 0 for r in decode), aot.format_table(decode)
-    assert {r.heads for r in reports} == set(aot.HEAD_COUNTS)
+    segment = {r.heads for r in reports if r.kernel.startswith("kda_segment")}
+    assert segment == {aot.SEGMENT_HEADS}
+    assert {r.heads for r in reports} == {*aot.HEAD_COUNTS, aot.SEGMENT_HEADS}
+    sparse = [r for r in reports if r.kernel in ("sparse_attention", "index_scores")]
+    assert len(sparse) == len(aot.SPARSE_SHAPES) + len(aot.INDEX_SHAPES)
+    assert all(r.spill_bytes == 0 for r in sparse), aot.format_table(sparse)
     for report in reports:
         assert report.compiled, report.error
         assert report.shared_bytes <= report.shared_limit, aot.format_table([report])

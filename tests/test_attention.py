@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention import (
+    default_implementation,
     key_ranges,
     prefill_attention,
     validate_attention_metadata,
@@ -240,3 +241,18 @@ def test_cudnn_path_lowers_for_cuda_on_any_host(monkeypatch):
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @__cudnn$fmhaSoftmax") == 2
     assert "PADDING_CAUSAL" in text and "\\22PADDING\\22" in text
+
+
+def test_default_implementation_by_device_batch_and_dtype():
+    class Gpu:  # what default_implementation reads of a jax.Device
+        platform = "gpu"
+
+        def __init__(self, capability):
+            self.compute_capability = capability
+
+    h200, gb10 = Gpu("9.0"), Gpu("12.1")
+    assert default_implementation(h200, num_sequences=1) == "cudnn"
+    assert default_implementation(h200, num_sequences=8) == "pallas"
+    assert default_implementation(h200, num_sequences=1, dtype=jnp.float32) == "pallas"
+    assert default_implementation(gb10, num_sequences=1) == "pallas"
+    assert default_implementation(jax.devices("cpu")[0], num_sequences=1) == "reference"

@@ -11,9 +11,12 @@ each.
 import json
 
 import jax
+import numpy as np
 import pytest
 
+from bench.buckets import Output
 from bench.prefill import case_list, engine_config, main, model_config, parse_args
+from bench.prefill_cases import compare_greedy
 
 ARGS = [
     "--quick", "--budget", "64", "--lengths", "128", "--unaligned", "100",
@@ -117,3 +120,27 @@ def test_quick_run_on_a_mesh_of_four_cpu_devices(tmp_path):
     assert len(result["peak_bytes_per_device"]) == 4
     assert [e["tokens"] for e in result["cold"]] == [100, 128]
     assert result["greedy"]["identical"] and result["greedy"]["logprobs_within_design_bound"]
+
+
+def test_compare_greedy_tells_a_near_tie_from_a_real_difference():
+    def out(tokens, top):
+        return Output("r", tuple(tokens), (-1.0,) * len(tokens), 0, tuple(top))
+
+    agree = ((5, -1.0), (9, -1.5))
+    tie_on = ((7, -2.00), (3, -2.02), (8, -2.05))
+    tie_off = ((8, -2.01), (7, -2.04))
+    far_off = ((8, -1.0), (7, -3.0))  # the coalesced choice is 2 nats behind here
+    result = compare_greedy({"r": out([5, 7], [agree, tie_on])},
+                            {"r": out([5, 8], [agree, tie_off])})
+    assert not result["identical"] and result["all_differences_near_ties"]
+    assert result["near_ties"]["r"]["position"] == 1
+    np.testing.assert_allclose(result["near_ties"]["r"]["gaps"], [0.05, 0.03])
+    result = compare_greedy({"r": out([5, 7], [agree, tie_on])},
+                            {"r": out([5, 8], [agree, far_off])})
+    assert not result["near_ties"]["r"]["near_tie"]
+    assert not result["all_differences_near_ties"]
+    absent = compare_greedy({"r": out([5, 7], [agree, ((7, -2.0), (3, -2.01))])},
+                            {"r": out([5, 8], [agree, tie_off])})
+    assert absent["near_ties"]["r"]["gaps"][0] == np.inf
+    same = compare_greedy({"r": out([5], [agree])}, {"r": out([5], [agree])})
+    assert same["identical"] and same["all_differences_near_ties"]

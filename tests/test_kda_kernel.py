@@ -11,7 +11,7 @@ import pytest
 
 from pallas_kernels import kda_chunked_reference, kda_prefill, kda_recurrent_reference
 from pallas_kernels.kda_pallas import kda_prefill_pallas
-from pallas_kernels.tuning import KernelConfig
+from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 
 OUTPUT_NAMES = ("o", "final_states", "snapshots")
 
@@ -73,6 +73,30 @@ def awkward_offsets(rng, lens, capacity):
             row[rng.integers(capacity)] = -1
         rows.append(row)
     return rows
+
+
+def boundary_offsets(length, segments, capacity=4, chunk=64):
+    """Offset rows that put snapshots on both sides of every segment boundary of a
+    sequence of `length` tokens (segments of ceil(chunks / segments) chunks; see
+    `kda_segments.segment_chunks`), plus 1 and the length: as many rows as it takes."""
+    chunks = -(-length // chunk)
+    span = max(-(-chunks // segments), 1) * chunk
+    picks = {1, length}
+    for boundary in range(span, length, span):
+        picks.update((boundary - 1, boundary, boundary + 1))
+    picks = sorted(p for p in picks if 1 <= p <= length)
+    picks += [-1] * (-len(picks) % capacity)
+    return [picks[i:i + capacity] for i in range(0, len(picks), capacity)]
+
+
+def segment_batch(rng, lens, segments, **kwargs):
+    """`make_inputs` with each sequence repeated until its boundary offsets are covered."""
+    rows, all_lens = [], []
+    for length in lens:
+        for row in boundary_offsets(length, segments) if length else [[-1] * 4]:
+            rows.append(row)
+            all_lens.append(length)
+    return make_inputs(rng, all_lens, offsets=rows, **kwargs)
 
 
 def relative_error(actual, expected):
@@ -159,6 +183,32 @@ class KdaKernelCases:
         inputs = make_inputs(rng, lens, dtype=jnp.bfloat16)
         self.check_against_recurrence(inputs, 5e-3, gate_lower_bound=-5.0)
 
+    @pytest.mark.parametrize(("segments", "lens", "bound"), [
+        (3, [581, 0, 1, 130], None),     # 10 chunks: 4 + 4 + 2; 130: fewer chunks than segments
+        (4, [700, 65, 64], -5.0),        # 11 chunks: 3 + 3 + 3 + 2; 65: an empty last segment
+        (2, [129, 200], -5.0),
+    ])
+    def test_segment_parallel_scan(self, rng, segments, lens, bound):
+        """Segments forced: snapshots either side of every segment boundary, initial
+        states, packed sequences of awkward lengths, both gate paths. Decays are weak, so
+        each segment's entry state matters (at -5 per token it is forgotten in a chunk)."""
+        config = KernelConfig(block_v=32, scan_segments=segments)
+        inputs = segment_batch(rng, lens, segments, heads=1, head_k=32, head_v=32, padding=9,
+                               min_decay=-0.02)
+        o, _, _ = self.check_against_recurrence(inputs, 1e-5, config=config,
+                                                gate_lower_bound=bound)
+        end = int(inputs["cu_seqlens"][-1])
+        assert not np.asarray(o[end:]).any(), "padding rows must be zero"
+
+    def test_segment_parallel_scan_bf16(self, rng):
+        inputs = segment_batch(rng, [650, 3], 3, heads=1, head_k=32, head_v=32, dtype=jnp.bfloat16,
+                               min_decay=-0.02)
+        for bound in (None, -5.0):
+            o, _, _ = self.check_against_recurrence(
+                inputs, 5e-3, config=KernelConfig(block_v=32, scan_segments=3),
+                gate_lower_bound=bound)
+        assert o.dtype == jnp.bfloat16
+
     def test_new_lengths_and_offsets_do_not_retrace(self, rng):
         traces = []
 
@@ -190,6 +240,17 @@ class TestKdaKernelGpu(KdaKernelCases):
         self.check_against_recurrence(inputs, 5e-3)
         self.check_against_recurrence(inputs, 5e-3, gate_lower_bound=-5.0)
 
+    def test_runtime_picks_segment_parallel_scan(self, rng):
+        """One long sequence, few heads: the default config splits the scan (checked here
+        against the rule), and the result holds at the real head dims."""
+        config = select_config(device_spec(), num_seqs=1, num_heads=4, head_k=128,
+                               head_v=128, num_tokens=8192)
+        assert config.scan_segments > 1
+        offsets = boundary_offsets(8192, config.scan_segments)[:1]
+        inputs = make_inputs(rng, [8192], heads=4, head_k=128, head_v=128, padding=0,
+                             dtype=jnp.bfloat16, min_decay=-0.02, offsets=offsets)
+        self.check_against_recurrence(inputs, 5e-3, gate_lower_bound=-5.0)
+
 
 class TestKdaKernelInterpret(KdaKernelCases):
     INTERPRET = True
@@ -208,3 +269,10 @@ def test_config_rejects_mismatched_blocks(rng):
         kda_prefill(**inputs, config=KernelConfig(block_v=64))
     with pytest.raises(ValueError, match="K=32 .* key slice 24"):  # 8 columns would be lost
         kda_prefill(**inputs, config=KernelConfig(block_v=32, prep_block_k=24))
+
+
+@pytest.mark.parametrize("segments", [0, 17])
+def test_config_rejects_segment_counts(rng, segments):
+    inputs = make_inputs(rng, [10])
+    with pytest.raises(ValueError, match=f"scan_segments.*got {segments}"):
+        kda_prefill(**inputs, config=KernelConfig(block_v=32, scan_segments=segments))

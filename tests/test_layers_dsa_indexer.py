@@ -1,6 +1,9 @@
 """The DSA indexer inside MLA: dense when top-k covers the context, and the oracle's own
 top-k selection otherwise, in continuation prefill and in decode."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,6 +23,7 @@ from test_layers_oracles import f64, rms_norm
 
 from glmjax.layers.mla import MLA
 from glmjax.layers.paged_cache import MLACache
+from glmjax.layers.prefill_keys import PackedKeys
 
 
 def indexer_select_oracle(layer: MLA, config, x, top_k):
@@ -91,6 +95,40 @@ def test_select_is_the_visible_mask_wherever_top_k_covers_it(rng):
         np.testing.assert_array_equal(chosen, visible)
 
 
+def test_prefill_selection_is_lax_top_k_s_set(rng):
+    """`MLA.select_keys` over packed keys (prefixes, an empty sequence, padding rows and
+    queries, several query blocks) keeps exactly the keys lax.top_k keeps from the dense
+    masked scores. Small integer inputs: many exact ties, decided by the lower index."""
+    top_k = 5
+    layer = make_layer(dsa_config(top_k=top_k), rng)
+    layer.query_block = 8
+    lens, prefixes = np.array([9, 0, 14, 1]), np.array([6, 3, 0, 11])
+    cu_q = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens + prefixes)]).astype(np.int32)
+    num_q, num_k = cu_q[-1] + 3, cu_k[-1] + 4
+    seq = np.clip(np.searchsorted(cu_q, np.arange(num_q), side="right") - 1, 0, 3)
+    valid = np.arange(num_q) < cu_q[-1]
+    pos = np.where(valid, prefixes[seq] + np.arange(num_q) - cu_q[seq], 0)
+    key_seq = np.clip(np.searchsorted(cu_k, np.arange(num_k), side="right") - 1, 0, 3)
+    key_valid = np.arange(num_k) < cu_k[-1]
+    keys = PackedKeys(None, jnp.asarray(rng.integers(-2, 3, (num_k, 32)), jnp.float32),
+                      jnp.asarray(key_seq), jnp.asarray(np.arange(num_k) - cu_k[key_seq]),
+                      jnp.asarray(key_valid))
+    q = jnp.asarray(rng.integers(-1, 2, (num_q, 4, 32)), jnp.float32)
+    w = jnp.asarray(rng.integers(0, 3, (num_q, 4)), jnp.float32)
+    top = np.asarray(layer.select_keys((q, w), keys, jnp.asarray(cu_k), jnp.asarray(seq),
+                                       jnp.asarray(pos), jnp.asarray(valid)))
+    visible = ((key_seq[None] == seq[:, None]) & (keys.pos[None] <= pos[:, None])
+               & key_valid[None] & valid[:, None])
+    scores = jnp.einsum("rh,rhs->rs", w, jax.nn.relu(jnp.einsum("rhd,sd->rhs", q, keys.index)))
+    _, expected = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), top_k)
+    assert top.shape == (num_q, top_k)
+    for t in range(num_q):
+        want = [s for s in np.asarray(expected[t]) if visible[t, s]]
+        assert sorted(top[t][top[t] >= 0]) == sorted(want), t
+        assert (top[t][len(want):] == -1).all()
+
+
 class AlwaysSelect(MLA):
     """MLA that never skips the indexer, to compare against the skip."""
 
@@ -127,6 +165,32 @@ def test_skipping_the_indexer_equals_selecting(rng):
     np.testing.assert_allclose(y_skip, y_select, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(y_skip[cu[0]:cu[1]], oracle(layer, config, seqs[0])[8:],
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["glm-like", "kimi-like"])
+def test_dsa_kernels_match_the_reference_path(rng, variant):
+    """On a GPU: the prefill's DSA path through the Pallas kernels (`index_scores`,
+    `sparse_attention`) against the jax.numpy ops, fp32, continuing cached prefixes."""
+    changes = {} if variant == "glm-like" else {"qk_rope_head_dim": 32}
+    base = dataclasses.replace(dsa_config(top_k=8), **changes)
+    layers = {}
+    for attention in ("reference", "pallas"):
+        config = dataclasses.replace(base, mla_attention=attention)
+        layers[attention] = nnx.eval_shape(lambda c=config: MLA(c, rngs=nnx.Rngs(0)))
+    nnx.update(layers["pallas"], nnx.state(make_layer(base, rng)))
+    nnx.update(layers["reference"], nnx.state(layers["pallas"]))
+    seqs = [rng.normal(size=(n, base.hidden_size)) for n in (20, 13, 9, 0)]
+    table = random_block_table(rng)
+    x, cu = pack([s[:8] for s in seqs])
+    x2, cu2 = pack([s[8:] for s in seqs])
+    prefixes = jnp.array([8, 8, 8, 0], jnp.int32)
+    outputs = {}
+    for attention, layer in layers.items():
+        cache = MLACache.zeros(base, NUM_BLOCKS)
+        _, cache = prefill(layer, x, cu, cache, table, jnp.zeros((NUM_SEQS,), jnp.int32))
+        outputs[attention] = prefill(layer, x2, cu2, cache, table, prefixes)[0]
+    np.testing.assert_allclose(outputs["pallas"], outputs["reference"], rtol=1e-4, atol=1e-5)
 
 
 def test_cache_without_index_keys_is_refused(rng):

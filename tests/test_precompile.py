@@ -1,10 +1,23 @@
 """serving.precompile: the programs it lists are every shape the batch builder can pad a
-batch to (checked against `bucket_for` over every token and sequence count)."""
+batch to (checked against `bucket_for` over every token and sequence count), and the
+sampler among them has one shape."""
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
+import serving.engine
+from glmjax.config import ModelConfig
+from glmjax.model import DecodeOutput, HybridModel, PrefillOutput
+from glmjax.sharding import single_device_steps
 from serving.batch_builder import BatchBuckets, bucket_for
-from serving.precompile import reachable_programs
+from serving.compiles import CompileLog
+from serving.engine import Engine, EngineConfig
+from serving.precompile import precompile, reachable_programs
+from serving.request import SamplingParams
 from serving.step import SchedulerConfig
 
 
@@ -32,6 +45,85 @@ def test_every_reachable_shape_is_listed_and_nothing_else(config, single):
             reached |= {("prefill", (t, n, m)) for m in widths}
     for seqs in range(1, config.max_num_seqs + 1):
         n = bucket_for(buckets.seqs, seqs, "sequences")
-        reached |= {("decode", (n, m)) for m in widths} | {("sample", (n,))}
-    reached |= {("copy_kv_blocks", ()), ("copy_state_slots", ())}
+        reached |= {("decode", (n, m)) for m in widths} | {("gather_rows", (n,))}
+    reached |= {("copy_kv_blocks", ()), ("copy_state_slots", ()), ("sample", ())}
     assert listed == reached
+
+
+class FakeStep:
+    """A model step's stand-in: logits one-hot at each row's last token, caches passed
+    through, status OK. Jitted per bucket as the real step is, with the same ``lower``
+    (the sampler's and the copies' compiles do not depend on the model)."""
+
+    def __init__(self, kind: str, vocab_size: int):
+        self.kind, self.vocab_size, self.rows_seen = kind, vocab_size, set()
+        self.jitted = jax.jit(self._step)
+
+    def _step(self, caches, batch):
+        if self.kind == "prefill":
+            last = jnp.clip(batch.cu_seqlens[1:] - 1, 0, batch.token_ids.shape[0] - 1)
+            logits = jax.nn.one_hot(batch.token_ids[last] % self.vocab_size, self.vocab_size)
+            return PrefillOutput(logits, caches, jnp.int32(0), None)
+        logits = jax.nn.one_hot(batch.token_ids % self.vocab_size, self.vocab_size)
+        return DecodeOutput(logits, caches, jnp.int32(0))
+
+    def __call__(self, model_state, caches, batch):
+        self.rows_seen.add(batch.block_tables.shape[0])
+        return self.jitted(caches, batch)
+
+    def lower(self, model_state, caches, batch):
+        return self.jitted.lower(caches, batch)
+
+
+def fake_engine(**config) -> Engine:
+    """An engine of the tiny preset's shapes on `FakeStep`s."""
+    model_config = dataclasses.replace(ModelConfig.preset("tiny"), kv_block_size=16)
+    vocab = model_config.vocab_size
+    steps = single_device_steps(model_config)._replace(prefill=FakeStep("prefill", vocab),
+                                                       decode=FakeStep("decode", vocab))
+    model = nnx.state(nnx.eval_shape(lambda: HybridModel(model_config, nnx.Rngs(0))))
+    return Engine(model_config, model, EngineConfig(block_size=16, **config), steps=steps)
+
+
+def mixed_workload(engine: Engine, rng, requests: int = 10) -> None:
+    """Requests of random lengths (some sharing a prefix), greedy and sampled, arriving
+    while others run, until all finish."""
+    shared = rng.integers(1, 200, 40).tolist()
+    for k in range(requests):
+        length = int(rng.integers(1, 45))
+        prompt = (shared[:length] if k % 3 == 0 else rng.integers(1, 200, length).tolist())
+        engine.add_request(f"r{k}", prompt, SamplingParams(
+            max_tokens=int(rng.integers(1, 12)), temperature=float(k % 2), top_k=k % 4))
+        for _ in range(int(rng.integers(0, 3))):
+            engine.step()
+    engine.run_until_done()
+
+
+def test_the_sampler_compiles_once_across_sequence_buckets(rng):
+    """An engine whose batches reach several sequence buckets (prefill and decode, one to
+    four requests) compiles the sampler once; only the row gather compiles per bucket."""
+    engine = fake_engine(max_model_len=64, budget=32, max_num_seqs=4, num_kv_blocks=32,
+                         num_state_slots=16)
+    serving.engine._sample.clear_cache()  # whatever other tests compiled before
+    serving.engine._gather_rows.clear_cache()
+    with CompileLog() as log:
+        mixed_workload(engine, rng)
+    compiles = log.by_function()
+
+    rows_seen = engine.steps.prefill.rows_seen | engine.steps.decode.rows_seen
+    assert len(rows_seen) >= 3  # several sequence buckets were sampled from
+    assert compiles["jit(sample)"]["count"] == 1
+    assert compiles["jit(_gather_rows)"]["count"] == len(rows_seen)
+
+
+def test_after_precompile_a_mixed_workload_compiles_nothing(rng):
+    """Every program the engine calls while serving requests of any shape within its
+    limits (prefix hits and their copies included) was compiled by `precompile`."""
+    engine = fake_engine(max_model_len=64, budget=32, max_num_seqs=4, num_kv_blocks=24,
+                         num_state_slots=12)
+    precompile(engine, workers=2, progress=False)
+    with CompileLog() as log:
+        mixed_workload(engine, rng, requests=16)
+
+    assert engine.metrics().prefix_cache_hits > 0
+    assert log.count == 0, log.by_function()

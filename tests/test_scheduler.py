@@ -512,3 +512,24 @@ def test_config_and_step_protocol_are_checked():
     harness.scheduler.update_from_step(step, {"a": 1})
     with pytest.raises(ValueError, match="not the step in flight"):
         harness.scheduler.update_from_step(step, {"a": 1})
+
+
+def test_a_failure_while_recording_a_step_frees_the_slots_it_held():
+    harness = Harness(num_blocks=64, num_slots=32)
+    for i, length in enumerate([3000, 2000]):
+        harness.add(f"r{i}", [i] * length, max_tokens=2)
+    step = harness.scheduler.schedule()
+    held = [slot for p in step.prefills
+            for slot in (*p.checkpoint_slots, *([p.retain_slot] if p.retain_slot is not None
+                                                 else []))]
+    assert len(held) > 2 and all(harness.cache.states.refcount(s) for s in held)
+    prefill, decode = harness.builder.build(step)
+    tokens = harness.device.run(step, prefill, decode)
+
+    def broken(request, prefill):
+        raise RuntimeError("injected")
+
+    harness.scheduler._register = broken
+    with pytest.raises(RuntimeError, match="injected"):
+        harness.scheduler.update_from_step(step, tokens)
+    assert [harness.cache.states.refcount(s) for s in held] == [0] * len(held)

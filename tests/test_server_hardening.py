@@ -27,8 +27,11 @@ import uvicorn
 
 from serving import server as server_module
 from serving.async_engine import AsyncEngine
+from serving.batch_builder import BatchBuckets
 from serving.http_guard import HTTPOptions
+from serving.precompile import reachable_programs
 from serving.request import SamplingParams
+from serving.step import SchedulerConfig
 
 MAX_MODEL_LEN = 512
 ARGS = (
@@ -430,8 +433,14 @@ def test_help_shows_defaults_and_limits(capsys):
         "logprobs <= 5",
         "at most 16 non-empty strings",
         "KV block ids",
+        "--precompile none: ready once the weights are in memory",
+        "python -m bench.startup",
     ):
         assert shown in text, shown
+    # The start-up section counts the default flags' programs as the precompile lists them.
+    defaults = SchedulerConfig(max_model_len=4096, block_size=512, budget=8192, max_num_seqs=64)
+    programs = len(reachable_programs(BatchBuckets.for_config(defaults)))
+    assert f"the default flags reach {programs} programs" in text
     with pytest.raises(SystemExit):
         server_module.parse_args(["--max-body-bytes", "0"])
 

@@ -1,15 +1,20 @@
 """Tiling choice per device: GB10's 99 KB of shared memory per block is never exceeded."""
 
 import dataclasses
+import functools
 
 import pytest
 
 from pallas_kernels.tuning import (
     GB10,
     H200,
+    SEGMENT_STEP_COST,
+    TRANSITION_REGISTERS,
     DeviceSpec,
     KernelConfig,
     estimate_shared_memory,
+    resident_programs,
+    segment_model,
     select_config,
 )
 
@@ -68,3 +73,44 @@ def test_no_config_fits_a_tiny_device():
     tiny = DeviceSpec("tiny", (12, 1), 8, 16 * 1024)
     with pytest.raises(ValueError, match="shared memory"):
         select_config(tiny, num_seqs=1, num_heads=1, head_k=128, head_v=128)
+
+
+@pytest.mark.parametrize("spec", [GB10, H200], ids=["gb10", "h200"])
+def test_segment_parallel_scan_for_few_heads_and_one_long_prompt(spec):
+    """TP4's 16 heads and one 32K prompt split the scan where it is latency-bound (H200);
+    on GB10 its bytes already take longer than its steps, so it stays plain there unless
+    the bandwidth is unknown. Many heads, several sequences, short prompts or an unknown
+    token count keep the plain scan everywhere."""
+
+    def segments(num_seqs, num_heads, num_tokens=None, spec=spec):
+        return select_config(spec, num_seqs=num_seqs, num_heads=num_heads, head_k=128,
+                             head_v=128, num_tokens=num_tokens).scan_segments
+
+    if spec is H200:
+        assert segments(1, 16, 32768) == 4
+        assert segments(1, 4, 32768) > 4
+    else:
+        # plain: max(2 waves x 512 steps x 2.6 us, 1,544 B x 32K x 16 / 273 GB/s = 2.97 ms)
+        assert segments(1, 16, 32768) == 1
+        unknown = dataclasses.replace(spec, memory_bandwidth=0.0)
+        assert segments(1, 16, 32768, spec=unknown) == 3
+    assert segments(1, 64, 32768) == 1
+    assert segments(4, 16, 4 * 8192) == 1
+    assert segments(1, 4, 2048) == 1  # 32 chunks: not MIN_SEGMENT_CHUNKS for 3 segments
+    assert segments(1, 16) == 1
+
+
+def test_segment_model_counts_waves():
+    """H200, 16 heads x 4 value blocks = 64 programs, 512 chunks: the plain scan is one
+    wave of 512 steps. P segments run 64 (2P - 3) transition programs (3 a SM) and 64 P
+    scan programs (2 a SM at 4 warps), each wave ceil(512 / P) steps."""
+    model = functools.partial(segment_model, H200.num_sms, 64, 4, 4, chunks=512,
+                              plain_warps=8, segment_warps=4)
+    assert resident_programs(8) == 1 and resident_programs(4) == 2
+    assert resident_programs(4, TRANSITION_REGISTERS) == 3
+    assert model(1) == 512
+    assert model(3) == pytest.approx(SEGMENT_STEP_COST * 171 * 2)
+    assert model(4) == pytest.approx(SEGMENT_STEP_COST * 128 * 2)  # 320 and 256: one wave each
+    assert model(5) == pytest.approx(SEGMENT_STEP_COST * 103 * 4)  # 448 and 320: two each
+    assert select_config(H200, num_seqs=1, num_heads=16, head_k=128, head_v=128,
+                         num_tokens=32768).scan_segments == 4

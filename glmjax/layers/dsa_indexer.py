@@ -21,6 +21,8 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.layers.projection import projection
+from pallas_kernels.index_scores import index_scores
+from pallas_kernels.top_k import select_top_k
 
 
 class DSAIndexer(nnx.Module):
@@ -57,15 +59,35 @@ class DSAIndexer(nnx.Module):
           visible: bool [R, S], the causal mask.
         Returns:
           int32 [R, min(top_k, S)] key indices and bool [R, min(top_k, S)]: whether each is
-          visible (a query with fewer visible keys than top_k gets invisible fillers).
+          visible (a query with fewer visible keys than top_k gets invisible fillers). The
+          set is lax.top_k's (ties: the lower index), selected without a sort
+          (`select_top_k`); each row lists its visible keys first, in ascending index.
         """
         with jax.named_scope("dsa_indexer"):
             pattern = "rhd,sd->rhs" if keys.ndim == 2 else "rhd,rsd->rhs"
             dots = jnp.einsum(pattern, q, keys, preferred_element_type=jnp.float32)
             scores = jnp.einsum("rh,rhs->rs", weights, jax.nn.relu(dots))
             scores = jnp.where(visible, scores, -jnp.inf)
-            _, top = jax.lax.top_k(scores, min(self.top_k, scores.shape[-1]))
-            return top.astype(jnp.int32), jnp.take_along_axis(visible, top, axis=-1)
+            top = select_top_k(scores, min(self.top_k, scores.shape[-1]))
+            return top, jnp.take_along_axis(visible, top, axis=-1)
+
+    def top_keys_in_ranges(self, q: jax.Array, weights: jax.Array, keys: jax.Array,
+                           key_start: jax.Array, key_end: jax.Array, *,
+                           implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+        """`top_keys` of packed queries whose visible keys are a row range each.
+
+        Args:
+          q [R, H_I, d_I], weights [R, H_I]: R queries; keys [S, d_I] shared by all.
+          key_start, key_end: int32 [R]; query r sees keys [key_start[r], key_end[r]).
+          implementation: `pallas_kernels.index_scores`'s (None: by device).
+        Returns:
+          as `top_keys`.
+        """
+        with jax.named_scope("dsa_indexer"):
+            scores = index_scores(q, weights, keys, key_start, key_end,
+                                  implementation=implementation)  # [R, S], -inf: not seen
+            top = select_top_k(scores, min(self.top_k, scores.shape[-1]))
+            return top, (top >= key_start[:, None]) & (top < key_end[:, None])
 
     def select(self, q: jax.Array, weights: jax.Array, keys: jax.Array,
                visible: jax.Array) -> jax.Array:

@@ -10,11 +10,13 @@ Prefill packs each sequence's keys contiguously (its cached prefix up to prefix_
 then its new tokens), expands their latents through kv_b_proj (non-absorbed) and attends
 with the flash op `pallas_kernels.prefill_attention`: no score tensor in memory, and a
 packed batch costs what its sequences cost. With a DSA indexer, a batch in which some
-query sees more than top_k keys goes through the indexer's selection instead (a masked
-[H, query_block, S] score tensor per block of queries); otherwise the indexer would select
-every visible key and is skipped. Decode folds W_uk into the query and W_uv after the
-weighted sum (absorbed), so it reads only latents. Both are the same function of the cache,
-up to rounding.
+query sees more than top_k keys goes through the indexer's selection instead (index scores
+[query_block, S] per block of queries by `pallas_kernels.index_scores`, top-k by
+`pallas_kernels.top_k.select_top_k`) and
+`pallas_kernels.sparse_attention`: absorbed, each query's heads against only its top_k
+latents; otherwise the indexer would select every visible key and is skipped. Decode folds
+W_uk into the query and W_uv after the weighted sum (absorbed), so it reads only latents.
+All are the same function of the cache, up to rounding.
 
 Under a `glmjax.sharding.ShardingPlan` the latent cache is split by token over the dcp
 ranks (`DCPLayout`). Prefill all-gathers the cached prefix over dcp and attends as on one
@@ -49,11 +51,12 @@ from glmjax.layers.paged_cache import (
 from glmjax.layers.prefill_keys import CachedPrefix, PackedKeys, sequence_keys
 from glmjax.layers.projection import projection
 from pallas_kernels.attention import prefill_attention
+from pallas_kernels.sparse_attention import sparse_attention
 
 if TYPE_CHECKING:
     from glmjax.sharding import ShardingPlan
 
-PREFILL_QUERY_BLOCK = 1024  # queries per block of the DSA-selected prefill attention
+PREFILL_QUERY_BLOCK = 1024  # queries per block of the DSA indexer's [block, S] scores
 
 
 def softmax_with_lse(scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -66,11 +69,6 @@ def softmax_with_lse(scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax
     total = jnp.sum(weights, axis=-1, keepdims=True)
     lse = jnp.where(total > 0, peak + jnp.log(jnp.where(total > 0, total, 1)), -jnp.inf)
     return weights / jnp.where(total > 0, total, 1), lse[..., 0]
-
-
-def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax over the last axis restricted to `mask`; fully masked rows give zeros."""
-    return softmax_with_lse(scores, mask)[0]
 
 
 def latent_attention(q_abs: jax.Array, q_pe: jax.Array | None, latent: jax.Array,
@@ -162,6 +160,8 @@ class MLA(nnx.Module):
         self.indexer = None if config.dsa_top_k is None else DSAIndexer(config, rngs=rngs)
         self.query_block = PREFILL_QUERY_BLOCK
         self.attention = config.mla_attention
+        # The DSA ops (`index_scores`, `sparse_attention`): None picks by device.
+        self.dsa_implementation = "reference" if self.attention == "reference" else None
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array, cache: MLACache | None = None,
                  block_table: jax.Array | None = None, prefix_lens: jax.Array | None = None,
@@ -202,7 +202,7 @@ class MLA(nnx.Module):
                              - cu_seqlens[seq])
                 selected = functools.partial(
                     self._attend_selected, q_nope, q_pe, self.indexer.queries(x, q_latent),
-                    keys, seq, query_pos, valid)
+                    keys, cu_keys, seq, query_pos, valid, plan)
                 max_keys = tokens + (0 if prefix is None else prefix.latent.shape[1])
                 out = self._dense_or_selected(dense, selected, cu_seqlens, prefix_used,
                                               max_keys=max_keys)
@@ -386,26 +386,56 @@ class MLA(nnx.Module):
         widest = jnp.max(jnp.where(lens > 0, prefix_used + lens, 0))
         return lax.cond(widest <= self.indexer.top_k, dense, selected)
 
-    def _attend_selected(self, q_nope, q_pe, index_queries, keys: PackedKeys, seq, pos, valid):
-        """Non-absorbed over the keys the DSA indexer selects for each query (a [H, block,
-        S] score tensor per block of `query_block` queries): q [T, H, *] -> [T, H, v]."""
-        k_nope, k_pe, v = self._expand(keys, q_nope.dtype)
+    def select_keys(self, index_queries, keys: PackedKeys, cu_keys, seq, pos, valid, plan=None
+                    ) -> jax.Array:
+        """Each query's top_k causally visible keys by index score, `query_block` queries at
+        a time (their [block, S] scores by `index_scores`): int32 [T, min(top_k, S)] rows
+        of `keys`, -1 past the visible ones.
 
-        def attend(q_nope, q_pe, index_queries, seq, pos, valid):
-            mask = ((keys.seq[None] == seq[:, None]) & (keys.pos[None] <= pos[:, None])
-                    & keys.valid[None] & valid[:, None])  # [T, S]
-            mask = self.indexer.select(*index_queries, keys.index, mask)
-            scores = (jnp.einsum("thd,shd->hts", q_nope, k_nope,
-                                 preferred_element_type=jnp.float32)
-                      + jnp.einsum("thr,sr->hts", q_pe, k_pe,
-                                   preferred_element_type=jnp.float32))
-            probs = masked_softmax(scores * self.scale, mask[None])
-            return jnp.einsum("hts,shv->thv", probs.astype(v.dtype), v,
-                              preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        Args: index_queries: `DSAIndexer.queries`; cu_keys int32 [N + 1]: sequence n's keys
+          are rows cu_keys[n]:cu_keys[n + 1]; seq, pos, valid int32 / bool [T]: each query's
+          sequence, position among its sequence's keys, and realness; plan: the mesh (the
+          selection is replicated on it).
+        """
+        first = jnp.where(valid, cu_keys[seq], 0)
+        last = jnp.where(valid, first + pos + 1, 0)  # row t sees keys [first, last)
+        top_keys = functools.partial(self.indexer.top_keys_in_ranges,
+                                     implementation=self.dsa_implementation)
+        if plan is not None:
+            # check_vma off: a pallas_call does not declare how its outputs vary.
+            top_keys = jax.shard_map(top_keys, mesh=plan.mesh, in_specs=plan.specs.replicated,
+                                     out_specs=plan.specs.replicated, check_vma=False)
 
+        def select(index_q, index_w, first, last):
+            top, keep = top_keys(index_q, index_w, keys.index, first, last)
+            return jnp.where(keep, top, -1)
+
+        return _in_query_blocks(select, self.query_block, *index_queries, first, last)
+
+    def _attend_selected(self, q_nope, q_pe, index_queries, keys: PackedKeys, cu_keys, seq,
+                         pos, valid, plan):
+        """Absorbed over the latents the DSA indexer selects for each query
+        (`sparse_attention`: per query, all heads against its top_k latents; no [H, T, S]
+        scores): q [T, H, *] -> [T, H, v]. On a mesh each device attends with its own
+        heads; the keys and the selection are replicated."""
+        top = self.select_keys(index_queries, keys, cu_keys, seq, pos, valid, plan)
+        w_uk, w_uv = self._absorption(q_nope.dtype)
+        q = jnp.einsum("thd,chd->thc", q_nope, w_uk,
+                       preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        if self.rope:
+            q = jnp.concatenate([q, q_pe], axis=-1)  # [T, H, kv_lora + rope]
+        attend = functools.partial(sparse_attention, kv_lora=self.kv_lora, scale=self.scale,
+                                   implementation=self.dsa_implementation)
+        if plan is not None:
+            s = plan.specs
+            # check_vma off: a pallas_call does not declare how its outputs vary.
+            attend = jax.shard_map(
+                attend, mesh=plan.mesh, in_specs=(s.heads, s.replicated, s.replicated),
+                out_specs=(s.heads, s.head_scalars), check_vma=False)
         with jax.named_scope("attention"):
-            return _in_query_blocks(attend, self.query_block, q_nope, q_pe, index_queries,
-                                    seq, pos, valid)
+            out_latent, _ = attend(q, keys.latent.astype(q.dtype), top)  # [T, H, kv_lora]
+        return jnp.einsum("thc,chv->thv", out_latent, w_uv,
+                          preferred_element_type=jnp.float32).astype(q_nope.dtype)
 
     def _absorption(self, dtype) -> tuple[jax.Array, jax.Array]:
         """W_uk [C, H, nope] and W_uv [C, H, v], the two halves of kv_b_proj."""

@@ -1,0 +1,301 @@
+"""Decode through the serving engine against its memory floor.
+
+    python -m bench.decode --quick                                     # CPU smoke run
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m bench.decode         # H200
+
+Model: `--preset` (kimi-linear-48b) whole (27 layers, 256 experts; `--num-layers` and
+`--num-experts` cut it), seeded random bf16 weights drawn on the device
+(`glmjax.random_weights.random_model`), on one device.
+
+Each case is a batch B of `--batches` (1, 16, 64): B requests with fresh random prompts of
+`--context` tokens (8192) are added one by one, as users send them, each with
+`--decode-room` tokens to generate (no request finishes while timed), and the engine steps
+until every one has its first token (prefill steps, decodes of the earlier ones beside).
+Then `--warmup` decode steps, untimed, and `--steps` decode steps, each timed on its own
+(`Engine.step()` ends with the step's blocking device-to-host fetch, so each time is a
+whole step: scheduling, batch building, the model's decode, sampling). Every timed step
+must generate exactly B tokens. Reported per case: the median step time, tokens/s =
+B / median, and the memory floor of each timed step (`bench.decode_floor`: the weights,
+the routed experts B rows touch, the KDA states read and written, the MLA latents read over
+each row's actual context, at 4.8 TB/s), with the ratio step / floor. The requests are
+then aborted. Prefix caching is off (`--prefix-caching` turns it on): the prompts are
+distinct and the decode steps are the same either way.
+
+Compiles: a dry run of the same requests through the scheduler and batch builder lists
+every batch shape the run uses; they compile ahead (`--compile-workers` threads) while the
+weights are drawn (`bench.buckets`), and `compiles_during_timing` counts any compile in a
+timed step (the sampler and copies compile in the untimed steps).
+
+Profile (`--profile`, the default on a GPU without `--quick`): after the cases, one more
+decode step at the largest batch traced with `jax.profiler` (`bench.profile`: device time
+by op category). Writes JSON to bench/results/decode_<preset>.json (`--json`) after every
+case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from bench.buckets import DryRun, log, precompile, step_functions
+from bench.decode_floor import decode_sizes, decode_step_bytes, floor_seconds
+from bench.prefill import RESULTS, model_config, write_json
+from bench.prefill_cases import Session
+from bench.profile import print_profile, profile_call, traceable
+from glmjax import compile_cache
+from glmjax.model import HybridModel, decode_step
+from glmjax.random_weights import random_model
+from serving.compiles import CompileLog
+from serving.engine import Engine, EngineConfig
+
+FULL = dict(preset="kimi-linear-48b", num_layers=None, num_experts=None, context=8192,
+            batches="1,16,64", block_size=512, budget=8192, decode_room=512, steps=16,
+            warmup=2, compile_workers=8)  # fmt: skip
+QUICK = dict(preset="tiny", num_layers=None, num_experts=None, context=96, batches="1,3",
+             block_size=32, budget=128, decode_room=16, steps=3, warmup=1,
+             compile_workers=2)  # fmt: skip
+
+
+def engine_config(args) -> EngineConfig:
+    """Room for the largest batch at `--context` + `--decode-room` tokens each."""
+    largest = max(args.batch_sizes)
+    max_len = args.context + args.decode_room
+    return EngineConfig(
+        max_model_len=max_len, block_size=args.block_size, budget=args.budget,
+        prefix_caching=args.prefix_caching, max_num_seqs=largest,
+        num_kv_blocks=largest * -(-max_len // args.block_size) + 8,
+        num_state_slots=largest + 8,
+    )  # fmt: skip
+
+
+class Case:
+    """One batch of requests decoding together in a session (an engine or a dry run)."""
+
+    def __init__(self, session: Session, args, batch: int, rng: np.random.Generator,
+                 vocab_size: int, name: str = "b"):
+        self.session, self.ids = session, [f"{name}{batch}-{k}" for k in range(batch)]
+        self.prompts = {r: rng.integers(0, vocab_size, args.context).tolist() for r in self.ids}
+        for request_id, prompt in self.prompts.items():
+            session.add(request_id, prompt, args.decode_room)
+
+    def contexts(self) -> list[int]:
+        """Positions each row attends over in the next decode step (its new one included)."""
+        outputs = self.session.outputs
+        return [len(self.prompts[r]) + len(outputs[r].output_token_ids) for r in self.ids]
+
+    def step(self) -> float:
+        """One decode step of the whole batch; its seconds.
+
+        Raises:
+          RuntimeError: the step did not generate one token for every request.
+        """
+        before = self.session.generated(self.ids)
+        start = time.perf_counter()
+        self.session.step()
+        seconds = time.perf_counter() - start
+        if (made := self.session.generated(self.ids) - before) != len(self.ids):
+            raise RuntimeError(f"a decode step of {len(self.ids)} requests made {made} "
+                               "tokens (raise --decode-room?)")
+        return seconds
+
+    def close(self) -> None:
+        for request_id in self.ids:
+            self.session.engine.abort(request_id)
+        self.session.step()
+        for request_id in self.ids:
+            del self.session.outputs[request_id]
+
+
+def run_case(session: Session, args, batch: int, rng, config, sizes, compile_log) -> dict:
+    case = Case(session, args, batch, rng, config.vocab_size)
+    for _ in range(args.warmup):
+        case.step()
+    times, floors, compiles = [], [], compile_log.count
+    for _ in range(args.steps):
+        floors.append(decode_step_bytes(config, sizes, case.contexts()))
+        times.append(case.step())
+    compiles = compile_log.count - compiles
+    case.close()
+    step_s = statistics.median(times)
+    floor = {key: statistics.median(f[key] for f in floors) for key in floors[0]}
+    floor_s = floor_seconds(floor["total"])
+    return dict(batch=batch, context=args.context, step_s=times, median_step_s=step_s,
+                tokens_per_s=batch / step_s, floor_bytes=floor, floor_s=floor_s,
+                floor_tokens_per_s=batch / floor_s, step_over_floor=step_s / floor_s,
+                compiles_during_timing=compiles)
+
+
+def dry_run_buckets(args, buckets, config) -> dict:
+    """Every case through the scheduler and batch builder alone: a batch per bucket."""
+    dry = DryRun(engine_config(args), buckets)
+    session, rng = Session(dry, {}), np.random.default_rng(args.seed)
+    for batch in args.batch_sizes:
+        case = Case(session, args, batch, rng, config.vocab_size)
+        for _ in range(args.warmup + args.steps):
+            case.step()
+        case.close()
+    return dry.batches
+
+
+def profile_step(session: Session, args, batch: int, rng, config, device_kind, step_s):
+    """One decode step of `batch` fresh requests traced, once they all decode: a twin of the
+    decode step whose kernels keep their op names, compiled in an untraced step first."""
+    engine, timed = session.engine, session.engine.steps
+    case = Case(session, args, batch, rng, config.vocab_size, name="profile")
+    try:
+        engine.steps = timed._replace(decode=traceable(decode_step, donate_argnums=1))
+        case.step()
+        trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="decode_trace_"))
+        return profile_call(lambda: (case.step(), engine.caches)[1], trace_dir, flops=None,
+                            device_kind=device_kind, step_s=step_s) | {"batch": batch}
+    finally:
+        engine.steps = timed
+        case.close()
+
+
+def run_benchmark(args) -> dict:
+    start = time.perf_counter()
+    if args.profile is None:
+        args.profile = not args.quick and jax.default_backend() == "gpu"
+    config = model_config(args)
+    sizes = decode_sizes(config)
+    abstract = nnx.split(nnx.eval_shape(lambda: HybridModel(config, nnx.Rngs(0))))
+    result = dict(
+        device=jax.devices()[0].device_kind, platform=platform.platform(), jax=jax.__version__,
+        commit=_commit(), args=vars(args), complete=False,
+        model=dict(name=config.name, num_layers=config.num_layers,
+                   num_experts=config.num_experts,
+                   experts_per_token=config.num_experts_per_token,
+                   kda_backend=config.resolved_kda_backend()),
+        floor_sizes=sizes._asdict(), engine=dataclasses.asdict(engine_config(args)),
+    )  # fmt: skip
+    log(f"{config.name}: drawing the weights while compiling")
+    with CompileLog() as compile_log, concurrent.futures.ThreadPoolExecutor(1) as host:
+        weights = host.submit(lambda: (random_model(config, args.seed), time.perf_counter()))
+        probe = Engine(config, abstract, engine_config(args))
+        batches = dry_run_buckets(args, probe.builder.buckets, config)
+        log(f"dry run: {len(batches)} buckets {sorted(batches)}")
+        mark = time.perf_counter()
+        result["buckets"] = precompile(step_functions(probe), batches, abstract, probe.caches,
+                                       args.compile_workers)
+        result["setup_s"] = {"precompile": time.perf_counter() - mark}
+        del probe
+        model, drawn = weights.result()
+        result["setup_s"]["weights_ready"] = drawn - start
+        engine = Engine(config, nnx.split(model), engine_config(args))
+        del model
+        session, rng = Session(engine, {}), np.random.default_rng(args.seed + 1)
+        for batch in args.batch_sizes:
+            log(f"batch {batch}: {batch} prompts of {args.context} tokens, then decode")
+            entry = run_case(session, args, batch, rng, config, sizes, compile_log)
+            log(f"batch {batch}: step {entry['median_step_s'] * 1e3:.2f} ms, "
+                f"{entry['tokens_per_s']:.1f} tokens/s, floor {entry['floor_s'] * 1e3:.2f} ms "
+                f"(x{entry['step_over_floor']:.2f})")
+            result.setdefault("cases", []).append(entry)
+            _update_totals(result, compile_log, start)
+            write_json(result, args.json)
+        if args.profile:
+            largest = result["cases"][-1]
+            result["profile"] = profile_step(session, args, largest["batch"], rng, config,
+                                             result["device"], largest["median_step_s"])
+        _update_totals(result, compile_log, start)
+    result["complete"] = True
+    write_json(result, args.json)
+    return result
+
+
+def _update_totals(result: dict, compile_log: CompileLog, start: float) -> None:
+    stats = jax.devices()[0].memory_stats() or {}
+    result.update(compiles=compile_log.by_function(),
+                  compiles_during_timing=sum(c["compiles_during_timing"]
+                                             for c in result.get("cases", [])),
+                  peak_bytes_in_use=stats.get("peak_bytes_in_use"),
+                  bytes_limit=stats.get("bytes_limit"), wall_s=time.perf_counter() - start)
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def print_table(result: dict) -> None:
+    print(f"\ndecode at {result['args']['context']} tokens of context, {result['model']['name']}"
+          f" on {result['device']} (floor: bytes a step must move at 4.8 TB/s)")
+    print(f"{'batch':>5} {'step ms':>9} {'tokens/s':>9} {'floor ms':>9} {'x floor':>8} "
+          f"{'floor GB':>9} {'weights':>8} {'experts':>8} {'states':>7} {'kv':>6}")
+    for e in result.get("cases", []):
+        gb = {k: v / 1e9 for k, v in e["floor_bytes"].items()}
+        print(f"{e['batch']:>5} {e['median_step_s'] * 1e3:>9.2f} {e['tokens_per_s']:>9.1f} "
+              f"{e['floor_s'] * 1e3:>9.3f} {e['step_over_floor']:>8.2f} {gb['total']:>9.2f} "
+              f"{gb['weights']:>8.2f} {gb['experts']:>8.2f} {gb['states']:>7.2f} "
+              f"{gb['kv']:>6.2f}")
+    if "profile" in result:
+        print_profile(result["profile"], f"one decode step of {result['profile']['batch']} rows")
+    peak = result["peak_bytes_in_use"]
+    print(f"\n{len(result['buckets'])} buckets compiled ahead in "
+          f"{result['setup_s']['precompile']:.0f} s; {result['compiles_during_timing']} "
+          "compiles while timing; peak device memory "
+          + ("n/a" if peak is None else f"{peak / 2**30:.1f} GiB"))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.decode",
+                                     description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--quick", action="store_true", help="CPU smoke run: tiny preset, short prompts")
+    add("--preset", help="model preset (kimi-linear-48b)")
+    add("--num-layers", type=int, help="layers kept (all)")
+    add("--num-experts", type=int, help="routed experts kept (all)")
+    add("--context", type=int, help="prompt tokens of every request (8192)")
+    add("--batches", help="requests decoding together, comma-separated (1,16,64)")
+    add("--decode-room", type=int, help="max_tokens of every request (512)")
+    add("--steps", type=int, help="timed decode steps per batch (16)")
+    add("--warmup", type=int, help="untimed decode steps first (2)")
+    add("--budget", type=int, help="tokens per step (8192)")
+    add("--block-size", type=int, help="P, tokens per KV block (512)")
+    add("--prefix-caching", action="store_true", help="turn the prefix cache on")
+    add("--compile-workers", type=int, help="threads compiling buckets ahead (8)")
+    add("--profile", action=argparse.BooleanOptionalAction,
+        help="trace one decode step at the largest batch (default: on a GPU, off with --quick)")
+    add("--trace-dir", type=Path, help="where the trace goes (a new temp dir)")
+    add("--seed", type=int, default=0)
+    add("--json", type=Path, help="output (bench/results/decode_<preset>.json)")
+    compile_cache.add_arguments(parser)
+    args = parser.parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.batch_sizes = sorted({int(x) for x in str(args.batches).split(",") if x})
+    if not args.batch_sizes or args.batch_sizes[0] < 1:
+        parser.error(f"--batches {args.batches!r}: give one or more sizes >= 1")
+    args.dcp = 1  # one device (bench.prefill.model_config reads it)
+    args.json = args.json or RESULTS / f"decode_{args.preset}.json"
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    compile_cache.enable_from_args(args)
+    result = run_benchmark(args)
+    print_table(result)
+    print(f"wrote {result['args']['json']}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

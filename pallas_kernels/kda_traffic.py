@@ -1,0 +1,51 @@
+"""Bytes the KDA prefill kernel moves per token and head, by source count (issue 20).
+
+Each pass's reads and writes of per-row tensors, every tensor counted once per pass (the
+value-block programs of one head that load the same W or Kg tile are assumed to share it
+through L2), on the fast path: bf16 q, k, v, beta and matmul operands, fp32 g, G and T
+(see `pallas_kernels.kda_prep`). Per-chunk tensors (G_last, the entry states) count 1/C
+of their size per token; per-sequence ones (states, snapshots, segment transitions) are
+left out: they do not grow with the tokens. GB10's 273 GB/s turns the total into the
+time a bandwidth-bound kernel cannot beat there. `tuning.select_segments` uses the scan's
+share; `bench.kda_kernel` prints it all.
+"""
+
+from __future__ import annotations
+
+from pallas_kernels.kda_prep import SUB_CHUNK
+from pallas_kernels.tuning import KernelConfig
+
+GB10_BANDWIDTH = 273e9  # bytes/s, DGX Spark's LPDDR5X
+BF16, FP32 = 2, 4
+
+
+def bytes_per_token_head(config: KernelConfig, head_k: int, head_v: int, *,
+                         bounded: bool) -> dict[str, float]:
+    """Bytes per token and head of each pass (bounded: the gate path without
+    `kda_chunk_diagonal`); the segment transitions (`scan_segments` P > 1) read W, U, Kg
+    and G_last of the first P - 1 segments, (P - 1) / P of the tokens."""
+    k, v, c = head_k, head_v, config.chunk_size
+    inputs = 2 * BF16 * k + FP32 * k + BF16  # q, k, g, beta
+    passes = {}
+    if not bounded:  # reads the inputs, writes Aqk's diagonal blocks and their inverses
+        passes["diagonal"] = inputs + 2 * FP32 * SUB_CHUNK
+    passes["prep"] = (inputs + (0 if bounded else 2 * FP32 * SUB_CHUNK)
+                      + BF16 * c + FP32 * c + 2 * BF16 * k + FP32 * k + FP32 * k / c)
+    passes["w_u"] = BF16 * (k + v) + BF16 + FP32 * k + FP32 * c + BF16 * (k + v)
+    recurrence_reads = BF16 * (2 * k + v) + FP32 * k / c  # W, Kg, U, G_last
+    segments = config.scan_segments
+    if segments > 1:
+        passes["transition"] = recurrence_reads * (segments - 1) / segments
+    passes["scan"] = recurrence_reads + BF16 * k * v / c + BF16 * v  # entry states, Vnew
+    # Qg, Aqk, entry states, Vnew in; o out, after XLA zero-fills it.
+    passes["output"] = BF16 * (k + c + k * v / c + v) + 2 * BF16 * v
+    return passes
+
+
+def traffic_summary(config: KernelConfig, head_k: int, head_v: int, *, bounded: bool,
+                    tokens: int, heads: int) -> dict:
+    """Per-pass and total bytes per token-head, and the GB10 time they imply."""
+    passes = bytes_per_token_head(config, head_k, head_v, bounded=bounded)
+    total = sum(passes.values())
+    return dict(bytes_per_token_head=passes, total_bytes_per_token_head=total,
+                gb10_ms_at_273GBs=total * tokens * heads / GB10_BANDWIDTH * 1e3)

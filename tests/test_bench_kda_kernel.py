@@ -1,0 +1,44 @@
+"""`python -m bench.kda_kernel --quick` on the CPU (interpret mode): the plain and the
+segment-parallel scan are timed and checked against the jax.numpy oracle, and the bytes
+per token-head are reported; the byte count itself against a hand count."""
+
+import json
+
+import pytest
+
+from bench.kda_kernel import main
+from pallas_kernels.kda_traffic import GB10_BANDWIDTH, traffic_summary
+from pallas_kernels.tuning import KernelConfig
+
+
+@pytest.mark.slow  # ~40 s of CPU (2-3 min on busy cores), compiling five kernel variants
+def test_quick_run_times_segment_counts_and_writes_json(tmp_path):
+    path = tmp_path / "kda_kernel.json"
+    main(["--quick", "--segments", "1,3", "--out", str(path)])
+    (result,) = json.loads(path.read_text())["results"]
+    assert {"pallas 1 seg, 4 snap", "pallas 3 seg w4, 4 snap"} <= set(result["ms"])
+    assert all(ms > 0 for ms in result["ms"].values())
+    for row in ("bounded", "pallas 3 seg w4, 4 snap"):
+        for name in ("o", "final_states", "snapshots"):
+            assert result["relative_error_vs_reference"][f"{row} {name}"] < 1e-2, (row, name)
+    traffic = result["traffic"]
+    tokens_heads = sum(result["lens"]) * 2
+    assert traffic["gb10_ms_at_273GBs"] == pytest.approx(
+        traffic["total_bytes_per_token_head"] * tokens_heads / GB10_BANDWIDTH * 1e3)
+
+
+def test_bytes_per_token_head_by_hand():
+    """K = V = 128, C = 64, bounded gates: 7,444 B (issue 20's 'about 7.4 KB')."""
+    plain = traffic_summary(KernelConfig(), 128, 128, bounded=True, tokens=1, heads=1)
+    assert plain["bytes_per_token_head"] == {
+        "prep": 2 * 128 * 2 + 4 * 128 + 2 + 2 * 64 + 4 * 64 + 2 * 2 * 128 + 4 * 128 + 8,
+        "w_u": 2 * 256 + 2 + 4 * 128 + 4 * 64 + 2 * 256,
+        "scan": 2 * 384 + 8 + 2 * 128 * 128 / 64 + 2 * 128,
+        "output": 2 * (128 + 64 + 256 + 128) + 4 * 128,
+    }
+    assert plain["total_bytes_per_token_head"] == 7444
+    segmented = traffic_summary(KernelConfig(scan_segments=4), 128, 128, bounded=True,
+                                tokens=1, heads=1)
+    assert segmented["bytes_per_token_head"]["transition"] == pytest.approx(776 * 3 / 4)
+    any_decay = traffic_summary(KernelConfig(), 128, 128, bounded=False, tokens=1, heads=1)
+    assert any_decay["total_bytes_per_token_head"] == 7444 + 1154 + 128

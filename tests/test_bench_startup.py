@@ -1,0 +1,57 @@
+"""`python -m bench.startup --quick` on the CPU: a cold start precompiles every program,
+a start with the cache it filled reads them instead, and the JSON says so."""
+
+import json
+
+import pytest
+
+from bench.startup import main, parse_args
+
+
+@pytest.mark.parametrize("runs", ["warm", "warm,cold", "lazy,warm", "cold,hot", ""])
+def test_runs_a_warm_start_cannot_follow_are_refused(runs):
+    with pytest.raises(SystemExit):
+        parse_args(["--runs", runs])
+
+
+def test_a_warm_run_alone_needs_a_filled_cache_and_a_cold_one_an_empty_one(tmp_path):
+    with pytest.raises(SystemExit):
+        parse_args(["--runs", "warm", "--cache-dir", str(tmp_path)])
+    (tmp_path / "entry").write_text("")
+    assert parse_args(["--runs", "warm", "--cache-dir", str(tmp_path)]).runs == ["warm"]
+    with pytest.raises(SystemExit):
+        parse_args(["--runs", "cold,warm", "--cache-dir", str(tmp_path)])
+
+
+def test_default_output_is_named_after_the_preset():
+    assert parse_args(["--server-args", "--preset kimi-linear-48b"]).json.name == (
+        "startup_kimi-linear-48b.json")
+    assert parse_args(["--quick"]).json.name == "startup_tiny.json"
+
+
+@pytest.mark.slow  # ~60-100 s on two busy cores: two server starts, one compiling 6 programs
+def test_quick_cold_then_warm_start(tmp_path):
+    path = tmp_path / "startup.json"
+    main(["--quick", "--runs", "cold,warm", "--cache-dir", str(tmp_path / "xla"),
+          "--json", str(path)])
+    result = json.loads(path.read_text())
+
+    cold, warm = result["runs"]["cold"], result["runs"]["warm"]
+    assert result["device"] == "cpu" and result["server_args"][:2] == ["--preset", "tiny"]
+    # --single-bucket: prefill, decode, the row gather, the sampler and the two copies.
+    assert cold["precompiled_programs"] == warm["precompiled_programs"] == 6
+    assert 0 < cold["server_ready_after_s"] < cold["ready_s"]
+    # The warm start reads the executables the cold one wrote (cold: ~40 s, warm: ~6 s).
+    assert warm["precompile_s"] < 0.5 * cold["precompile_s"]
+    assert any((tmp_path / "xla").iterdir())
+    assert cold["cache_hits"] == 0 and warm["cache_hits"] >= 6
+    assert cold["backend_s_summed"] > 0 and warm["lowering_s_summed"] > 0
+
+
+def test_a_server_not_ready_in_time_is_recorded_and_stopped(tmp_path):
+    path = tmp_path / "startup.json"
+    main(["--quick", "--runs", "cold", "--start-timeout", "1", "--cache-dir",
+          str(tmp_path / "xla"), "--json", str(path)])
+    (cold,) = json.loads(path.read_text())["runs"].values()
+
+    assert cold["ready_s"] is None and "did not start" in cold["error"]
