@@ -29,6 +29,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from glmjax import compile_cache
 from glmjax.config import ModelConfig
 from glmjax.random_weights import random_model
 from serving.compiles import CompileLog
@@ -102,7 +103,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--oracle-error", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "speculative.json")
+    compile_cache.add_arguments(parser)
     args = parser.parse_args(argv)
+    compile_cache.enable_from_args(args)
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
