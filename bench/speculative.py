@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from glmjax import compile_cache
@@ -86,6 +87,10 @@ def run(engine: Engine, prompts: dict, max_tokens: int) -> tuple[dict, float, in
     return {i: o.output_token_ids for i, o in outputs.items()}, seconds, compiles.count
 
 
+def _first_difference(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.speculative",
                                      description=__doc__.splitlines()[0])
@@ -101,6 +106,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--speculative-tokens", type=int, default=3)
     parser.add_argument("--drafts", choices=("mtp", "oracle"), default="mtp")
     parser.add_argument("--oracle-error", type=float, default=0.25)
+    parser.add_argument("--dtype", choices=("preset", "float32"), default="preset",
+                        help="float32: activations, caches and weights in fp32, to tell "
+                        "rounding (matmuls of other row counts) from logic in a mismatch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "speculative.json")
     compile_cache.add_arguments(parser)
@@ -113,6 +121,8 @@ def main(argv=None) -> dict:
     if args.layers is not None:
         config = config.replace_depth(args.layers, args.experts)
     config = dataclasses.replace(config, kv_block_size=args.block_size)
+    if args.dtype == "float32":
+        config = dataclasses.replace(config, dtype=jnp.float32, param_dtype=jnp.float32)
     model = random_model(config, args.seed)
     rng = np.random.default_rng(args.seed)
     prompts = {f"p{i}": rng.integers(0, config.vocab_size, args.prompt_len).tolist()
@@ -135,13 +145,14 @@ def main(argv=None) -> dict:
     verified = after.spec_verified_decodes - before.spec_verified_decodes
     drafted = after.spec_draft_tokens - before.spec_draft_tokens
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-    mismatched = sorted(i for i in prompts if got[i] != want[i])
+    mismatched = {i: _first_difference(got[i], want[i]) for i in prompts if got[i] != want[i]}
     tokens = sum(len(t) for t in want.values())
     result = dict(
         device=jax.devices()[0].device_kind, host=platform.node(), model=config.name,
         prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
         batch=args.batch, speculative_tokens=args.speculative_tokens, drafts=args.drafts,
-        identical=not mismatched, mismatched=mismatched, generated_tokens=tokens,
+        dtype=str(jnp.dtype(config.dtype)), identical=not mismatched,
+        mismatched=mismatched, generated_tokens=tokens,
         plain=dict(seconds=plain_s, tokens_per_s=tokens / plain_s,
                    steps=plain_steps, compiles=plain_compiles),
         speculative=dict(seconds=spec_s, tokens_per_s=tokens / spec_s, compiles=spec_compiles,
@@ -161,7 +172,8 @@ def main(argv=None) -> dict:
         print(f"  warning: the timed runs compiled {plain_compiles} (plain) and "
               f"{spec_compiles} (speculative) programs")
     print(f"  greedy outputs identical: {not mismatched}"
-          + (f" (mismatched: {mismatched})" if mismatched else ""))
+          + (f" ({len(mismatched)} differ; prompt: first differing token {mismatched})"
+             if mismatched else ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     return result
