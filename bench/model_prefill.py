@@ -4,9 +4,10 @@
     python -m bench.model_prefill --preset kimi-linear-48b --num-layers 4 --num-experts 8 \\
         --tokens 8192                                                    # H200
     ... --mla-attention pallas|cudnn|reference     # MLA prefill attention (default: by device)
+    ... --scan-layers                  # repeated layer groups as one scan (glmjax.layer_scan)
 
 Random weights (normal * 0.02, norm gains 1): throughput does not depend on the values.
-Prints compile time, the median time of `--repeats` jitted prefills (each synchronised),
+Prints the first call's time (compile included), the median time of `--repeats` jitted prefills (each synchronised),
 tokens/s, and writes JSON to bench/results/model_prefill_<preset>_<tokens>.json.
 
 `--profile` (the default on a GPU) then traces one more prefill and prints its device time
@@ -76,13 +77,16 @@ def main():
     compile_cache.add_arguments(parser)
     parser.add_argument("--mla-attention", choices=MLA_ATTENTIONS,
                         help="MLA prefill attention implementation (default: by device)")
+    parser.add_argument("--scan-layers", action="store_true",
+                        help="run the repeated layer groups as one scan (config.scan_layers)")
     args = parser.parse_args()
     compile_cache.enable_from_args(args)
 
     config = ModelConfig.preset(args.preset)
     if args.num_layers or args.num_experts:
         config = config.replace_depth(args.num_layers or config.num_layers, args.num_experts)
-    config = dataclasses.replace(config, mla_attention=args.mla_attention)
+    config = dataclasses.replace(config, mla_attention=args.mla_attention,
+                                 scan_layers=args.scan_layers)
     model_state = nnx.split(random_model(config, seed=0))
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, args.tokens)
     batch = cold_prompt_batch(tokens)
@@ -106,6 +110,7 @@ def main():
     median = statistics.median(times)
     result = dict(
         preset=args.preset, model=config.name, num_layers=len(config.layer_types),
+        scan_layers=config.scan_layers,
         num_experts=config.num_experts, layer_types=list(config.layer_types),
         tokens=args.tokens, device=jax.devices()[0].device_kind,
         kda_backend=config.resolved_kda_backend(),

@@ -97,7 +97,8 @@ def model_config(args) -> ModelConfig:
     config = ModelConfig.preset(args.preset)
     if args.num_layers or args.num_experts:
         config = config.replace_depth(args.num_layers or config.num_layers, args.num_experts)
-    return dataclasses.replace(config, kv_block_size=args.block_size * args.dcp)
+    return dataclasses.replace(config, kv_block_size=args.block_size * args.dcp,
+                               scan_layers=args.scan_layers)
 
 
 def model_steps(args, config: ModelConfig) -> ModelSteps | None:
@@ -119,6 +120,7 @@ def engine_config(args, coalesce: bool) -> EngineConfig:
         dcp=args.dcp, budget=args.budget, coalesce=coalesce, prefix_caching=True,
         max_num_seqs=max(concurrency, args.decoders + 1), num_kv_blocks=num_blocks + 8,
         num_state_slots=32, single_bucket=args.single_bucket,
+        async_scheduling=args.async_scheduling,
     )  # fmt: skip
 
 
@@ -331,6 +333,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--preset", help="model preset (glm5.3-flash)")
     add("--num-layers", type=int, help="layers kept (4)")
     add("--num-experts", type=int, help="routed experts kept (16)")
+    add("--scan-layers", action="store_true",
+        help="run the repeated layer groups as one scan (glmjax.layer_scan)")
     add("--lengths", help="cold prompt lengths, comma-separated (8192,16384,32768)")
     add("--unaligned", type=int, help="one more cold length, off the block grid (16228; 0: none)")
     add("--beside-lengths", help="cold lengths prefilled beside decoding requests")
@@ -346,6 +350,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--dcp", type=int, default=1, choices=(1, 2, 4),
         help="decode-context-parallel ranks, dividing --tp (with --tp 1: emulated)")
     add("--single-bucket", action="store_true", default=None, help="pad to the largest bucket")
+    add("--async-scheduling", action="store_true",
+        help="schedule each step while the previous one runs (default off here: the dry run "
+             "that lists the buckets to compile schedules one step at a time)")
     add("--compile-workers", type=int, help="threads compiling buckets ahead (4)")
     add("--profile", action=argparse.BooleanOptionalAction,
         help="trace one step per engine: time by op category, MFU (default: on a GPU, "

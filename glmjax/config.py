@@ -85,6 +85,11 @@ class ModelConfig:
     moe_backend: MoEBackend | None = None
     # MLA prefill attention implementation (pallas_kernels.attention); None: by device.
     mla_attention: MLAAttention | None = None
+    # Prefill runs the longest run of whole repeated layer groups (full_attn_interval
+    # layers: 3 KDA + 1 MLA) as one `jax.lax.scan` over parameters stacked per group
+    # position, so a deep model's prefill compiles one group, not every layer
+    # (`glmjax.layer_scan`). Changes the parameter tree (`HybridModel.layer_groups`).
+    scan_layers: bool = False
     dtype: Any = jnp.bfloat16  # activations and caches
     param_dtype: Any = jnp.bfloat16
 

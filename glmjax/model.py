@@ -30,6 +30,7 @@ from flax import nnx
 from glmjax.batch import DecodeBatch, PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
+from glmjax.layer_scan import LayerPlan, block_at, layer_plan, scan_prefill, stack_blocks
 from glmjax.layers.block import DecoderBlock
 from glmjax.layers.kda import KDAState
 from glmjax.layers.mhc import collapse_streams, expand_streams
@@ -63,15 +64,26 @@ class ForwardResult(NamedTuple):
 class HybridModel(nnx.Module):
     """Embedding, decoder blocks per `config.layer_types`, final norm, LM head; the MTP
     heads are held (for drafting and weight loading) but not run by the forward passes
-    (`glmjax.speculative` drafts with the first)."""
+    (`glmjax.speculative` drafts with the first). With `config.scan_layers` the repeated
+    layer groups are held stacked in `layer_groups` and `layers` holds the others
+    (`glmjax.layer_scan.layer_plan`)."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=config.dtype,
                                       param_dtype=config.param_dtype, rngs=rngs)
-        self.layers = nnx.List([
-            DecoderBlock(config, kind, dense_mlp=i < config.first_dense_layers, rngs=rngs)
-            for i, kind in enumerate(config.layer_types)])
+        kinds, plan = config.layer_types, layer_plan(config)
+
+        def block(i):
+            return DecoderBlock(config, kinds[i], dense_mlp=i < config.first_dense_layers,
+                                rngs=rngs)
+
+        # Every layer, or with `config.scan_layers` the unrolled ones and, per position of
+        # the scanned group, its layers stacked (`glmjax.layer_scan`).
+        self.layers = nnx.List([block(i) for i in plan.unrolled])
+        self.layer_groups = (nnx.List([stack_blocks([block(i) for i in plan.group_layers(j)])
+                                       for j in range(plan.group_size)])
+                             if plan.num_groups else None)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
                             param_dtype=config.param_dtype)
         self.lm_head = (None if config.tie_word_embeddings
@@ -103,21 +115,60 @@ class HybridModel(nnx.Module):
         x = self.embed_tokens(token_ids)
         if self.config.mhc_streams is not None:
             x = expand_streams(x, self.config.mhc_streams)
+        kinds, layers = self.config.layer_types, layer_plan(self.config)
+        # caches[i]: layer i's cache as its block takes it; outs[i]: (cache, snapshots).
         kda_in, mla_in = iter(kda_states), iter(mla_caches)
-        kda_out, snapshots_out, mla_out = [], [], []
-        for block, kind in zip(self.layers, self.config.layer_types):
-            cache = next(kda_in) if kind == "kda" else next(mla_in)
+        caches = [next(kda_in) if kind == "kda" else next(mla_in) for kind in kinds]
+        outs: list = [None] * len(kinds)
+
+        def run(block, i, x, layer=None):
             if plan is not None:
                 x = plan.constrain(x, plan.specs.tokens)
-            x, cache, snapshots = block(x, batch, cache, decode=decode, plan=plan)
-            if kind == "kda":
-                kda_out.append(cache)
-                snapshots_out.append(snapshots)
-            else:
-                mla_out.append(cache)
+            x, cache, snapshots = block(x, batch, caches[i], decode=decode, plan=plan,
+                                        layer=layer)
+            outs[i] = (cache, snapshots)
+            return x
+
+        if decode or not layers.num_groups:
+            for i, (block, layer) in enumerate(self.blocks()):
+                x = run(block, i, x, layer)
+        else:  # the scanned groups between the unrolled layers before and after them
+            for i, block in zip(layers.unrolled, self.layers, strict=True):
+                if i == layers.stop:
+                    x = self._scan(x, batch, layers, caches, outs, plan)
+                x = run(block, i, x)
+            if layers.stop == len(kinds):
+                x = self._scan(x, batch, layers, caches, outs, plan)
         if self.config.mhc_streams is not None:
             x = collapse_streams(x)
-        return ForwardResult(self.norm(x), kda_out, snapshots_out, mla_out)
+        kda_out = [outs[i] for i, kind in enumerate(kinds) if kind == "kda"]
+        return ForwardResult(self.norm(x), [cache for cache, _ in kda_out],
+                             [snapshots for _, snapshots in kda_out],
+                             [outs[i][0] for i, kind in enumerate(kinds) if kind == "mla"])
+
+    def blocks(self) -> list[tuple[DecoderBlock, int | None]]:
+        """Every layer's block, in order, with the ``layer`` argument it is called with: a
+        scanned group's layer is its entry of the stacked block (`layer_scan.block_at`)."""
+        layers = layer_plan(self.config)
+        unrolled = dict(zip(layers.unrolled, self.layers, strict=True))
+        blocks = []
+        for i in range(self.config.num_layers):
+            if i in unrolled:
+                blocks.append((unrolled[i], None))
+            else:
+                g, j = divmod(i - layers.start, layers.group_size)
+                blocks.append((block_at(self.layer_groups[j], g), g))
+        return blocks
+
+    def _scan(self, x, batch, layers: LayerPlan, caches, outs, plan):
+        """Prefill through the scanned groups (`layer_scan.scan_prefill`)."""
+        columns = [[caches[i] for i in layers.group_layers(j)]
+                   for j in range(layers.group_size)]
+        x, results = scan_prefill(self.layer_groups, x, batch, columns, plan=plan)
+        for j, column in enumerate(results):
+            for i, out in zip(layers.group_layers(j), column, strict=True):
+                outs[i] = out
+        return x
 
     def reference_forward(self, token_ids: jax.Array) -> jax.Array:
         """Cache-free forward over one whole sequence from a cold start, for tests.

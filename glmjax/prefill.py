@@ -4,6 +4,7 @@
     python -m glmjax.prefill --prompt-file ids.txt --save-states /tmp/s   # ids: whitespace ints
     python -m glmjax.prefill --prompt-file doc.txt --bytes --load-states /tmp/s
     python -m glmjax.prefill --preset kimi-linear-48b --weights /ckpt/hf --family kimi ...
+    python -m glmjax.prefill --random-tokens 8192 --tp 4 --dcp 2            # a (2, 2) mesh
 
 The prompt is cut by `serving.plan.plan_prefill` into spans of at most `--budget` tokens on
 a `--block-size` grid; each span is one jitted `glmjax.model.prefill` step (one compile: every
@@ -23,6 +24,17 @@ puts the states of every KDA layer at p in the running slot and the saved MLA la
 never a guess. The MLA key/values of the prefix are saved, not recomputed: an MLA layer's
 input depends on the KDA layers below it, so its prefix KV cannot be rebuilt without
 running the whole prefix again.
+
+`--tp N --dcp M` runs every span on the ``(N // M, M)`` mesh of `glmjax.sharding` (the
+server's and `glmjax.shard`'s): KDA heads and state pools split over all N devices, the MLA
+latent cache by token over the M dcp ranks; `--tp 1 --dcp M` emulates dcp on one device
+(a KV block of ``P * M`` tokens either way). On a CPU the tool asks JAX for N host
+devices. Over several processes or hosts (``--coordinator HOST:PORT --num-processes N
+--process-id I``, `glmjax.distributed`) every process runs the same command on the mesh of
+all their devices; retained states are gathered from every process, and process 0 alone
+prints, draws the progress bar and writes `--save-states` (`--load-states` is read by every
+process, so it must be on every host). States resume under the same weights, `--block-size`
+and `--dcp` (the fingerprint covers the config); the mesh itself may differ.
 """
 
 from __future__ import annotations
@@ -30,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import math
 import sys
 import time
@@ -39,9 +50,7 @@ from pathlib import Path
 from typing import NamedTuple, TextIO
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 from rich.console import Console
 from rich.progress import (
@@ -53,35 +62,34 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from glmjax import compile_cache
+from glmjax import compile_cache, distributed
 from glmjax.batch import CHECKPOINT_CAPACITY, PrefillBatch
-from glmjax.caches import Caches
 from glmjax.config import ModelConfig
 from glmjax.fingerprint import model_fingerprint
-from glmjax.layers.paged_cache import MLACache
-from glmjax.model import ModelState, prefill
+from glmjax.model import ModelState
+from glmjax.prefill_states import (
+    RUNNING_SLOT,
+    SavedStates,
+    host_latents,
+    kda_slots,
+    load_states,
+    prefix_hash,
+    resume_position,
+    resumed_caches,
+    save_states,
+)
 from glmjax.random_weights import random_model
-from glmjax.state_pool import PoolStatus, StatePool
+from glmjax.sharding import (
+    ShardingPlan,
+    make_mesh,
+    put,
+    request_cpu_devices,
+    single_device_steps,
+)
+from glmjax.state_pool import PoolStatus
 from serving.plan import PrefillSpan, plan_prefill
 
-# /2: the fingerprint covers whole tensors and the config (`glmjax.fingerprint`).
-FORMAT = "glmjax-offline-prefill-states/2"
-RUNNING_SLOT = 0  # checkpoint c of a span goes to slot 1 + c
 NUM_SLOTS = 1 + CHECKPOINT_CAPACITY
-
-
-class SavedStates(NamedTuple):
-    """Host copies of retained states: R positions, every KDA layer, plus the MLA latents."""
-
-    positions: tuple[int, ...]  # ascending; state r holds the state after positions[r] tokens
-    recurrent: list[np.ndarray]  # per KDA layer, fp32 [R, H, K, V]
-    conv: list[np.ndarray]  # per KDA layer, [R, C, W - 1]
-    mla: list[dict[str, np.ndarray]]  # per MLA layer, "latent" [M, P, D] (+ "index_keys")
-    prefix_sha256: tuple[str, ...]  # per position, `prefix_hash(prompt, p)`
-    prompt_sha256: str  # prefix_hash of the whole prompt
-    prompt_len: int
-    block_size: int
-    fingerprint: str  # `model_fingerprint` of the weights and config behind the states
 
 
 class PrefillResult(NamedTuple):
@@ -133,7 +141,7 @@ def parse_checkpoints(text: str, prompt_len: int) -> tuple[int, ...] | None:
     return tuple(sorted(positions))
 
 
-def schedule(prompt_len: int, start: int, *, block_size: int, budget: int,
+def schedule(prompt_len: int, start: int, *, block_size: int, budget: int, dcp: int = 1,
              checkpoints: Sequence[int] | None = None) -> list[PrefillSpan]:
     """Spans computing [start, prompt_len).
 
@@ -146,7 +154,8 @@ def schedule(prompt_len: int, start: int, *, block_size: int, budget: int,
     spans = [PrefillSpan(start, aligned, retain_end=aligned % block_size == 0)] \
         if aligned > start else []
     if aligned < prompt_len:
-        spans += plan_prefill(prompt_len, aligned, block_size=block_size, budget=budget)
+        spans += plan_prefill(prompt_len, aligned, block_size=block_size, dcp=dcp,
+                              budget=budget)
     if checkpoints is None:
         return spans
     wanted = set(checkpoints)
@@ -162,86 +171,16 @@ def schedule(prompt_len: int, start: int, *, block_size: int, budget: int,
     return out
 
 
-def prefix_hash(tokens: np.ndarray, length: int) -> str:
-    """sha256 of the first `length` token ids as little-endian int32."""
-    return hashlib.sha256(np.asarray(tokens[:length], "<i4").tobytes()).hexdigest()
-
-
 def random_model_state(config: ModelConfig, seed: int) -> ModelState:
     """The default weights: `random_model(config, seed)`, split for the jitted steps."""
     return nnx.split(random_model(config, seed))
-
-
-# --- saving and loading ---------------------------------------------------------------------
-
-def save_states(path: str | Path, states: SavedStates) -> None:
-    """One orbax checkpoint in the new directory `path`: item ``arrays`` (positions, per KDA
-    layer recurrent [R, H, K, V] and conv [R, C, W - 1], per MLA layer its latent blocks) and
-    item ``meta`` (JSON: format, positions, prefix hashes, prompt hash, model fingerprint)."""
-    arrays = dict(positions=np.asarray(states.positions, np.int32),
-                  kda=[dict(recurrent=r, conv=c) for r, c in zip(states.recurrent, states.conv)],
-                  mla=list(states.mla))
-    meta = dict(format=FORMAT, positions=list(states.positions),
-                prefix_sha256=list(states.prefix_sha256), prompt_sha256=states.prompt_sha256,
-                prompt_len=states.prompt_len, block_size=states.block_size,
-                fingerprint=states.fingerprint)
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        checkpointer.save(Path(path).absolute(), args=ocp.args.Composite(
-            arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)))
-
-
-def load_states(path: str | Path) -> SavedStates:
-    """What `save_states` wrote at `path`, as host arrays."""
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        restored = checkpointer.restore(Path(path).absolute(), args=ocp.args.Composite(
-            arrays=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
-    meta, arrays = restored["meta"], jax.tree.map(np.asarray, restored["arrays"])
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a {FORMAT} checkpoint (format {meta.get('format')!r})")
-    return SavedStates(
-        tuple(meta["positions"]), [layer["recurrent"] for layer in arrays["kda"]],
-        [layer["conv"] for layer in arrays["kda"]], list(arrays["mla"]),
-        tuple(meta["prefix_sha256"]), meta["prompt_sha256"], meta["prompt_len"],
-        meta["block_size"], meta["fingerprint"])
-
-
-def resume_position(saved: SavedStates, tokens: np.ndarray, fingerprint: str,
-                    block_size: int) -> int:
-    """The longest saved position p <= L - 1 whose prefix equals the prompt's; 0: none."""
-    if saved.fingerprint != fingerprint or saved.block_size != block_size:
-        raise ValueError(f"saved states were made by other weights, config or block size "
-                         f"({saved.block_size}); this run has block size {block_size}")
-    matches = [p for p, digest in zip(saved.positions, saved.prefix_sha256)
-               if p <= len(tokens) - 1 and prefix_hash(tokens, p) == digest]
-    return max(matches, default=0)
-
-
-def _resumed_caches(caches: Caches, saved: SavedStates, position: int) -> Caches:
-    """`caches` with the saved states at `position` in the running slot and the saved MLA
-    latents of the positions before it in blocks 0.."""
-    row = saved.positions.index(position)
-    kda = tuple(StatePool(pool.recurrent.at[RUNNING_SLOT].set(rec[row]),
-                          pool.conv.at[RUNNING_SLOT].set(conv[row]))
-                for pool, rec, conv in zip(caches.kda, saved.recurrent, saved.conv, strict=True))
-
-    def prefix_blocks(pages: jax.Array, stored: np.ndarray) -> jax.Array:
-        count = min(pages.shape[0], stored.shape[0])
-        blocks = stored[:count].copy()
-        flat = blocks.reshape(-1, *blocks.shape[2:])
-        flat[position:] = 0  # rows past the prefix are recomputed; keep no stale ones
-        return pages.at[:count].set(jnp.asarray(flat.reshape(blocks.shape), pages.dtype))
-
-    mla = tuple(MLACache(prefix_blocks(c.latent, s["latent"]),
-                         None if c.index_keys is None else prefix_blocks(c.index_keys,
-                                                                         s["index_keys"]))
-                for c, s in zip(caches.mla, saved.mla, strict=True))
-    return Caches(kda, mla)
 
 
 # --- the run --------------------------------------------------------------------------------
 
 def _span_batch(tokens: np.ndarray, span: PrefillSpan, rows: int, num_blocks: int
                 ) -> PrefillBatch:
+    """The span's step metadata, NumPy arrays (one sequence, running slot 0, blocks 0..)."""
     n = span.num_tokens
     ids, positions = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
     ids[:n] = tokens[span.start:span.end]
@@ -251,18 +190,11 @@ def _span_batch(tokens: np.ndarray, span: PrefillSpan, rows: int, num_blocks: in
     for c, position in enumerate(span.checkpoints):
         offsets[0, c], slots[0, c] = position - span.start, 1 + c
     return PrefillBatch(
-        token_ids=jnp.asarray(ids), positions=jnp.asarray(positions),
-        cu_seqlens=jnp.array([0, n], jnp.int32),
-        state_slots=jnp.array([RUNNING_SLOT], jnp.int32),
-        has_initial=jnp.array([span.start > 0]),
-        checkpoint_offsets=jnp.asarray(offsets), checkpoint_slots=jnp.asarray(slots),
-        block_tables=jnp.arange(num_blocks, dtype=jnp.int32)[None],
-        prefix_lens=jnp.array([span.start], jnp.int32))
-
-
-@jax.jit
-def _take_slots(pools: tuple[StatePool, ...], slots: jax.Array) -> list[StatePool]:
-    return [StatePool(pool.recurrent[slots], pool.conv[slots]) for pool in pools]
+        token_ids=ids, positions=positions, cu_seqlens=np.array([0, n], np.int32),
+        state_slots=np.array([RUNNING_SLOT], np.int32), has_initial=np.array([span.start > 0]),
+        checkpoint_offsets=offsets, checkpoint_slots=slots,
+        block_tables=np.arange(num_blocks, dtype=np.int32)[None],
+        prefix_lens=np.array([span.start], np.int32))
 
 
 @contextlib.contextmanager
@@ -284,26 +216,36 @@ def _progress_bar(stream: TextIO | None, spans: Sequence[PrefillSpan]):
 def run_prefill(model_state: ModelState, config: ModelConfig, tokens: np.ndarray,
                 spans: Sequence[PrefillSpan], *, keep_states: bool,
                 resume: tuple[SavedStates, int] | None = None,
-                progress: TextIO | None = None) -> PrefillResult:
-    """Prefill `tokens` along `spans` (which tile [resumed position, L)); with `keep_states`
-    copy every retained state and the final one to the host."""
+                progress: TextIO | None = None, plan: ShardingPlan | None = None
+                ) -> PrefillResult:
+    """Prefill `tokens` along `spans` (which tile [resumed position, L)) on `plan`'s mesh
+    (None: JAX's default device); with `keep_states` copy every retained state and the
+    final one to the host, whole (gathered from every device and process).
+
+    `model_state` is ``nnx.split(model)`` off the mesh (the same in every process); over
+    several processes every process calls this with the same arguments."""
     length, block_size = len(tokens), config.kv_block_size
     # Buckets: prompts of similar lengths share one compiled step.
     num_blocks = 1 << (math.ceil(length / block_size) - 1).bit_length()
     rows = math.ceil(max(span.num_tokens for span in spans) / block_size) * block_size
-    caches = Caches.init(config, NUM_SLOTS, num_blocks)
+    fingerprint = model_fingerprint(model_state, config) if keep_states else ""
+    steps = single_device_steps(config) if plan is None else plan.steps()
+    model_state = steps.place(model_state)
     start = 0
-    if resume is not None:
+    if resume is None:
+        caches = steps.init_caches(NUM_SLOTS, num_blocks)
+    else:
         start = resume[1]
-        caches = _resumed_caches(caches, *resume)
+        caches = resumed_caches(config, NUM_SLOTS, num_blocks, *resume, plan)
     batches = [_span_batch(tokens, span, rows, num_blocks) for span in spans]
+    batches = (jax.device_put(batches) if plan is None
+               else put(batches, plan.sharding(plan.specs.replicated)))
 
     tic = time.perf_counter()
-    step = prefill.lower(model_state, caches, batches[0]).compile()
+    step = steps.prefill.lower(model_state, caches, batches[0]).compile()
     compile_s = time.perf_counter() - tic
 
     kept: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-    all_slots = jnp.arange(NUM_SLOTS, dtype=jnp.int32)
     run_s = 0.0
     with _progress_bar(progress, spans) as advance:
         for done, (span, batch) in enumerate(zip(spans, batches), 1):
@@ -317,26 +259,26 @@ def run_prefill(model_state: ModelState, config: ModelConfig, tokens: np.ndarray
             caches = out.caches
             last = done == len(spans)
             if keep_states and (span.checkpoints or span.retain_end or last):
-                pools = jax.device_get(_take_slots(caches.kda, all_slots))
+                slots = kda_slots(caches, list(range(NUM_SLOTS)))
                 for c, position in enumerate(span.checkpoints):
-                    kept[position] = [(p.recurrent[1 + c], p.conv[1 + c]) for p in pools]
+                    kept[position] = slots[1 + c]
                 if span.retain_end or last:
-                    kept[span.end] = [(p.recurrent[RUNNING_SLOT], p.conv[RUNNING_SLOT])
-                                      for p in pools]
+                    kept[span.end] = slots[RUNNING_SLOT]
             advance(span, done)
 
     retained = tuple(sorted({p for s in spans for p in s.retained_positions} | {length}))
     states = None
     if keep_states:
-        states = _collect(tokens, kept, caches, block_size,
-                          model_fingerprint(model_state, config), resume)
-    return PrefillResult(np.asarray(out.logits[0]), retained, start, tuple(spans), compile_s,
+        states = _collect(tokens, kept, host_latents(caches, steps.layout), block_size,
+                          fingerprint, resume)
+    return PrefillResult(np.asarray(out.logits)[0], retained, start, tuple(spans), compile_s,
                          run_s, states)
 
 
-def _collect(tokens, kept, caches: Caches, block_size: int, fingerprint: str,
-             resume: tuple[SavedStates, int] | None) -> SavedStates:
-    """Stack the retained states (with those a resumed run inherited, up to its start)."""
+def _collect(tokens, kept, mla: list[dict[str, np.ndarray]], block_size: int,
+             fingerprint: str, resume: tuple[SavedStates, int] | None) -> SavedStates:
+    """Stack the retained states (with those a resumed run inherited, up to its start);
+    `mla` the MLA layers' latents on the host (`host_latents`)."""
     if resume is not None:
         saved, start = resume
         for r, position in enumerate(saved.positions):
@@ -344,10 +286,7 @@ def _collect(tokens, kept, caches: Caches, block_size: int, fingerprint: str,
                 kept[position] = [(rec[r], conv[r])
                                   for rec, conv in zip(saved.recurrent, saved.conv)]
     positions = tuple(sorted(kept))
-    num_layers = len(caches.kda)
-    mla = [{"latent": np.asarray(c.latent)} | ({} if c.index_keys is None
-                                               else {"index_keys": np.asarray(c.index_keys)})
-           for c in caches.mla]
+    num_layers = len(kept[positions[0]])
     return SavedStates(
         positions,
         [np.stack([kept[p][i][0] for p in positions]) for i in range(num_layers)],
@@ -372,11 +311,21 @@ def _parser() -> argparse.ArgumentParser:
     prompt.add_argument("--random-tokens", type=int, metavar="N")
     parser.add_argument("--bytes", action="store_true", help="read --prompt-file as bytes")
     parser.add_argument("--checkpoints", default="auto", help="auto, or positions p1,p2,...")
-    parser.add_argument("--block-size", type=int, default=512)
-    parser.add_argument("--budget", type=int, default=8192)
-    parser.add_argument("--save-states", metavar="DIR")
-    parser.add_argument("--load-states", metavar="DIR")
+    parser.add_argument("--block-size", type=int, default=512,
+                        help="KV block per dcp rank and the planner's grid, P")
+    parser.add_argument("--budget", type=int, default=8192,
+                        help="most tokens per step, a multiple of P * dcp")
+    parser.add_argument("--save-states", metavar="DIR", help="written by process 0 alone")
+    parser.add_argument("--load-states", metavar="DIR", help="read by every process")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel devices: a (tp // dcp, dcp) mesh (1: one device)")
+    parser.add_argument("--dcp", type=int, default=1, choices=(1, 2, 4),
+                        help="decode-context-parallel ranks: the MLA cache split by token "
+                             "(emulated on one device with --tp 1)")
+    parser.add_argument("--dcp-interleave", type=int, default=1,
+                        help="consecutive tokens per dcp rank in the MLA latent cache")
     compile_cache.add_arguments(parser)
+    distributed.add_arguments(parser)
     return parser
 
 
@@ -394,11 +343,22 @@ def _load_model(args, config: ModelConfig) -> ModelState:
 
 def main(argv: Sequence[str] | None = None, *, progress: TextIO | None = sys.stderr
          ) -> PrefillResult:
-    """Run the command line; returns the result (raises ValueError on bad arguments)."""
+    """Run the command line; returns the result (raises ValueError on bad arguments). Over
+    several processes every process returns it; process 0 alone prints, draws the progress
+    bar and writes --save-states."""
     args = _parser().parse_args(argv)
+    if args.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if args.tp > 1:
+        request_cpu_devices(args.tp)
+    distributed.initialize(args, tp=args.tp, flags=vars(args))
+    leader = jax.process_index() == 0  # also where a caller started jax.distributed itself
     compile_cache.enable_from_args(args)
     config = dataclasses.replace(ModelConfig.preset(args.preset),
-                                 kv_block_size=args.block_size)
+                                 kv_block_size=args.block_size * args.dcp)
+    plan = None
+    if args.tp > 1:
+        plan = ShardingPlan(config, make_mesh(args.tp, args.dcp), interleave=args.dcp_interleave)
     if args.random_tokens is not None:
         if args.random_tokens < 1:
             raise ValueError(f"--random-tokens must be >= 1, got {args.random_tokens}")
@@ -408,8 +368,9 @@ def main(argv: Sequence[str] | None = None, *, progress: TextIO | None = sys.std
         tokens = read_prompt(args.prompt_file, as_bytes=args.bytes,
                              vocab_size=config.vocab_size)
     checkpoints = parse_checkpoints(args.checkpoints, len(tokens))
-    plan_prefill(len(tokens), 0, block_size=args.block_size, budget=args.budget)  # validates
-    if args.save_states and Path(args.save_states).exists():
+    plan_prefill(len(tokens), 0, block_size=args.block_size, dcp=args.dcp,
+                 budget=args.budget)  # validates
+    if leader and args.save_states and Path(args.save_states).exists():
         raise ValueError(f"--save-states {args.save_states} already exists")
     if args.load_states and not Path(args.load_states).is_dir():
         raise ValueError(f"--load-states {args.load_states} is not a directory")
@@ -419,22 +380,27 @@ def main(argv: Sequence[str] | None = None, *, progress: TextIO | None = sys.std
     if args.load_states:
         saved = load_states(args.load_states)
         position = resume_position(saved, tokens, model_fingerprint(model_state, config),
-                                   args.block_size)
+                                   config.kv_block_size)
         resume = (saved, position) if position else None
     start = resume[1] if resume else 0
-    spans = schedule(len(tokens), start, block_size=args.block_size, budget=args.budget,
-                     checkpoints=checkpoints)
+    spans = schedule(len(tokens), start, block_size=args.block_size, dcp=args.dcp,
+                     budget=args.budget, checkpoints=checkpoints)
     result = run_prefill(model_state, config, tokens, spans,
                          keep_states=args.save_states is not None, resume=resume,
-                         progress=progress)
+                         progress=progress if leader else None, plan=plan)
+    if not leader:
+        return result
     if args.save_states:
         save_states(args.save_states, result.states)
 
     computed = len(tokens) - start
     kinds = config.layer_types
-    print(f"{config.name}: {kinds.count('kda')} KDA + {kinds.count('mla')} MLA layers, "
-          f"prompt {len(tokens)} tokens, block {args.block_size}, budget {args.budget}, "
-          f"{len(spans)} spans")
+    where = "one device" if plan is None else (
+        f"a (tpo, dcp) = ({args.tp // args.dcp}, {args.dcp}) mesh of {args.tp} devices"
+        + ("" if jax.process_count() == 1 else f" over {jax.process_count()} processes"))
+    print(f"{config.name}: {kinds.count('kda')} KDA + {kinds.count('mla')} MLA layers on "
+          f"{where}, prompt {len(tokens)} tokens, block {args.block_size} x dcp {args.dcp}, "
+          f"budget {args.budget}, {len(spans)} spans")
     print(f"resumed from position {start} ({args.load_states})" if start else
           "cold start" + (" (no saved prefix matched)" if args.load_states else ""))
     print(f"compile {result.compile_s:.2f} s; run {result.run_s:.3f} s for {computed} tokens, "

@@ -36,7 +36,6 @@ from typing import NamedTuple
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from glmjax import distributed
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
@@ -47,6 +46,7 @@ from glmjax.sharding import (
     ModelSteps,
     ShardingPlan,
     device_bytes,
+    host_copy,
     make_mesh,
     request_cpu_devices,
     single_device_steps,
@@ -146,19 +146,12 @@ def run_workload(steps: ModelSteps, model_state, workload: Workload, *,
         "mla_latent": fullest([c.latent for c in caches.mla]),
         "mla_index_keys": fullest([c.index_keys for c in caches.mla if c.index_keys is not None]),
     }
-    host = jax.tree.map(_host_copy, caches)
+    host = host_copy(caches)
     block = host.mla[0].latent.shape[1] if host.mla else 0
     rows = np.asarray(steps.layout.block_rows(block)) if block else None
     host = host._replace(mla=tuple(c._replace(latent=c.latent[:, rows]) for c in host.mla))
     (prefill_logits, prefill_s), (decode_logits, decode_s) = results.values()
     return RunResult(prefill_logits, decode_logits, host, prefill_s, decode_s, held)
-
-
-def _host_copy(x: jax.Array) -> np.ndarray:
-    """All of `x` on the host, gathered from every process when others hold shards."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def max_difference(reference, other) -> dict[str, float]:

@@ -23,6 +23,7 @@ token over "dcp" (`glmjax.layers.paged_cache.DCPLayout`), so it is replicated on
 | conv taps [C, W] | KDA conv | (TP, None) |
 | experts [E, D, I] / [E, I, D] | w_gate, w_up / w_down | (None, None, TP) / (None, TP, None) |
 | everything else | norms, mHC, router, q_a / kv_a / f_a / g_a, DSA indexer, eh_proj | replicated |
+| scanned group parameters (`glmjax.layer_scan`) | [G, ...] | (None, *their spec) |
 | token activations [T, ...] | residual stream, batch metadata, logits | replicated |
 | head activations [T, H, ...] | KDA q, k, v, g, o; MLA absorbed queries | (None, TP, None) |
 | KDA recurrent pool / states [S, H, K, V] | | (None, TP, None, None) |
@@ -47,12 +48,15 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from glmjax.caches import Caches, copy_kv_blocks, copy_state_slots
 from glmjax.config import ModelConfig
+from glmjax.layer_scan import GROUPS
 from glmjax.layers.paged_cache import DCPLayout, MLACache
+from glmjax.mixed import mixed
 from glmjax.model import (
     DecodeOutput,
     HybridModel,
@@ -112,6 +116,18 @@ def put(tree, shardings):
 
     return jax.tree.map(one, tree, shardings)
 
+
+
+def host_copy(tree):
+    """`tree` with every array whole on the host (NumPy). Arrays other processes hold
+    shards of are gathered from them (``process_allgather``, a collective: every process
+    must call this with the same tree)."""
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
 
 def request_cpu_devices(count: int) -> None:
     """Ask JAX for `count` host (CPU) devices, so that a mesh can be tried on a CPU. Only
@@ -185,12 +201,15 @@ PARAM_SPECS = {
 
 
 def param_spec(path: tuple, specs: Specs = SPECS) -> P:
-    """The PartitionSpec of the parameter at `path` (a JAX key path into ``nnx.State``)."""
+    """The PartitionSpec of the parameter at `path` (a JAX key path into ``nnx.State``).
+    A scanned group's parameters (`glmjax.layer_scan`) gain a leading, unsplit layer axis."""
     names = [str(getattr(key, "key", getattr(key, "name", ""))) for key in path]
+    spec = specs.replicated
     for name in reversed(names):
         if name in PARAM_SPECS:
-            return getattr(specs, PARAM_SPECS[name])
-    return specs.replicated
+            spec = getattr(specs, PARAM_SPECS[name])
+            break
+    return P(None, *spec) if GROUPS in names else spec
 
 
 def cache_specs(caches: Caches, specs: Specs = SPECS) -> Caches:
@@ -223,6 +242,9 @@ class ModelSteps(NamedTuple):
     place: Callable[[ModelState], ModelState]  # put the parameters where the steps want them
     mesh: Mesh | None  # None: JAX's default device (dcp emulated, see serving.engine)
     layout: DCPLayout  # where the MLA latent cache keeps each token (DCPLayout() on one device)
+    # (model_state, caches, prefill batch, decode batch) -> MixedOutput: both in one forward
+    # (`glmjax.mixed`); None where there is none (a mesh, for now).
+    mixed: Callable | None = None
 
     @property
     def dcp(self) -> int | None:
@@ -234,7 +256,7 @@ def single_device_steps(config: ModelConfig) -> ModelSteps:
     """The steps of `glmjax.model` on JAX's default device."""
     return ModelSteps(prefill, decode, copy_state_slots, copy_kv_blocks,
                       lambda slots, blocks: Caches.init(config, slots, blocks),
-                      lambda model_state: model_state, None, DCPLayout())
+                      lambda model_state: model_state, None, DCPLayout(), mixed)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

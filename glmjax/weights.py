@@ -14,23 +14,28 @@ keeps fp32: A_log, dt_bias, the mHC maps, the router bias).
 
 `sharding` places parameters as they are created: one `jax.sharding.Sharding` for all, or a
 function of the dotted parameter path (``"layers.0.mixer.q_proj.kernel"``) and shape.
+A model with scanned layer groups (``config.scan_layers``, `glmjax.layer_scan`) is read
+per layer and its groups' parameters stacked after (``"layer_groups.0...."``, [G, ...]).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from safetensors import safe_open
 
 from glmjax.config import ModelConfig
+from glmjax.layer_scan import layer_plan, stack_params, unstack_params
 from glmjax.model import HybridModel
 from glmjax.weight_names import (
     Family,
@@ -175,6 +180,10 @@ def load_safetensors(path: str | Path, config: ModelConfig, *, family: str,
       ValueError: the naming cannot express `config`, or tensors are missing, unexpected or
         mis-shaped (all of them named).
     """
+    if layer_plan(config).num_groups:  # read per layer, then stacked
+        unrolled = load_safetensors(path, dataclasses.replace(config, scan_layers=False),
+                                    family=family, sharding=sharding)
+        return _scanned(unrolled, config, sharding)
     naming = family_named(family)
     graphdef, state = _abstract_model(config)
     params = _flat(state)
@@ -194,10 +203,40 @@ def load_safetensors(path: str | Path, config: ModelConfig, *, family: str,
     return nnx.merge(graphdef, _with_leaves(state, leaves))
 
 
+def _scanned(unrolled: HybridModel, config: ModelConfig, sharding: ParamSharding
+             ) -> HybridModel:
+    """`unrolled`'s parameters as `config`'s scanned model (`glmjax.layer_scan`); each
+    stacked leaf is placed by `sharding` under its scanned name, and its per-layer arrays
+    are freed as it is made, so the device holds at most one stacked leaf more than the
+    model."""
+    def stack(name, leaves):
+        shape = (len(leaves), *leaves[0].shape)
+        stacked = jax.device_put(jnp.stack(leaves), _resolve(sharding, name, shape))
+        for leaf in leaves:
+            leaf.delete()
+        return stacked
+
+    graphdef, state = _abstract_model(config)
+    nnx.replace_by_pure_dict(state, stack_params(
+        nnx.to_pure_dict(nnx.state(unrolled, nnx.Param)), config, stack))
+    return nnx.merge(graphdef, state)
+
+
+def _unrolled(model: HybridModel) -> HybridModel:
+    """A scanned model's parameters as those of the unrolled model (copies)."""
+    config = model.config
+    graphdef, state = _abstract_model(dataclasses.replace(config, scan_layers=False))
+    nnx.replace_by_pure_dict(state, unstack_params(
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)), config))
+    return nnx.merge(graphdef, state)
+
+
 def upstream_tensors(model: HybridModel, family: str) -> dict[str, np.ndarray]:
     """The inverse of `load_safetensors`: upstream name -> tensor, in the parameters' dtypes
     (host copies; for writing checkpoints and for tests)."""
     naming = family_named(family)
+    if layer_plan(model.config).num_groups:
+        model = _unrolled(model)
     params = _flat(nnx.state(model, nnx.Param))
     tensors = {}
     for rule in _checked_rules(model.config, naming, params):

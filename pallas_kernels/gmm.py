@@ -64,12 +64,15 @@ def resolve(implementation: str | None) -> str:
     return implementation
 
 
-def pallas_config(lhs_rows: int, rhs, *, num_rhs: int = 1,
-                  config: GmmConfig | None = None) -> GmmConfig:
-    """`config`, or the device's tiling for this shape; checks that the tiles divide K, N."""
+def pallas_config(lhs_rows: int, rhs, *, num_rhs: int = 1, config: GmmConfig | None = None,
+                  active_groups: int | None = None) -> GmmConfig:
+    """`config`, or the device's tiling for this shape; checks that the tiles divide K, N.
+    `active_groups`: how many of rhs's groups rows can fall in (default: all), when rhs
+    stacks several layers' experts and one layer's are addressed."""
     num_groups, k, n = rhs.shape
     config = config or select_gmm_config(device_spec(), rows=lhs_rows, k=k, n=n,
-                                         num_groups=num_groups, num_rhs=num_rhs,
+                                         num_groups=active_groups or num_groups,
+                                         num_rhs=num_rhs,
                                          operand_bytes=rhs.dtype.itemsize)
     for name, dim, block in (("K", k, config.block_k), ("N", n, config.block_n)):
         if dim % block:

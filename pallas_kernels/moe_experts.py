@@ -69,7 +69,8 @@ def _check(x, weights, experts, w_gate, w_up, w_down, fusions):
 
 def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, limit: float | None,
                    implementation: str | None = None, fusions: tuple[str, ...] | None = None,
-                   interpret: bool | None = None, out_dtype=None):
+                   interpret: bool | None = None, out_dtype=None,
+                   active_experts: int | None = None):
     """The weighted sum of each token's top-k experts.
 
     Args:
@@ -81,6 +82,8 @@ def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, limit: float | 
       fusions: subset of FUSIONS for the "pallas" implementation (None: DEFAULT_FUSIONS);
         ignored by the others, which run the same glue in jax.numpy.
       out_dtype: of the result (None: x.dtype); the sum over a token's copies is fp32.
+      active_experts: how many of the E experts ids can name (None: E), when the weights
+        stack several layers' experts: the Pallas tiling is chosen for that many groups.
 
     Returns [T, D] in out_dtype.
     """
@@ -97,18 +100,22 @@ def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, limit: float | 
     interpret = resolve_interpret(interpret)
 
     def gemm(lhs, rhs):
+        config = (pallas_config(lhs.shape[0], rhs, active_groups=active_experts)
+                  if implementation == "pallas" else None)
         return grouped_matmul(lhs, rhs, group_sizes, implementation=implementation,
-                              interpret=interpret)
+                              interpret=interpret, config=config)
 
     gather = "gather" in fusions
     xs = x if gather else x[row_tokens]  # [T, D] or [T * k, D] sorted by expert
     if "swiglu" in fusions or gather:
         h = _pallas(xs, (w_gate, w_up) if "swiglu" in fusions else (w_gate,), group_sizes,
                     rows=tokens * top_k, interpret=interpret, row_tokens=row_tokens,
-                    epilogue=Epilogue(gather=gather, swiglu="swiglu" in fusions, limit=limit))
+                    epilogue=Epilogue(gather=gather, swiglu="swiglu" in fusions, limit=limit),
+                    active_groups=active_experts)
         if "swiglu" not in fusions:
             up = _pallas(xs, (w_up,), group_sizes, rows=tokens * top_k, interpret=interpret,
-                         row_tokens=row_tokens, epilogue=Epilogue(gather=gather))
+                         row_tokens=row_tokens, epilogue=Epilogue(gather=gather),
+                         active_groups=active_experts)
             h = swiglu(h, up, limit)
     else:
         h = swiglu(gemm(xs, w_gate), gemm(xs, w_up), limit)
@@ -116,7 +123,7 @@ def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, limit: float | 
     if "combine" in fusions:
         ys = _pallas(h, (w_down,), group_sizes, rows=tokens * top_k, interpret=interpret,
                      row_scale=weights.reshape(-1)[order], row_dest=order,
-                     epilogue=Epilogue(combine=True))
+                     epilogue=Epilogue(combine=True), active_groups=active_experts)
         ys = ys.reshape(tokens, top_k, -1).astype(jnp.float32)
         return jnp.sum(ys, axis=1).astype(out_dtype)
     ys = gemm(h, w_down)
@@ -125,11 +132,11 @@ def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, limit: float | 
 
 
 def _pallas(lhs, rhs, group_sizes, *, rows, interpret, epilogue, row_tokens=None,
-            row_scale=None, row_dest=None):
+            row_scale=None, row_dest=None, active_groups=None):
     """One Pallas grouped GEMM with `epilogue` (`pallas_kernels.gmm_pallas`)."""
     for stack in rhs:
         check_operands(lhs, stack, group_sizes)
-    config = pallas_config(rows, rhs[0], num_rhs=len(rhs))
+    config = pallas_config(rows, rhs[0], num_rhs=len(rhs), active_groups=active_groups)
     return gmm_pallas(lhs, rhs, group_sizes, config=config, epilogue=epilogue,
                       interpret=interpret,
                       row_tokens=row_tokens if epilogue.gather else None,

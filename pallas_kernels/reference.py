@@ -146,8 +146,9 @@ def _scan_sequence(q, k, v, g, beta, state, offsets, *, scale):
     def step(carry, xs):
         s_in, snapshots = carry
         index, q_c, k_c, v_c, g_c, beta_c = xs
-        o_c, v_new, gates = _chunk_outputs(q_c, k_c, v_c, g_c, beta_c, s_in, scale)
-        state_at = functools.partial(_state_at_row, gates=gates, k=k_c, v_new=v_new, s_in=s_in)
+        o_c, v_new, gates, decay = _chunk_outputs(q_c, k_c, v_c, g_c, beta_c, s_in, scale)
+        state_at = functools.partial(_state_at_row, gates=gates, decay=decay, k=k_c,
+                                     v_new=v_new, s_in=s_in)
         taken = jax.vmap(state_at)(snap_row)  # [capacity, K, V]
         snapshots = jnp.where((snap_chunk == index)[:, None, None], taken, snapshots)
         return (state_at(chunk_size - 1), snapshots), o_c
@@ -162,15 +163,18 @@ def _chunk_outputs(q, k, v, g, beta, s_in, scale):
     """One chunk of the WY form: ``q``, ``k``, ``g`` ``[C, K]``, ``v`` ``[C, V]``, ``beta [C]``,
     entering state ``s_in [K, V]``.
 
-    Returns ``o [C, V]``, ``v_new = U - W S [C, V]`` and the in-chunk cumulative log-decay
-    ``G [C, K]``.
+    Returns ``o [C, V]``, ``v_new = U - W S [C, V]``, the in-chunk cumulative log-decay
+    ``G [C, K]`` and the decays ``exp(G_i - G_j)`` (i >= j, else 0) ``[C, C, K]``.
     """
     chunk_size, dim_k = k.shape
     gates = jnp.cumsum(g, axis=0)  # G, non-increasing
     rows = jnp.arange(chunk_size)
     causal = rows[:, None] >= rows[None, :]
-    # exp(G_i - G_j) for i >= j only: the masked entries become exp(-inf) = 0, never inf.
-    diff = gates[:, None, :] - gates[None, :, :]  # [C, C, K]
+    # G_i - G_j for i >= j as the sum of g over (j, i] alone: the same value, but a
+    # difference of two long cumulative sums would carry their rounding error (eps |G_i|,
+    # not eps |G_i - G_j|) into every decay. The masked entries become exp(-inf) = 0.
+    between = jnp.where(rows[:, None, None] > rows[None, :, None], g[:, None, :], 0.0)
+    diff = jnp.cumsum(between, axis=0)  # [C, C, K]: entry (i, j) sums g over (j, i]
     decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
 
     kk = jnp.einsum("id,jd,ijd->ij", k, k, decay, precision=_HIGHEST)
@@ -184,16 +188,14 @@ def _chunk_outputs(q, k, v, g, beta, s_in, scale):
     aqk = jnp.einsum("id,jd,ijd->ij", q, k, decay, precision=_HIGHEST)
     o = jnp.dot(q * jnp.exp(gates), s_in, precision=_HIGHEST)
     o = o + jnp.dot(aqk, v_new, precision=_HIGHEST)
-    return o, v_new, gates
+    return o, v_new, gates, decay
 
 
-def _state_at_row(row, *, gates, k, v_new, s_in):
+def _state_at_row(row, *, gates, decay, k, v_new, s_in):
     """State after in-chunk row ``row`` (0-based, runtime value).
 
-    ``S_row = diag(exp(G_row)) S_in + sum_{j <= row} (k_j exp(G_row - G_j)) v_new_j^T``.
+    ``S_row = diag(exp(G_row)) S_in + sum_{j <= row} (k_j exp(G_row - G_j)) v_new_j^T``,
+    the decays ``exp(G_row - G_j)`` being row ``row`` of `_chunk_outputs`' (zero for j > row).
     """
-    gate_row = gates[row]  # [K]
-    upto = (jnp.arange(k.shape[0]) <= row)[:, None]
-    weights = jnp.exp(jnp.where(upto, gate_row - gates, -jnp.inf))  # [C, K]
-    carried = jnp.exp(gate_row)[:, None] * s_in
-    return carried + jnp.dot((k * weights).T, v_new, precision=_HIGHEST)
+    carried = jnp.exp(gates[row])[:, None] * s_in
+    return carried + jnp.dot((k * decay[row]).T, v_new, precision=_HIGHEST)

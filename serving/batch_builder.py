@@ -10,6 +10,9 @@ Buckets, so that a new mix of requests reuses a compiled shape:
 - block-table width M: 1, 2, 4, ... below the blocks of a ``max_model_len`` request,
   then that count.
 
+A decode's ``PLACEHOLDER`` token (sampled by the step in flight: asynchronous scheduling)
+is packed as token 0; the engine feeds the sampled token on the device.
+
 Padding is inert: sequences past the real ones have zero length (``cu_seqlens`` flat),
 slot -1, no initial state, offsets and destinations -1, block table -1 and prefix length
 0; token rows past ``cu_seqlens[N]`` hold token 0 at position 0.
@@ -23,6 +26,7 @@ import numpy as np
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch, VerifyBatch
 from pallas_kernels.validation import validate_checkpoint_metadata
 from serving.plan import retention_capacity
+from serving.request import PLACEHOLDER
 from serving.step import ScheduledDecode, ScheduledPrefill, ScheduledStep, SchedulerConfig
 
 
@@ -87,20 +91,29 @@ class BatchBuilder:
         self.num_slots = num_slots
         self.tokens_per_block = config.block_size * config.dcp
 
-    def build(
-        self, step: ScheduledStep
-    ) -> tuple[PrefillBatch | None, DecodeBatch | VerifyBatch | None]:
+    def build(self, step: ScheduledStep, *, mixed: bool = False
+              ) -> tuple[PrefillBatch | None, DecodeBatch | VerifyBatch | None]:
         """The step's batches (None where it has no rows of that kind), checked together.
-        With ``speculative_tokens`` the decodes form a ``VerifyBatch``.
+        ``mixed``: a step with both kinds pads both to one sequence count N and table
+        width M (one forward over both, ``glmjax.mixed``: its shape is (T, N, M)).
+        With ``speculative_tokens`` the decodes form a ``VerifyBatch`` (never mixed).
 
         Raises:
           ValueError: naming the row and value of anything the device must not see.
         """
-        prefill = self.prefill_batch(step.prefills) if step.prefills else None
+        if mixed and self.config.speculative_tokens:
+            raise ValueError("mixed steps cannot verify drafts "
+                             f"(speculative_tokens={self.config.speculative_tokens})")
+        n = m = None
+        if mixed and step.prefills and step.decodes:
+            n = bucket_for(self.buckets.seqs, max(len(step.prefills), len(step.decodes)),
+                           "prefill sequences or decode rows")
+            m = self._block_table_width(step.prefills + step.decodes)
+        prefill = self.prefill_batch(step.prefills, n, m) if step.prefills else None
         decode = None
         if step.decodes:
             decode = (self.verify_batch(step.decodes) if self.config.speculative_tokens
-                      else self.decode_batch(step.decodes))
+                      else self.decode_batch(step.decodes, n, m))
         self.validate_step(prefill, decode)
         return prefill, decode
 
@@ -109,12 +122,14 @@ class BatchBuilder:
         widest = max(len(row.block_table) for row in rows)
         return bucket_for(self.buckets.block_table_widths, widest, "blocks in a block table")
 
-    def prefill_batch(self, prefills: tuple[ScheduledPrefill, ...]) -> PrefillBatch:
-        """Packs the spans in order; offsets are span-relative (position - span start)."""
+    def prefill_batch(self, prefills: tuple[ScheduledPrefill, ...], n: int | None = None,
+                      m: int | None = None) -> PrefillBatch:
+        """Packs the spans in order; offsets are span-relative (position - span start).
+        ``n``, ``m``: the sequence and width buckets (default: the smallest that hold them)."""
         num_tokens = sum(p.span.num_tokens for p in prefills)
         t = bucket_for(self.buckets.tokens, num_tokens, "prefill tokens")
-        n = bucket_for(self.buckets.seqs, len(prefills), "prefill sequences")
-        m = self._block_table_width(prefills)
+        n = n or bucket_for(self.buckets.seqs, len(prefills), "prefill sequences")
+        m = m or self._block_table_width(prefills)
         token_ids = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         cu_seqlens = np.full(n + 1, num_tokens, np.int32)
@@ -150,16 +165,18 @@ class BatchBuilder:
         self.validate_prefill(batch)
         return batch
 
-    def decode_batch(self, decodes: tuple[ScheduledDecode, ...]) -> DecodeBatch:
-        """One row per decode, padded to a sequence bucket."""
-        n = bucket_for(self.buckets.seqs, len(decodes), "decode rows")
-        m = self._block_table_width(decodes)
+    def decode_batch(self, decodes: tuple[ScheduledDecode, ...], n: int | None = None,
+                     m: int | None = None) -> DecodeBatch:
+        """One row per decode, padded to a sequence bucket (``n``, ``m``: as
+        ``prefill_batch``)."""
+        n = n or bucket_for(self.buckets.seqs, len(decodes), "decode rows")
+        m = m or self._block_table_width(decodes)
         token_ids = np.zeros(n, np.int32)
         positions = np.zeros(n, np.int32)
         state_slots = np.full(n, -1, np.int32)
         block_tables = np.full((n, m), -1, np.int32)
         for i, decode in enumerate(decodes):
-            token_ids[i] = decode.token_id
+            token_ids[i] = 0 if decode.token_id == PLACEHOLDER else decode.token_id
             positions[i] = decode.position
             state_slots[i] = decode.state_slot
             block_tables[i, : len(decode.block_table)] = decode.block_table

@@ -5,14 +5,21 @@
     engine.add_request("a", prompt_ids, SamplingParams(max_tokens=32, temperature=0.7))
     outputs = engine.run_until_done()          # {request_id: final RequestOutput}
 
-Each ``step()`` follows the scheduler's contract (``serving.scheduler``): schedule; copy
-the step's KV blocks (copy-on-write) and resume states into their slots; run the model's
+Each step follows the scheduler's contract (``serving.scheduler``): schedule; copy the
+step's KV blocks (copy-on-write) and resume states into their slots; run the model's
 prefill and / or decode on the device batches; copy the retained end states out of the
-running slots; sample a token for every request the step samples; hand the tokens back
-to the scheduler, which registers what the step retained.
+running slots; sample a token for every request the step samples (all dispatched back to
+back, ``serving.dispatch``); fetch the results in one blocking transfer; hand the tokens
+back to the scheduler, which registers what the step retained.
 
-A step that fails fails only its own requests. Whatever raises while the step is built,
-run or sampled (a model refusal, ``StepRefusedError``, which leaves the caches unchanged;
+With ``async_scheduling`` (the default) each ``step()`` call schedules and dispatches the
+next step before it blocks on the results of the one in flight, so the host's scheduling,
+batch building and output processing overlap the device's work; the call returns the
+outputs of the step it fetched. Tokens sampled past a stop are never emitted.
+
+A step that fails fails only its own requests (with a step dispatched after it, that
+step's rows of those requests are computed and dropped). Whatever raises while the step is
+built, run or sampled (a model refusal, ``StepRefusedError``, which leaves the caches unchanged;
 an input the device dtypes cannot hold; a bug), ``step()`` aborts the step's requests
 (``Scheduler.abort_step``: their blocks, slots and pins go back, nothing is registered)
 and reports each finished with ``FinishReason.ERROR``; every other request goes on. A
@@ -29,6 +36,7 @@ on a (tp, dcp) mesh, where each dcp rank holds P tokens of every block id.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -40,24 +48,22 @@ from flax import nnx
 from glmjax.config import ModelConfig
 from glmjax.model import HybridModel, ModelState
 from glmjax.sharding import ModelSteps, single_device_steps
-from glmjax.state_pool import PoolStatus
 from serving.batch_builder import BatchBuckets, BatchBuilder
 from serving.block_allocator import BlockAllocator
+from serving.dispatch import InFlight, StepDispatch, StepRefusedError
 from serving.outputs import EngineMetrics, FinishReason, RequestOutput
 from serving.prefix_cache import PrefixCache
 from serving.request import Request, SamplingParams
-from serving.sampling import SEED_LIMIT, Draw, Sampled, SamplingTensors, sample
+from serving.sampling import SEED_LIMIT
 from serving.scheduler import Scheduler
 from serving.speculative import COUNTERS as SPECULATIVE_COUNTERS
-from serving.speculative import SpeculativeRunner, trim_draws
+from serving.speculative import SpeculativeInFlight, SpeculativeRunner, trim_draws
 from serving.state_slots import StateSlotAllocator
 from serving.step import ScheduledStep, SchedulerConfig
 
+__all__ = ["DeviceLostError", "Engine", "EngineConfig", "StepRefusedError"]
+
 logger = logging.getLogger(__name__)
-
-
-class StepRefusedError(RuntimeError):
-    """The model refused a step's cache update (a non-OK `PoolStatus`); nothing was written."""
 
 
 class DeviceLostError(RuntimeError):
@@ -76,8 +82,14 @@ class EngineConfig(SchedulerConfig):
         once; good for small models and tests, wasteful for long budgets.
       speculative_tokens (from ``SchedulerConfig``): N > 0 drafts N tokens per request
         with the model's MTP head and verifies them in the next step
-        (``serving.speculative``; greedy requests, one device).
+        (``serving.speculative``; greedy requests, one device). It turns
+        ``async_scheduling`` off (logged) and refuses ``mixed_steps``.
       seed: draws the seed of every request that brings none.
+      async_scheduling: schedule and dispatch step n + 1 before fetching step n (on by
+        default in the engine, off in a bare ``SchedulerConfig``).
+      mixed_steps: run a step's prefill spans and decode rows in one forward
+        (``glmjax.mixed``: the weights read once) rather than two; needs steps with a
+        ``mixed`` entry point (one device).
     """
 
     num_kv_blocks: int
@@ -85,6 +97,19 @@ class EngineConfig(SchedulerConfig):
     eos_token_id: int | None = None
     single_bucket: bool = False
     seed: int = 0
+    async_scheduling: bool = True
+    mixed_steps: bool = False
+
+    def __post_init__(self):
+        if self.speculative_tokens and self.mixed_steps:
+            raise ValueError(f"--speculative-tokens {self.speculative_tokens} cannot run with "
+                             "--mixed-steps (a mixed step has no verify rows)")
+        if self.speculative_tokens and self.async_scheduling:
+            logger.info("speculative_tokens=%d: asynchronous scheduling off (a verified "
+                        "decode's length is known only after its step's fetch)",
+                        self.speculative_tokens)
+            object.__setattr__(self, "async_scheduling", False)
+        super().__post_init__()
 
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduling knobs alone."""
@@ -103,8 +128,13 @@ class _Tracked:
     top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
     cached_counted: bool = False
 
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens emitted so far (the request's later ones are still being sampled)."""
+        return self.request.output_token_ids[: len(self.logprobs)]
 
-class Engine:
+
+class Engine(StepDispatch):
     """Runs requests to completion on one model and one set of caches."""
 
     def __init__(
@@ -125,8 +155,9 @@ class Engine:
           steps: where and how the model runs (default: one device).
 
         Raises:
-          ValueError: for a model whose config or KV block size does not match, or steps
-            on a mesh whose dcp differs from the engine's.
+          ValueError: for a model whose config or KV block size does not match, steps on
+            a mesh whose dcp differs from the engine's, or ``mixed_steps`` with steps that
+            have no mixed forward.
         """
         if isinstance(model, HybridModel):
             if model.config != config:
@@ -146,6 +177,8 @@ class Engine:
         steps = steps or single_device_steps(config)
         if steps.dcp not in (None, engine_config.dcp):
             raise ValueError(f"the mesh has dcp={steps.dcp}, the engine dcp={engine_config.dcp}")
+        if engine_config.mixed_steps and steps.mixed is None:
+            raise ValueError("mixed_steps: these steps have no mixed forward (a mesh has none yet)")
         sched_config = engine_config.scheduler_config()
         self.config = engine_config
         self.model_config = config
@@ -170,7 +203,7 @@ class Engine:
         self._seeds = np.random.default_rng(engine_config.seed)
         self._tracked: dict[str, _Tracked] = {}
         self._aborted: list[RequestOutput] = []
-        self._idle = False  # the last step scheduled nothing and preempted no one
+        self._idle = False  # the last step scheduled nothing, preempted no one, none in flight
         self._counts = dict(
             requests_added=0,
             requests_finished=0,
@@ -197,6 +230,7 @@ class Engine:
         init_caches = self.steps.init_caches if self._speculative is None else (
             self._speculative.init_caches)
         self.caches = init_caches(config.num_state_slots, config.num_kv_blocks)
+        self._in_flight: collections.deque = collections.deque()  # InFlight, oldest first
 
     @property
     def model_state(self) -> ModelState:
@@ -204,29 +238,13 @@ class Engine:
         return self._model_state
 
     @property
-    def sampler_rows(self) -> int:
-        """Rows of every sampler call and cache copy (the largest sequence bucket)."""
-        return self._rows
-
-    @property
-    def sampler(self) -> Callable:
-        """The jitted sampler, one compiled shape: (logits fp32 [R, V], SamplingTensors of
-        R rows), R = ``sampler_rows``."""
-        return _sample
-
-    @property
-    def row_gather(self) -> Callable:
-        """The jitted gather of the sampled rows: (logits fp32 [N, V], rows int32 [R]) ->
-        fp32 [R, V]; one small program per sequence bucket N."""
-        return _gather_rows
-
-    @property
     def schedule_log(self) -> list[dict]:
         """One plain-data entry per step when ``log_schedule`` is set (else empty)."""
         return self.scheduler.schedule_log
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        """Whether a request is live, an abort unreported, or a step still in flight."""
+        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._in_flight)
 
     def add_request(
         self,
@@ -277,25 +295,57 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled step; returns an output for every request that got a token,
-        finished, failed or was aborted since the last step.
+        finished, failed or was aborted since the last step. With ``async_scheduling``
+        it first dispatches the next step (two when none is in flight), then fetches the
+        oldest, leaving one in flight.
 
         Raises:
           DeviceLostError: the step failed and the device no longer answers.
         """
         outputs, self._aborted = self._aborted, []
+        if not self._in_flight:
+            outputs += self._launch()
+        if self._in_flight and self.config.async_scheduling:
+            outputs += self._launch()
+        if self._in_flight:
+            outputs += self._finish(self._in_flight.popleft())
+        return outputs
+
+    def _launch(self) -> list[RequestOutput]:
+        """Schedules a step and dispatches it (outputs only if it failed)."""
         step = self.scheduler.schedule()
         self._counts["preemptions"] += len(step.preempted)
-        self._idle = step.is_empty and not step.preempted
+        self._idle = step.is_empty and not step.preempted and not self._in_flight
         if step.is_empty:
-            return outputs
+            return []
         self._counts["steps"] += 1
+        previous = self._in_flight[-1] if self._in_flight else None
+        try:
+            owners = {i: self._tracked[i] for i in step.sampling_request_ids}
+            sampling = {i: self._sampling_row(owners[i], position)
+                        for i, position in _sampled_positions(step).items()}
+            if self._speculative is None:
+                flight = self.dispatch(step, owners, sampling, previous)
+            else:
+                flight = self._speculative.dispatch(self, step, owners, sampling)
+            self._in_flight.append(flight)
+        except DeviceLostError:  # raised by multi-process steps (serving.multiprocess)
+            raise
+        except Exception as error:
+            return self._fail_step(step, error)
+        return []
+
+    def _finish(self, flight: InFlight | SpeculativeInFlight) -> list[RequestOutput]:
+        """Fetches a dispatched step's results and hands them to the scheduler."""
+        step = flight.step
         try:
             if self._speculative is None:
-                sampled = self._run(step)
-            else:
+                sampled = {i: [draw] for i, draw in self.fetch(flight).items()}
+            else:  # synchronous: the step's requests are all still tracked
                 sampled = {i: trim_draws(self._tracked[i].request, draws,
                                          self._tracked[i].stop_token_ids, self._detokenize)
-                           for i, draws in self._speculative.run(self, step).items()}
+                           for i, draws in self._speculative.fetch(self, flight).items()}
+            self._count_cached_tokens(step)
             finished = {
                 r.request_id
                 for r in self.scheduler.update_from_step(
@@ -304,12 +354,15 @@ class Engine:
             }
             if self._speculative is not None:
                 self._speculative.set_drafts(self)
-        except DeviceLostError:  # raised by multi-process steps (serving.multiprocess)
+        except DeviceLostError:
             raise
         except Exception as error:
-            return outputs + self._fail_step(step, error)
+            return self._fail_step(step, error)
+        outputs = []
         for request_id, draws in sampled.items():
-            tracked = self._tracked[request_id]
+            tracked = flight.owners[request_id]
+            if self._tracked.get(request_id) is not tracked:
+                continue  # finished by an earlier step's stop, aborted or failed since
             try:
                 for draw in draws:
                     tracked.logprobs.append(draw.logprob)
@@ -321,50 +374,15 @@ class Engine:
                 outputs += self._fail_requests([request_id])
         return outputs
 
-    def _run(self, step: ScheduledStep) -> dict[str, list[Draw]]:
-        """Copies, the model's prefill and decode, retain copies and sampling of one step,
-        dispatched back to back; then the step's one blocking device-to-host transfer
-        fetches every call's pool status with the draws.
-
-        Checking the statuses only then is safe: each call is transactional, and whatever
-        ran after a refused call wrote only into blocks and slots of the step's own
-        requests, which a refused step fails (``_fail_step``), registering nothing."""
-        prefill_batch, decode_batch = self.builder.build(step)
-        statuses = []  # (what, PoolStatus as a device scalar)
-        # Every call donates the caches: keep self.caches on the live buffers throughout.
-        if step.block_copies:
-            self.caches = self.steps.copy_kv_blocks(self.caches, *self._pairs(step.block_copies))
-            self._counts["kv_block_copies"] += len(step.block_copies)
-        if step.resume_state_copies:
-            statuses.append(("resume copies", self._copy_slots(step.resume_state_copies)))
-        prefill_logits = decode_logits = None
-        if prefill_batch is not None:
-            out = self.steps.prefill(self._model_state, self.caches, jax.device_put(prefill_batch))
-            self.caches, prefill_logits = out.caches, out.logits
-            statuses.append(("prefill", out.status))
-        if decode_batch is not None:
-            out = self.steps.decode(self._model_state, self.caches, jax.device_put(decode_batch))
-            self.caches, decode_logits = out.caches, out.logits
-            statuses.append(("decode", out.status))
-        if step.retain_state_copies:
-            statuses.append(("retain copies", self._copy_slots(step.retain_state_copies)))
-        calls, order = self._dispatch_sampling(step, prefill_logits, decode_logits)
-        codes, drawn = jax.device_get(([status for _, status in statuses], calls))
-        for (what, _), code in zip(statuses, codes):
-            if PoolStatus(int(code)) is not PoolStatus.OK:
-                raise StepRefusedError(f"step {step.step_id}: the model refused the {what} "
-                                       f"({PoolStatus(int(code)).name}); the caches are unchanged")
-        self._count_cached_tokens(step)
-        return {request_id: [Draw.from_row(sampled, k)]
-                for sampled, request_ids in zip(drawn, order)
-                for k, request_id in enumerate(request_ids)}
-
     def _fail_step(self, step: ScheduledStep, error: Exception) -> list[RequestOutput]:
         """Fails the step's requests (or, with the caches gone, every live request)."""
         self._counts["step_failures"] += 1
         if not self._caches_lost():
             self.scheduler.abort_step(step)
-            failed = [i for i in step.request_ids if i in self._tracked]
+            self._in_flight = collections.deque(f for f in self._in_flight if f.step is not step)
+            # Live requests of another step in flight that bear one of these ids stay.
+            failed = [i for i in step.request_ids
+                      if i in self._tracked and self.scheduler.get_request(i) is None]
             logger.error("step %d failed; failing its requests %s", step.step_id, failed,
                          exc_info=error)
             return self._fail_requests(failed)
@@ -444,58 +462,24 @@ class Engine:
             state_slots_retained=slots.cached,
         )
 
-    def _pairs(self, copies) -> tuple[np.ndarray, np.ndarray]:
-        """(sources, destinations) padded with -1 to the fixed row count: one compile."""
-        if len(copies) > self._rows:
-            raise ValueError(f"{len(copies)} copies exceed {self._rows} rows")
-        pairs = np.full((2, self._rows), -1, np.int32)
-        pairs[:, : len(copies)] = np.asarray(copies, np.int32).T
-        return pairs[0], pairs[1]
-
-    def _copy_slots(self, copies) -> jax.Array:
-        """Copies state slots (every KDA layer); the copy's PoolStatus, on the device."""
-        self.caches, status = self.steps.copy_state_slots(self.caches, *self._pairs(copies))
-        return status
-
-    def _dispatch_sampling(self, step: ScheduledStep, prefill_logits, decode_logits):
-        """The sampler calls of every request the step samples, not yet fetched: a list
-        of ``Sampled`` (device arrays) and, for each, the request ids of its rows.
-
-        Prefill and decode rows are sampled by separate calls of one sampler whose row
-        count is fixed: its rows are gathered from each logits bucket first, so the
-        sampler compiles once, and only the gather once per sequence bucket."""
-        parts = [
-            (prefill_logits, [(i, p.request_id) for i, p in enumerate(step.prefills) if p.samples]),
-            (decode_logits, [(i, d.request_id) for i, d in enumerate(step.decodes)]),
-        ]
-        calls, order = [], []
-        for logits, rows in parts:
-            if not rows:
-                continue
-            index = np.zeros(self._rows, np.int32)
-            index[: len(rows)] = [row for row, _ in rows]
-            params = [self._sampling_row(request_id) for _, request_id in rows]
-            calls.append(_sample_rows(logits, index, SamplingTensors.host(params, self._rows)))
-            order.append([request_id for _, request_id in rows])
-        return calls, order
-
-    def _sampling_row(self, request_id: str) -> tuple[float, int, float, int, int]:
-        """(temperature, top_k, top_p, seed, output token index) of a request's next draw."""
-        tracked = self._tracked[request_id]
+    def _sampling_row(self, tracked: _Tracked, position: int) -> tuple[float, int, float, int, int]:
+        """(temperature, top_k, top_p, seed, output token index) of the draw of the
+        request's token at sequence ``position``."""
         s = tracked.request.sampling
-        return s.temperature, s.top_k, s.top_p, tracked.seed, len(tracked.request.output_token_ids)
+        index = position - len(tracked.request.prompt_token_ids)
+        return s.temperature, s.top_k, s.top_p, tracked.seed, index
 
     def _count_cached_tokens(self, step: ScheduledStep) -> None:
         for scheduled in step.prefills:
-            tracked = self._tracked[scheduled.request_id]
-            if not tracked.cached_counted:
+            tracked = self._tracked.get(scheduled.request_id)
+            if tracked is not None and not tracked.cached_counted:
                 tracked.cached_counted = True
                 self._counts["cached_prompt_tokens"] += tracked.request.num_cached_tokens or 0
 
     def _after_token(self, tracked: _Tracked, finished: bool) -> RequestOutput:
         """The output after a new token; finishes the request on a stop string."""
         request = tracked.request
-        last = request.output_token_ids[-1]
+        last = tracked.tokens[-1]
         reason, stop_reason = None, None
         stop_string = self._stop_string(tracked)
         if finished and last in tracked.stop_token_ids:
@@ -516,7 +500,7 @@ class Engine:
         """The stop string that occurs first in the output text, or None."""
         if not tracked.request.sampling.stop:
             return None
-        text = self._detokenize(tracked.request.output_token_ids)
+        text = self._detokenize(tracked.tokens)
         found = [(text.find(s), s) for s in tracked.request.sampling.stop if s in text]
         return min(found)[1] if found else None
 
@@ -533,13 +517,13 @@ class Engine:
         request = tracked.request
         text = None
         if with_text and self._detokenize is not None:
-            text = self._detokenize(request.output_token_ids)
+            text = self._detokenize(tracked.tokens)
             if isinstance(stop_reason, str):
                 text = text[: text.find(stop_reason)]
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=tuple(request.output_token_ids),
+            output_token_ids=tuple(tracked.tokens),
             logprobs=tuple(tracked.logprobs),
             top_logprobs=tuple(tracked.top_logprobs),
             text=text,
@@ -551,17 +535,7 @@ class Engine:
         )
 
 
-@jax.jit
-def _gather_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
-    """Rows ``rows`` (int32 [R]) of one batch's logits (fp32 [N, V]): fp32 [R, V]."""
-    return logits[rows]
-
-
-_sample = jax.jit(sample)
-
-
-def _sample_rows(logits: jax.Array, rows: jax.Array, params: SamplingTensors) -> Sampled:
-    """Samples rows ``rows`` (int32 [R]) of one batch's logits (fp32 [N, V]): a gather
-    compiled per N (a copy of R rows), then the sampler, compiled once for [R, V]. The
-    sort over the vocabulary, the costly compile, is in the sampler alone."""
-    return _sample(_gather_rows(logits, rows), params)
+def _sampled_positions(step: ScheduledStep) -> dict[str, int]:
+    """The sequence position of the token the step samples for each request."""
+    return {d.request_id: d.position + 1 for d in step.decodes} | {
+        p.request_id: p.span.end for p in step.prefills if p.samples}

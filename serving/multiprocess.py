@@ -166,7 +166,8 @@ def leader_steps(steps: ModelSteps, channel: StepChannel) -> ModelSteps:
         return announced("place", lambda: steps.place(model_state))
 
     return steps._replace(prefill=prefill, decode=decode, copy_state_slots=copy_state_slots,
-                          copy_kv_blocks=copy_kv_blocks, init_caches=init_caches, place=place)
+                          copy_kv_blocks=copy_kv_blocks, init_caches=init_caches, place=place,
+                          mixed=None)  # not announced: a mixed step runs as two
 
 
 def stop_followers(channel: StepChannel) -> None:

@@ -3,8 +3,10 @@
 An engine pads each batch to a bucket (``serving.batch_builder.BatchBuckets``): prefill
 batches to (tokens T, sequences N, block-table width M), decode batches to (N, M). Every
 bucket it can reach is one compiled prefill or decode program; the KV-block and state-slot
-copies and the sampler have one shape each, and the gather of the sampled rows one per
-sequence bucket. ``reachable_programs``
+copies and the sampler have one shape each, the gather of the sampled rows one per
+sequence bucket, with asynchronous scheduling the feed of placeholder decode tokens one per
+sequence bucket, and with mixed steps the one forward over both kinds of rows one per
+(T, N, M). ``reachable_programs``
 lists them all for an engine's buckets, and ``precompile`` compiles them on a thread pool
 (XLA compiles outside the GIL), with a progress bar. A later call of the same jitted step
 finds the executable in JAX's compilation cache, so it does not compile again; with the
@@ -12,7 +14,8 @@ persistent cache (``glmjax.compile_cache``) a restart reads them from disk.
 
 Which buckets are reachable: a prefill batch holds at least one token per sequence, so
 its sequence bucket N is reachable with T tokens when the bucket below N is smaller than T;
-every width up to the longest request's; decode batches any (N, M).
+every width up to the longest request's; decode batches any (N, M). Mixed steps are listed
+at every (T, N, M) (N holds the decode rows too, so nearly all are reachable).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tqdm import tqdm
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from serving import speculative
 from serving.batch_builder import BatchBuckets
+from serving.dispatch import feed_tokens
 from serving.sampling import SamplingTensors
 
 SPECULATIVE_KINDS = ("spec_prefill", "verify", "draft_prefill", "draft_verify")
@@ -39,14 +43,22 @@ SPECULATIVE_KINDS = ("spec_prefill", "verify", "draft_prefill", "draft_verify")
 class Program:
     """One program an engine calls: its kind and static shape."""
 
-    kind: str  # "prefill", "decode", "copy_kv_blocks", "copy_state_slots", "gather_rows",
-    #            "sample", or one of SPECULATIVE_KINDS
-    shape: tuple[int, ...]  # prefill (T, N, M), decode (N, M), gather_rows (N,), others ()
+    kind: str  # "prefill", "decode", "mixed", "copy_kv_blocks", "copy_state_slots",
+    #            "gather_rows", "sample", "feed", or one of SPECULATIVE_KINDS
+    shape: tuple[int, ...]  # prefill, mixed (T, N, M), decode (N, M), gather_rows, feed (N,),
+    #                         others ()
 
 
-def reachable_programs(buckets: BatchBuckets, speculative_tokens: int = 0) -> list[Program]:
-    """Every program an engine padding to ``buckets`` can call, cheapest first (with
-    ``speculative_tokens``, those of ``serving.speculative`` instead of prefill and decode)."""
+def reachable_programs(buckets: BatchBuckets, *, feed: bool = False, mixed: bool = False,
+                       speculative_tokens: int = 0) -> list[Program]:
+    """Every program an engine padding to ``buckets`` can call, cheapest first (``feed``:
+    the engine schedules asynchronously; ``mixed``: it runs mixed steps; with
+    ``speculative_tokens``, those of ``serving.speculative`` instead of prefill and decode,
+    which needs neither of the other two).
+
+    Raises:
+      ValueError: ``speculative_tokens`` with ``feed`` or ``mixed``.
+    """
     # A bucket of n rows holds more than the bucket below it (k spans need k tokens), so it
     # is reachable with t tokens when that lower bucket is smaller than t.
     below = dict(zip(buckets.seqs, (0, *buckets.seqs[:-1])))
@@ -59,8 +71,14 @@ def reachable_programs(buckets: BatchBuckets, speculative_tokens: int = 0) -> li
     ]
     decode = [Program("decode", (n, m)) for n in buckets.seqs for m in buckets.block_table_widths]
     gathers = [Program("gather_rows", (n,)) for n in buckets.seqs]
+    fed = [Program("feed", (n,)) for n in buckets.seqs] if feed else []
     small = [Program("copy_kv_blocks", ()), Program("copy_state_slots", ()), Program("sample", ())]
+    both = [Program("mixed", (t, n, m)) for t in buckets.tokens for n in buckets.seqs
+            for m in buckets.block_table_widths] if mixed else []
     if speculative_tokens:
+        if feed or mixed:
+            raise ValueError(f"speculative_tokens={speculative_tokens} runs synchronous, "
+                             f"unmixed steps (got feed={feed}, mixed={mixed})")
         # Verified decodes' logits have (N + 1) n rows: their gathers too.
         chain = speculative_tokens + 1
         gathers += [Program("gather_rows", (chain * n,)) for n in buckets.seqs
@@ -68,7 +86,7 @@ def reachable_programs(buckets: BatchBuckets, speculative_tokens: int = 0) -> li
         shapes = [p.shape for p in prefill]
         return small + gathers + [Program(kind, shape) for kind, shape in
                                   speculative.programs(buckets, shapes)]
-    return small + gathers + decode + prefill
+    return small + gathers + fed + decode + prefill + both
 
 
 def padding_prefill(t: int, n: int, m: int) -> PrefillBatch:
@@ -99,17 +117,26 @@ def padding_decode(n: int, m: int) -> DecodeBatch:
 def _lower(engine, program: Program, shardings: dict | None = None):
     """The program lowered with arguments shaped and placed as the engine passes them:
     the gather's logits as the model steps return them (``shardings["logits"]``), the
-    sampler's as the gather returns them (``shardings["gathered"]``)."""
+    sampler's as the gather returns them (``shardings["gathered"]``), the fed tokens as the
+    sampler returns them (``shardings["tokens"]``)."""
     steps, rows, shardings = engine.steps, engine.sampler_rows, shardings or {}
     vocab = engine.model_config.vocab_size
     if program.kind in SPECULATIVE_KINDS:
         return speculative.lower(engine, program.kind, program.shape)
+    if program.kind == "feed":
+        host = np.zeros(program.shape, np.int32)
+        sampled = jax.device_put(np.zeros(rows, np.int32), shardings.get("tokens"))
+        return feed_tokens.lower(host, host, sampled, sampled)
     if program.kind == "prefill":
         batch = jax.device_put(padding_prefill(*program.shape))
         return steps.prefill.lower(engine.model_state, engine.caches, batch)
     if program.kind == "decode":
         batch = jax.device_put(padding_decode(*program.shape))
         return steps.decode.lower(engine.model_state, engine.caches, batch)
+    if program.kind == "mixed":
+        t, n, m = program.shape
+        batches = jax.device_put((padding_prefill(t, n, m), padding_decode(n, m)))
+        return steps.mixed.lower(engine.model_state, engine.caches, *batches)
     if program.kind == "gather_rows":
         (n,) = program.shape
         logits = jax.device_put(np.zeros((n, vocab), np.float32), shardings.get("logits"))
@@ -137,25 +164,31 @@ def precompile(engine, *, workers: int | None = None, progress: bool = True,
       progress: show a progress bar (tqdm, on stderr).
       log: called once with a summary line.
     """
-    programs = reachable_programs(engine.builder.buckets, engine.config.speculative_tokens)
+    config = engine.config
+    programs = reachable_programs(engine.builder.buckets, feed=config.async_scheduling,
+                                  mixed=config.mixed_steps,
+                                  speculative_tokens=config.speculative_tokens)
     workers = workers or os.cpu_count() or 1
     start = time.perf_counter()
 
-    # The gathers' logits come out of the model steps, the sampler's out of a gather: on a
-    # mesh the first decode program tells how the logits are sharded and the first gather
-    # how its rows are, so those two compile first. On one device the steps return
-    # uncommitted arrays, which a plain device_put reproduces (naming their device would
-    # put a sharding into the programs and miss the cache). (Speculation: one device.)
-    decode = "verify" if engine.config.speculative_tokens else "decode"
-    first = [next(p for p in programs if p.kind == kind) for kind in (decode, "gather_rows")]
+    # The gathers' logits come out of the model steps, the sampler's out of a gather and the
+    # fed tokens out of the sampler: on a mesh the first decode program tells how the logits
+    # are sharded, the first gather how its rows are and the sampler how its tokens are, so
+    # those three compile first. On one device the steps return uncommitted arrays, which a
+    # plain device_put reproduces (naming their device would put a sharding into the
+    # programs and miss the cache). (Speculation: one device.)
+    decode = "verify" if config.speculative_tokens else "decode"
+    first = [next(p for p in programs if p.kind == kind)
+             for kind in (decode, "gather_rows", "sample")]
     bar = tqdm(total=len(programs), desc="precompiling", unit="program", disable=not progress)
     shardings, seconds = {}, []
-    for program, name in zip(first, ("logits", "gathered")):
+    for program, name in zip(first, ("logits", "gathered", "tokens")):
         begin = time.perf_counter()
         compiled = _lower(engine, program, shardings).compile()
         if engine.steps.mesh is not None:
-            out = compiled.output_shardings
-            shardings[name] = out.logits if program.kind == "decode" else out
+            out = compiled.output_shardings  # decode: DecodeOutput, sample: Sampled
+            shardings[name] = {"decode": getattr(out, "logits", None), "gather_rows": out,
+                               "sample": getattr(out, "tokens", None)}[program.kind]
         seconds.append(time.perf_counter() - begin)
         bar.update()
 

@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 
 INT32_LIMIT = 2**31  # token counts and top_k reach the device as int32
+# An output token a step in flight samples, not fetched yet (``serving.scheduler``).
+PLACEHOLDER = -1
 
 
 class RequestStatus(enum.Enum):
@@ -98,7 +100,8 @@ class Request:
       prompt_token_ids: the prompt (at least one token).
       sampling: how it samples and when it stops.
       status: see ``RequestStatus``.
-      output_token_ids: generated tokens, in order.
+      output_token_ids: generated tokens, in order; the last ones are ``PLACEHOLDER``
+        while the steps sampling them are in flight.
       num_computed: tokens of the sequence whose KV and state are in the cache.
       num_cached_tokens: tokens the first admission took from the prefix cache (None
         before it is admitted).
@@ -155,6 +158,11 @@ class Request:
     def max_num_tokens(self) -> int:
         """Longest the sequence can grow: prompt plus ``max_tokens``."""
         return len(self.prompt_token_ids) + self.sampling.max_tokens
+
+    @property
+    def reached_max_tokens(self) -> bool:
+        """Whether every token it may generate is sampled (or being sampled)."""
+        return len(self.output_token_ids) >= self.sampling.max_tokens
 
     @property
     def is_decoding(self) -> bool:

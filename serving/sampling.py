@@ -87,20 +87,6 @@ class Sampled(NamedTuple):
     top_logprobs: jax.Array  # fp32 [N, min(MAX_TOP_LOGPROBS, V)]
 
 
-class Draw(NamedTuple):
-    """One request's sampled token on the host, its logprob and the top alternatives."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-    @classmethod
-    def from_row(cls, sampled: Sampled, k: int) -> Draw:
-        """Row k of a fetched ``Sampled`` (host arrays)."""
-        top = zip(sampled.top_ids[k].tolist(), sampled.top_logprobs[k].tolist(), strict=True)
-        return cls(int(sampled.tokens[k]), float(sampled.logprobs[k]), tuple(top))
-
-
 def sample(logits: jax.Array, params: SamplingTensors) -> Sampled:
     """One token per row.
 

@@ -9,7 +9,7 @@ cache lookup. A running request that needs KV blocks the pool cannot give preemp
 most recently admitted running request not yet in the step (possibly itself); a waiting
 request never preempts.
 
-One step is in flight at a time. The engine runs it as:
+The engine runs a step as:
 
     step = scheduler.schedule()
     copy step.block_copies, then step.resume_state_copies     # before the model
@@ -17,9 +17,25 @@ One step is in flight at a time. The engine runs it as:
     copy step.retain_state_copies                             # after the model
     scheduler.update_from_step(step, {request_id: sampled token, ...})
 
-``update_from_step`` then registers what the step wrote in the prefix cache: the KV blocks
-of every full P-token chunk computed, each checkpoint slot as the retained state at its
-position, and each end-of-span copy as the retained state at the span's end.
+``schedule`` already counts the step's tokens as computed and appends a ``PLACEHOLDER``
+output token for each token it samples; ``update_from_step`` then puts the sampled tokens
+in their place, finishes requests on a stop token or ``max_tokens``, and registers what
+the step wrote in the prefix cache: the KV blocks of every full P-token chunk computed,
+each checkpoint slot as the retained state at its position, and each end-of-span copy as
+the retained state at the span's end.
+
+Asynchronous scheduling (``async_scheduling``): the next step may be scheduled while one
+is in flight, so the host plans step n + 1 while the device runs step n. Step n + 1
+decodes the requests step n samples for with placeholder tokens (the engine feeds them
+from step n's sampled tokens on the device). Whether step n's token stops a request is
+known only at its update: such a request's row in step n + 1 is computed and dropped (its
+placeholder is never emitted), into blocks and a slot it held, which the device writes
+before any later step can reuse them. Requests that reach ``max_tokens`` are not
+scheduled again. What step n retains becomes findable only at its update, so step n + 1
+never resumes from a state a failed step n would not have written. A request preempted
+while its last step is in flight keeps its placeholder until that update; it cannot be
+readmitted before, since a step that preempts admits no one and at most one step is in
+flight when the next is scheduled.
 
 Retained states are an optimisation, so their destination slots are best effort: when
 the slot pool is short, a span keeps the destinations it can get (its end state first,
@@ -29,7 +45,10 @@ With ``speculative_tokens`` N, a greedy decode also verifies up to N of the requ
 drafts (``Request.draft_token_ids``), as many as its remaining ``max_tokens``, the budget,
 the free state slots (one scratch slot per draft, held for the step) and the free KV
 blocks allow (drafts never preempt): its block table then covers the drafts, and
-``update_from_step`` takes the accepted tokens (1 to 1 + drafts of them) for it.
+``update_from_step`` takes the accepted tokens (1 to 1 + drafts of them) for it: the
+first fills the decode's placeholder, the others are appended. Only with synchronous
+scheduling (``SchedulerConfig`` refuses both), since how many tokens a verified decode
+adds is known only at its update.
 """
 
 import collections
@@ -40,7 +59,7 @@ import numpy as np
 
 from serving.plan import PrefillSpan, cut_span_to_budget, plan_prefill
 from serving.prefix_cache import PrefixCache, PrefixHit
-from serving.request import Request, RequestStatus, SamplingParams
+from serving.request import PLACEHOLDER, Request, RequestStatus, SamplingParams
 from serving.step import (
     BlockCopy,
     ScheduledDecode,
@@ -93,7 +112,11 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
-        self._in_flight: ScheduledStep | None = None
+        # Steps in flight, oldest first, each with the requests it scheduled (an id may
+        # name a new request by the time the step is updated).
+        self._in_flight: collections.deque[tuple[ScheduledStep, dict[str, Request]]] = (
+            collections.deque()
+        )
         self._num_steps = 0
         self.schedule_log: list[dict] = []
 
@@ -156,16 +179,21 @@ class Scheduler:
         Returns:
           True if the request was live; False if it is unknown or already done.
         """
-        request = self._requests.pop(request_id, None)
+        request = self._requests.get(request_id)
         if request is None:
             return False
+        self._remove(request, RequestStatus.ABORTED)
+        return True
+
+    def _remove(self, request: Request, status: RequestStatus) -> None:
+        """Drops a live request (running, waiting or preempted) and frees what it holds."""
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
             self._free_resources(request)
         else:
             self._waiting.remove(request)
-        request.status = RequestStatus.ABORTED
-        return True
+        del self._requests[request.request_id]
+        request.status = status
 
     def abort_step(self, step: ScheduledStep) -> list[str]:
         """The step failed (raised while being built, run or sampled): aborts every live
@@ -179,25 +207,27 @@ class Scheduler:
         Returns:
           The ids of the requests aborted (those still live), in step order.
         """
-        if step is self._in_flight:
-            self._in_flight = None
-            for decode in step.decodes:
-                self._states.free(decode.draft_slots)
-            for prefill in step.prefills:
-                self._states.free(prefill.checkpoint_slots)
-                if prefill.retain_slot is not None:
-                    self._states.free([prefill.retain_slot])
-        return [request_id for request_id in step.request_ids if self.abort(request_id)]
+        entry = next((e for e in self._in_flight if e[0] is step), None)
+        if entry is None:
+            return [request_id for request_id in step.request_ids if self.abort(request_id)]
+        self._in_flight.remove(entry)
+        self._free_step_slots(step)
+        requests = entry[1]
+        return [
+            request_id
+            for request_id in step.request_ids
+            if self._requests.get(request_id) is requests[request_id] and self.abort(request_id)
+        ]
 
     def schedule(self) -> ScheduledStep:
         """Plans the next step. A non-empty step is in flight until ``update_from_step``;
         an empty one (nothing could run) needs no update.
 
         Raises:
-          RuntimeError: if the previous step is still in flight.
+          RuntimeError: if a step is still in flight (two with ``async_scheduling``).
         """
-        if self._in_flight is not None:
-            raise RuntimeError(f"step {self._in_flight.step_id} is still in flight")
+        if len(self._in_flight) >= (2 if self.config.async_scheduling else 1):
+            raise RuntimeError(f"step {self._in_flight[-1][0].step_id} is still in flight")
         draft = _Draft(budget=self.config.budget, seqs_left=self.config.max_num_seqs)
         self._schedule_decodes(draft)
         self._schedule_running_prefills(draft)
@@ -214,7 +244,7 @@ class Scheduler:
         )
         self._num_steps += 1
         if not step.is_empty:
-            self._in_flight = step
+            self._in_flight.append((step, self._advance(step)))
         if self.config.log_schedule:
             self.schedule_log.append(step.log_entry())
         return step
@@ -222,30 +252,38 @@ class Scheduler:
     def update_from_step(
         self, step: ScheduledStep, sampled_tokens: Mapping[str, int | Sequence[int]]
     ) -> list[Request]:
-        """Records that ``step`` ran: advances, registers, appends tokens, finishes.
+        """Records that ``step`` ran: sets its sampled tokens, registers, finishes.
 
         Args:
-          step: the step in flight.
+          step: the oldest step in flight.
           sampled_tokens: the token sampled for each of ``step.sampling_request_ids``
-            (those aborted since may be left out); for a decode that verified drafts, the
-            tokens it accepted, 1 to 1 + drafts of them, in order (the request computed
-            all but the last; a stop ends it at that token).
+            (those aborted or finished since may be left out; their tokens are dropped);
+            for a decode that verified drafts (synchronous scheduling only), the tokens it
+            accepted, 1 to 1 + drafts of them, in order (the request computed all but the
+            last; a stop ends it at that token).
 
         Returns:
           The requests that finished (their resources are freed).
 
         Raises:
-          ValueError: for a step not in flight, or a token missing or unexpected.
+          ValueError: for a step not in flight (or not the oldest), or a token missing or
+            unexpected.
         """
-        if step.is_empty and self._in_flight is None:
+        if step.is_empty and not self._in_flight:
             return []
-        if step is not self._in_flight:
-            raise ValueError(f"step {step.step_id} is not the step in flight")
+        if not self._in_flight or step is not self._in_flight[0][0]:
+            raise ValueError(f"step {step.step_id} is not the step in flight (the oldest)")
+        requests = self._in_flight[0][1]
+
+        def live(request_id: str) -> Request | None:
+            request = requests[request_id]
+            return request if self._requests.get(request_id) is request else None
+
         expected = set(step.sampling_request_ids)
         unexpected = sorted(set(sampled_tokens) - expected)
         if unexpected:
             raise ValueError(f"sampled tokens for requests not sampled in this step: {unexpected}")
-        missing = [i for i in expected if self._live(i) and i not in sampled_tokens]
+        missing = [i for i in expected if live(i) and i not in sampled_tokens]
         if missing:
             raise ValueError(f"no sampled token for requests {sorted(missing)}")
         tokens = {i: _token_list(t) for i, t in sampled_tokens.items()}
@@ -257,47 +295,83 @@ class Scheduler:
         for prefill in step.prefills:
             if len(tokens.get(prefill.request_id, [0])) != 1:
                 raise ValueError(f"request {prefill.request_id!r}: one token per prefill")
-        self._in_flight = None
+        self._in_flight.popleft()
 
         finished = []
-        for decode in step.decodes:  # the drafts' scratch slots were the step's alone
-            self._states.free(decode.draft_slots)
-        unreleased = list(step.prefills)  # whose step-held state slots are not yet freed
         try:
             for decode in step.decodes:
-                request = self._live(decode.request_id)
+                request = live(decode.request_id)
                 if request is not None:
-                    accepted = tokens[request.request_id]
-                    request.num_computed += len(accepted)
                     request.draft_token_ids = ()
-                    for token in accepted:
-                        if self._append_token(request, token, finished):
-                            break
+                    self._set_accepted(request, decode.position + 1, tokens[decode.request_id],
+                                       finished)
             for prefill in step.prefills:
-                request = self._live(prefill.request_id)
-                if request is not None:
-                    request.num_computed = prefill.span.end
+                request = live(prefill.request_id)
+                # Not running: preempted after the step was scheduled; its blocks are gone.
+                if request is not None and request.status is RequestStatus.RUNNING:
                     request.pending_retained = ()
                     self._release_pins(request)
                     if self.config.prefix_caching:
                         self._register(request, prefill)
-                    if prefill.samples:
-                        request.draft_token_ids = ()
-                        self._append_token(request, tokens[request.request_id][0], finished)
-                self._free_step_slots(unreleased.pop(0))
-        finally:  # a bug above must not leak the slots the step held
-            for prefill in unreleased:
-                self._free_step_slots(prefill)
+                if request is not None and prefill.samples:
+                    request.draft_token_ids = ()
+                    self._set_token(request, prefill.span.end, tokens[prefill.request_id][0],
+                                    finished)
+        finally:  # the step no longer holds them, even if a bug raised above
+            self._free_step_slots(step)
         return finished
 
-    def _free_step_slots(self, prefill: ScheduledPrefill) -> None:
-        self._states.free(prefill.checkpoint_slots)
-        if prefill.retain_slot is not None:
-            self._states.free([prefill.retain_slot])
+    def _advance(self, step: ScheduledStep) -> dict[str, Request]:
+        """Counts the step's tokens as computed and appends a placeholder for each token
+        it samples; returns its requests by id."""
+        requests = {}
+        for decode in step.decodes:
+            request = requests[decode.request_id] = self._requests[decode.request_id]
+            request.num_computed += 1
+            request.output_token_ids.append(PLACEHOLDER)
+        for prefill in step.prefills:
+            request = requests[prefill.request_id] = self._requests[prefill.request_id]
+            request.num_computed = prefill.span.end
+            if prefill.samples:
+                request.output_token_ids.append(PLACEHOLDER)
+        return requests
 
-    def _live(self, request_id: str) -> Request | None:
-        request = self._requests.get(request_id)
-        return request if request is not None and request.status is RequestStatus.RUNNING else None
+    def _set_token(self, request: Request, position: int, token: int, finished: list) -> bool:
+        """Puts the token sampled at sequence ``position`` in its placeholder; finishes the
+        request on a stop token or at ``max_tokens``. Returns whether it finished."""
+        index = position - len(request.prompt_token_ids)
+        request.output_token_ids[index] = token
+        sampling = request.sampling
+        if token in sampling.stop_token_ids or index + 1 >= sampling.max_tokens:
+            # A later step in flight may have sampled past a stop: never emitted.
+            del request.output_token_ids[index + 1 :]
+            self._remove(request, RequestStatus.FINISHED)
+            finished.append(request)
+            return True
+        return False
+
+    def _set_accepted(
+        self, request: Request, position: int, accepted: list[int], finished: list
+    ) -> None:
+        """A decode's tokens from sequence ``position`` on: the first fills the placeholder
+        ``schedule`` appended; each further one (after an accepted draft, which the step
+        computed) is appended, up to the first that finishes the request. Several tokens
+        come only from a verified decode, hence with no other step in flight."""
+        for j, token in enumerate(accepted):
+            if j:
+                request.num_computed += 1
+                request.output_token_ids.append(PLACEHOLDER)
+            if self._set_token(request, position + j, token, finished):
+                return
+
+    def _free_step_slots(self, step: ScheduledStep) -> None:
+        """Frees the checkpoint and retain slots the step held (registered ones stay)."""
+        for decode in step.decodes:  # the drafts' scratch slots were the step's alone
+            self._states.free(decode.draft_slots)
+        for prefill in step.prefills:
+            self._states.free(prefill.checkpoint_slots)
+            if prefill.retain_slot is not None:
+                self._states.free([prefill.retain_slot])
 
     def _register(self, request: Request, prefill: ScheduledPrefill) -> None:
         tokens = request.token_ids
@@ -309,22 +383,9 @@ class Scheduler:
 
     def set_drafts(self, request_id: str, draft_token_ids: Sequence[int]) -> None:
         """Drafts for the next decode of a running request (ignored for any other)."""
-        request = self._live(request_id)
-        if request is not None:
+        request = self._requests.get(request_id)
+        if request is not None and request.status is RequestStatus.RUNNING:
             request.draft_token_ids = tuple(int(t) for t in draft_token_ids)
-
-    def _append_token(self, request: Request, token: int, finished: list[Request]) -> bool:
-        """Appends ``token``; returns whether it finished the request."""
-        request.output_token_ids.append(int(token))
-        sampling = request.sampling
-        if token in sampling.stop_token_ids or len(request.output_token_ids) >= sampling.max_tokens:
-            self._running.remove(request)
-            self._free_resources(request)
-            del self._requests[request.request_id]
-            request.status = RequestStatus.FINISHED
-            finished.append(request)
-            return True
-        return False
 
     def _num_drafts(self, request: Request, draft: _Draft) -> int:
         """Drafts the request's next decode verifies: its drafts, as far as its remaining
@@ -341,7 +402,11 @@ class Scheduler:
 
     def _schedule_decodes(self, draft: _Draft) -> None:
         for request in list(self._running):
-            if request.status is not RequestStatus.RUNNING or not request.is_decoding:
+            if (
+                request.status is not RequestStatus.RUNNING
+                or not request.is_decoding
+                or request.reached_max_tokens  # its last token is being sampled
+            ):
                 continue
             if draft.budget < 1 or draft.seqs_left < 1:
                 return

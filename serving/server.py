@@ -229,7 +229,9 @@ def _default_programs(parser: argparse.ArgumentParser) -> int:
                              block_size=default("block_size"),
                              budget=default("max_num_batched_tokens"),
                              max_num_seqs=default("max_num_seqs"))
-    return len(reachable_programs(BatchBuckets.for_config(config)))
+    return len(reachable_programs(BatchBuckets.for_config(config),
+                                  feed=not default("no_async_scheduling"),
+                                  mixed=default("mixed_steps")))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -293,6 +295,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="schedule the reference ladder instead of coalesced spans",
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="schedule each step after the previous one's results are back (default: the "
+        "next step is scheduled and dispatched while the device runs the current one; off "
+        "over several processes, whose steps wait for each device call anyway)",
+    )
+    p.add_argument(
+        "--mixed-steps",
+        action="store_true",
+        help="run a step's prefill spans and decode rows in one forward (weights read once; "
+        "one device only; precompiles one more program per (tokens, sequences, width))",
+    )
     p.add_argument(
         "--max-model-len", type=int, default=4096, help="most tokens of prompt plus output"
     )
@@ -369,6 +384,9 @@ def build_engine(args: argparse.Namespace, channel: multiprocess.StepChannel | N
     config = build_config(args)
     steps = build_steps(args, config)
     if args.speculative_tokens:  # before any weight is read
+        if args.mixed_steps:
+            raise ValueError(f"--speculative-tokens {args.speculative_tokens} cannot run with "
+                             "--mixed-steps (a mixed step has no verify rows)")
         try:
             speculative.check_supported(config, on_mesh=steps is not None or channel is not None)
         except ValueError as error:
@@ -391,6 +409,8 @@ def build_engine(args: argparse.Namespace, channel: multiprocess.StepChannel | N
         single_bucket=args.single_bucket,
         seed=args.seed,
         speculative_tokens=args.speculative_tokens,
+        async_scheduling=not args.no_async_scheduling and channel is None,
+        mixed_steps=args.mixed_steps,
     )
     model = load_model(args, config)
     engine = Engine(config, model, engine_config, detokenize=tokenizer.decode, steps=steps)

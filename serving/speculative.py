@@ -35,6 +35,7 @@ without its own key; exactness is unaffected).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -47,8 +48,9 @@ from glmjax.config import ModelConfig
 from glmjax.speculative import accept_and_draft, spec_prefill, verify
 from glmjax.state_pool import PoolStatus
 from serving.batch_builder import BatchBuckets
-from serving.request import Request
-from serving.sampling import Draw, SamplingTensors
+from serving.dispatch import Draw, StepRefusedError
+from serving.request import PLACEHOLDER, Request
+from serving.sampling import Sampled, SamplingTensors
 from serving.step import ScheduledStep
 
 if TYPE_CHECKING:
@@ -66,6 +68,25 @@ def check_supported(config: ModelConfig, *, on_mesh: bool) -> None:
         raise ValueError("speculative decoding runs on one device; the steps are on a mesh")
 
 
+@dataclasses.dataclass(eq=False)
+class SpeculativeInFlight:
+    """A dispatched speculative step whose results are not fetched yet.
+
+    Attributes:
+      step: the step.
+      statuses: (what, PoolStatus as an int32 [] device scalar) of each call that can refuse.
+      parts: per sampled part (the prefill rows, the verify rows): the ``Sampled`` of each
+        row j (device arrays), (drafts, accepted, status) of its ``accept_and_draft``, and
+        the request ids of its columns.
+      owners: what the engine tracks for each request the step samples, at dispatch.
+    """
+
+    step: ScheduledStep
+    statuses: list[tuple[str, jax.Array]]
+    parts: list[tuple[list[Sampled], tuple, list[str]]]
+    owners: dict[str, object]
+
+
 class SpeculativeRunner:
     """Runs the engine's steps with MTP drafts (see the module docstring)."""
 
@@ -80,12 +101,11 @@ class SpeculativeRunner:
         """Empty caches with the MTP layer's own (block ids shared with the model's)."""
         return Caches.init(self.config, num_state_slots, num_kv_blocks, mtp=True)
 
-    def run(self, engine: Engine, step: ScheduledStep) -> dict[str, list[Draw]]:
-        """The step's calls (module docstring); the draws of every request it samples,
-        1 + accepted for a verified decode. Raises ``StepRefusedError`` as ``Engine._run``."""
-        from serving.engine import StepRefusedError
-
-        self.drafts = {}
+    def dispatch(self, engine: Engine, step: ScheduledStep, owners: dict, sampling: dict
+                 ) -> SpeculativeInFlight:
+        """The step's calls (module docstring), dispatched back to back; nothing is fetched.
+        ``owners`` and ``sampling`` as ``StepDispatch.dispatch`` takes them (a verified
+        decode's row j draws output token index ``sampling[i][4] + j``)."""
         prefill_batch, verify_batch = engine.builder.build(step)
         statuses = []  # (what, PoolStatus as a device scalar)
         if step.block_copies:
@@ -106,23 +126,32 @@ class SpeculativeRunner:
             statuses.append(("verify", out.status))
         if step.retain_state_copies:
             statuses.append(("retain copies", engine._copy_slots(step.retain_state_copies)))
-        fetch = []  # ([Sampled per row j], (drafts, accepted, status), request ids by column)
+        parts = []  # ([Sampled per row j], (drafts, accepted, status), request ids by column)
         rows = [p for p in step.prefills if p.samples]
         if rows:
-            fetch.append(self._draft_after_prefill(engine, step, prefill, prefill_batch, rows))
-            statuses.append(("prefill drafts", fetch[-1][1][2]))
+            parts.append(self._draft_after_prefill(engine, step, prefill, prefill_batch, rows,
+                                                   sampling))
+            statuses.append(("prefill drafts", parts[-1][1][2]))
         if verified is not None:
-            fetch.append(self._verify_and_draft(engine, step, verified, verify_batch))
-            statuses.append(("verify drafts", fetch[-1][1][2]))
-        codes, fetched = jax.device_get(([s for _, s in statuses],
-                                         [(sampled, drafted[:2]) for sampled, drafted, *_ in fetch]))
-        for (what, _), code in zip(statuses, codes):
+            parts.append(self._verify_and_draft(engine, step, verified, verify_batch, sampling))
+            statuses.append(("verify drafts", parts[-1][1][2]))
+        return SpeculativeInFlight(step, statuses, parts, owners)
+
+    def fetch(self, engine: Engine, flight: SpeculativeInFlight) -> dict[str, list[Draw]]:
+        """The step's one blocking transfer; the draws of every request it samples,
+        1 + accepted for a verified decode. Raises ``StepRefusedError`` as
+        ``StepDispatch.fetch``."""
+        step = flight.step
+        self.drafts = {}
+        codes, fetched = jax.device_get(([s for _, s in flight.statuses],
+                                         [(sampled, drafted[:2])
+                                          for sampled, drafted, _ in flight.parts]))
+        for (what, _), code in zip(flight.statuses, codes):
             if PoolStatus(int(code)) is not PoolStatus.OK:
                 raise StepRefusedError(f"step {step.step_id}: the model refused the {what} "
                                        f"({PoolStatus(int(code)).name})")
-        engine._count_cached_tokens(step)
         draws = {}
-        for (sampled, (drafts, accepted)), (_, _, request_ids) in zip(fetched, fetch):
+        for (sampled, (drafts, accepted)), (_, _, request_ids) in zip(fetched, flight.parts):
             for r, request_id in enumerate(request_ids):
                 draws[request_id] = [Draw.from_row(sampled[j], r)
                                      for j in range(int(accepted[r]) + 1)]
@@ -151,12 +180,13 @@ class SpeculativeRunner:
                 following[i] = tokens[scheduled.span.end]
         return following
 
-    def _draft_after_prefill(self, engine: Engine, step, out, batch: PrefillBatch, rows):
+    def _draft_after_prefill(self, engine: Engine, step, out, batch: PrefillBatch, rows,
+                             sampling: dict):
         """Sample the spans that end their prompt and draft from them (J = 1)."""
         width = engine.sampler_rows
         index = np.zeros(width, np.int32)
         index[: len(rows)] = [step.prefills.index(p) for p in rows]
-        params = [engine._sampling_row(p.request_id) for p in rows]
+        params = [sampling[p.request_id] for p in rows]
         sampled = engine.sampler(engine.row_gather(out.logits, index),
                                  SamplingTensors.host(params, width))
         tables = np.full((width, batch.block_tables.shape[1]), -1, np.int32)
@@ -172,11 +202,11 @@ class SpeculativeRunner:
         return [sampled], (drafted.drafts, drafted.accepted, drafted.status), \
             [p.request_id for p in rows]
 
-    def _verify_and_draft(self, engine: Engine, step, out, batch: VerifyBatch):
+    def _verify_and_draft(self, engine: Engine, step, out, batch: VerifyBatch, sampling: dict):
         """Sample every verify row (J R of them: one call of the engine's sampler per row
         j) and keep what each decode accepted."""
         chain, width = batch.token_ids.shape
-        rows = [engine._sampling_row(d.request_id) for d in step.decodes]
+        rows = [sampling[d.request_id] for d in step.decodes]
         sampled = []
         for j in range(chain):
             index = np.zeros(engine.sampler_rows, np.int32)
@@ -248,7 +278,8 @@ def trim_draws(request: Request, draws: Sequence[Draw], stop_token_ids: frozense
     """The draws plain decoding would have produced one step at a time: up to the first
     stop token, the ``max_tokens``-th token, or the token whose text completes a stop
     string (each kept, as plain decoding keeps it)."""
-    sampling, output = request.sampling, list(request.output_token_ids)
+    sampling = request.sampling
+    output = [t for t in request.output_token_ids if t != PLACEHOLDER]  # schedule()'s
     kept = []
     for draw in draws:
         kept.append(draw)

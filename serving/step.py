@@ -26,6 +26,8 @@ class SchedulerConfig:
       log_schedule: keep ``Scheduler.schedule_log``, one plain-data entry per step.
       speculative_tokens: N, drafts (from the model's MTP head) a greedy decode verifies
         per step, 0..3 (0: plain decoding; see ``serving.speculative``).
+      async_scheduling: allow scheduling a step while the previous one is in flight
+        (its sampled tokens are placeholders until ``update_from_step``).
     """
 
     max_model_len: int
@@ -37,6 +39,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     log_schedule: bool = False
     speculative_tokens: int = 0
+    async_scheduling: bool = False
 
     def __post_init__(self):
         align = alignment(self.block_size, self.dcp)
@@ -52,6 +55,10 @@ class SchedulerConfig:
         if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {self.speculative_tokens}")
+        if self.speculative_tokens and self.async_scheduling:
+            raise ValueError(f"speculative_tokens={self.speculative_tokens} needs "
+                             "async_scheduling=False (a verified decode's length is known "
+                             "only after its step's fetch)")
 
 
 class BlockCopy(NamedTuple):

@@ -21,6 +21,7 @@ from glmjax.config import ModelConfig
 from glmjax.layers.kda import KDAState
 from glmjax.layers.packing import PackedBatch
 from glmjax.model import HybridModel
+from glmjax.sharding import single_device_steps
 from serving.block_hash import chained_block_hashes
 from serving.engine import Engine, EngineConfig
 from serving.outputs import FinishReason
@@ -202,6 +203,7 @@ def shared_runs(model_state):
         ("on", {}),
         ("off", dict(coalesce=False)),
         ("uncached", dict(prefix_caching=False)),
+        ("sync", dict(async_scheduling=False)),
     ):
         engine = make_engine(model_state, log_schedule=True, **overrides)
         runs[name] = engine, run_shared_prefix(engine)
@@ -242,6 +244,19 @@ def test_prefix_hits_report_cached_tokens_and_match_uncached_runs(shared_runs):
     print(f"max |logprob cached - uncached| = {max(diffs):.3g}")
 
 
+def test_async_and_sync_scheduling_agree(shared_runs):
+    """The default engine schedules each step while the previous one runs; one step at
+    a time gives the same tokens, cache hits and retained states."""
+    (on_engine, on), (sync_engine, sync) = shared_runs["on"], shared_runs["sync"]
+    for request_id in PROMPTS:
+        assert on[request_id].output_token_ids == sync[request_id].output_token_ids
+        assert on[request_id].num_cached_tokens == sync[request_id].num_cached_tokens
+        logprob_diff(on[request_id].logprobs, sync[request_id].logprobs)
+    assert on_engine.config.async_scheduling and not sync_engine.config.async_scheduling
+    for engine in (on_engine, sync_engine):
+        assert engine.metrics().prefix_cache_hits == 2
+
+
 def test_greedy_output_matches_the_cache_free_reference(model_state, shared_runs):
     _, outputs = shared_runs["uncached"]
     out = outputs["c"]
@@ -261,7 +276,7 @@ def test_every_retained_state_equals_a_cold_run(model_state, shared_runs):
             cold_runs[prefix] = cold_kda_states(model_state, padded, len(prefix))
         return cold_runs[prefix]
 
-    for name in ("on", "off"):
+    for name in ("on", "off", "sync"):
         engine, outputs = shared_runs[name]
         found = set()
         for request_id, prompt in PROMPTS.items():
@@ -338,7 +353,7 @@ def test_small_pool_preempts_and_every_request_matches_a_lone_run(model_state):
 
 
 def test_abort_mid_prefill_and_mid_decode_frees_everything(model_state):
-    engine = make_engine(model_state)
+    engine = make_engine(model_state, async_scheduling=False)  # one step per call
     engine.add_request("short", BASE[:40], SamplingParams(max_tokens=8, ignore_eos=True))
     engine.add_request("long", BASE[40:290], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.add_request("queued", BASE[:30], SamplingParams(max_tokens=4))
@@ -357,6 +372,50 @@ def test_abort_mid_prefill_and_mid_decode_frees_everything(model_state):
     assert (metrics.kv_blocks_used, metrics.state_slots_used) == (0, 0)
     assert (metrics.running, metrics.waiting, metrics.requests_aborted) == (0, 0, 3)
     assert engine.run_until_done()["short"].finish_reason is FinishReason.ABORT
+
+
+def test_abort_with_a_step_in_flight_emits_no_placeholder(model_state):
+    """Asynchronous scheduling: after a ``step()`` the next step is in flight; aborting a
+    request it decodes reports only the tokens already fetched, and the rest run on."""
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine = make_engine(model_state)
+    for request_id in ("short", "other"):
+        engine.add_request(request_id, BASE[:40], sampling)
+    (first, _) = engine.step()  # both prefill; their first decodes are in flight
+    assert len(first.output_token_ids) == 1 and engine.has_unfinished()
+    assert engine.abort("short")
+    outputs = {o.request_id: o for o in engine.step()}
+    assert outputs["short"].finish_reason is FinishReason.ABORT
+    assert outputs["short"].output_token_ids == first.output_token_ids
+    assert len(outputs["other"].output_token_ids) == 2
+    other = engine.run_until_done()["other"]
+    alone = make_engine(model_state, async_scheduling=False)
+    alone.add_request("other", BASE[:40], sampling)
+    assert other.output_token_ids == alone.run_until_done()["other"].output_token_ids
+    metrics = engine.metrics()
+    assert (metrics.kv_blocks_used, metrics.state_slots_used, metrics.generated_tokens) == (0, 0, 7)
+
+
+def test_mixed_steps_run_one_forward_and_agree_with_two(model_state):
+    """A prompt prefilling beside a decoding request: with ``mixed_steps`` those steps run
+    one forward (``glmjax.mixed``); the tokens are the two forwards' ones."""
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    runs, mixed_calls = {}, []
+    for mixed in (False, True):
+        engine = make_engine(model_state, mixed_steps=mixed)
+        if mixed:
+            engine.steps = engine.steps._replace(
+                mixed=lambda *args, run=engine.steps.mixed: mixed_calls.append(1) or run(*args))
+        engine.add_request("short", BASE[:40], sampling)
+        engine.step()
+        engine.add_request("long", BASE[40:290], sampling)  # two spans beside short's decodes
+        runs[mixed] = engine.run_until_done()
+        metrics = engine.metrics()
+        assert (metrics.kv_blocks_used, metrics.state_slots_used) == (0, 0)
+    assert len(mixed_calls) >= 2
+    for request_id in ("short", "long"):
+        assert runs[True][request_id].output_token_ids == runs[False][request_id].output_token_ids
+        logprob_diff(runs[True][request_id].logprobs, runs[False][request_id].logprobs)
 
 
 def test_stop_token_max_tokens_stop_string_and_eos(model_state):
@@ -432,3 +491,6 @@ def test_engine_config_is_checked(model_state):
         EngineConfig(**ENGINE | dict(block_size=128))
     with pytest.raises(ValueError, match="max_model_len"):
         make_engine(model_state).add_request("x", BASE[:250], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="no mixed forward"):
+        Engine(CONFIG, model_state, EngineConfig(**ENGINE, mixed_steps=True),
+               steps=single_device_steps(CONFIG)._replace(mixed=None))

@@ -7,12 +7,14 @@ stage raises the first time it runs after being armed, before (or, for ``donated
 the real call. The engines share ``tests/test_engine.py``'s shapes, so nothing recompiles.
 """
 
+import itertools
+
 import jax
 import numpy as np
 import pytest
 from test_engine import BASE, detokenize, make_engine, model_state  # noqa: F401 (fixture)
 
-import serving.engine
+import serving.dispatch
 from serving.engine import DeviceLostError
 from serving.outputs import FinishReason
 from serving.request import SamplingParams
@@ -53,8 +55,8 @@ def arm(engine, stage: str, monkeypatch):
     elif stage == "build":
         fault = engine.builder.build = raise_once(engine.builder.build)
     elif stage == "sample":
-        fault = raise_once(serving.engine._sample_rows)
-        monkeypatch.setattr(serving.engine, "_sample_rows", fault)
+        fault = raise_once(serving.dispatch.sample_rows)
+        monkeypatch.setattr(serving.dispatch, "sample_rows", fault)
     elif stage == "update":
         fault = engine.scheduler.update_from_step = raise_once(engine.scheduler.update_from_step)
     elif stage == "detokenize":
@@ -132,8 +134,8 @@ def test_a_refused_step_fails_its_requests_and_touches_nothing_retained(model_st
     before = retained(engine, SECOND[1])
     build = engine.builder.build
 
-    def corrupt(step):  # a snapshot destination equal to the running slot: refused
-        prefill, decode = build(step)
+    def corrupt(step, **kwargs):  # a snapshot destination equal to the running slot: refused
+        prefill, decode = build(step, **kwargs)
         slots = prefill.checkpoint_slots.copy()
         slots[0, 0] = prefill.state_slots[0]
         offsets = prefill.checkpoint_offsets.copy()
@@ -187,26 +189,49 @@ def test_out_of_range_sampling_is_refused_at_admission(model_state, sampling, ma
     assert_idle(engine)
 
 
-def test_one_blocking_transfer_per_step(model_state, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async"])
+def test_one_blocking_transfer_per_step(model_state, monkeypatch, pipelined):  # noqa: F811
     """Copies, prefill, decode, sampling and the pool statuses come back in one
     ``jax.device_get`` per step; any other device-to-host transfer (``int(status)``,
-    ``np.asarray``) would raise under the transfer guard."""
-    engine = make_engine(model_state)
+    ``np.asarray``) would raise under the transfer guard. With asynchronous scheduling,
+    step n + 1 is dispatched before step n is fetched, whenever it has work."""
+    engine = make_engine(model_state, async_scheduling=pipelined)
     run(engine, [FIRST])  # compiles; SECOND then resumes from its retained state
-    fetches = []
+    fetches, in_flight = [], {}
     device_get = jax.device_get
     monkeypatch.setattr(jax, "device_get", lambda tree: fetches.append(1) or device_get(tree))
-    steps, schedule = [], engine.scheduler.schedule
-    monkeypatch.setattr(engine.scheduler, "schedule", lambda: steps.append(schedule()) or steps[-1])
+    fetch = engine.fetch
+
+    def recording_fetch(flight):
+        in_flight[flight.step.step_id] = [f.step.step_id for f in engine._in_flight]
+        return fetch(flight)
+
+    monkeypatch.setattr(engine, "fetch", recording_fetch)
+    steps, schedule = {}, engine.scheduler.schedule
+
+    def recording_schedule():
+        step = schedule()
+        steps[step.step_id] = step
+        return step
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
     engine.add_request(*SECOND, GREEDY)
     with jax.transfer_guard_device_to_host("disallow"):
-        while engine.has_unfinished():
-            if len(steps) == 1:  # THIRD prefills beside SECOND's decodes
+        for call in itertools.count():
+            if not engine.has_unfinished():
+                break
+            if call == 1:  # THIRD prefills beside SECOND's decodes
                 engine.add_request(*THIRD, GREEDY)
             before = len(fetches)
             engine.step()
-            assert len(fetches) - before == int(not steps[-1].is_empty), steps[-1]
-    kinds = {(bool(s.prefills), bool(s.decodes), bool(s.resume_state_copies)) for s in steps}
+            assert len(fetches) - before <= 1
+    busy = sorted(i for i, step in steps.items() if not step.is_empty)
+    assert len(fetches) == len(busy) and sorted(in_flight) == busy
+    for i in busy:
+        overlapped = pipelined and i + 1 in busy
+        assert in_flight[i] == ([i + 1] if overlapped else []), (i, in_flight)
+    kinds = {(bool(s.prefills), bool(s.decodes), bool(s.resume_state_copies))
+             for s in steps.values()}
     assert (True, True, False) in kinds and (True, False, True) in kinds, kinds
 
 

@@ -185,3 +185,72 @@ def test_prompt_file_as_bytes_and_as_integers(tmp_path):
     prompt.write_text("  ")
     with pytest.raises(ValueError, match="empty"):
         read_prompt(prompt, as_bytes=False, vocab_size=1024)
+
+
+# --- on a mesh ------------------------------------------------------------------------------
+
+# max |mesh - one device| / max |one device| of each array (logits, each layer's state at
+# each position, each MLA layer's latents). Both are fp32 evaluations of the same model
+# summed in different orders, and each is up to 1.2e-6 from an fp64 evaluation (README,
+# "Four processes"): their difference is bounded by the sum, ~2.4e-6, not by 1e-6.
+MESH_TOLERANCE = 2e-6
+MESH = ["--tp", "4", "--dcp", "2"]  # a (2, 2) mesh of the host devices conftest asks for
+
+
+def token_rows(blocks: np.ndarray, length: int) -> np.ndarray:
+    """Saved latent blocks [M, P, D] -> the first `length` tokens' rows [length, D]."""
+    return blocks.reshape(-1, blocks.shape[-1])[:length]
+
+
+@pytest.fixture(scope="module")
+def saved_mesh(tmp_path_factory):
+    path = tmp_path_factory.mktemp("states") / "mesh"
+    result = main(["--random-tokens", str(SHORT), *GRID, *MESH, "--save-states", str(path)],
+                  progress=None)
+    return path, result
+
+
+def test_mesh_prefill_equals_one_device(saved_short, saved_mesh):
+    """The logits, every saved KDA state (recurrent and conv, every layer and position) and
+    the MLA latents (token order) of the mesh against one device (dcp 1)."""
+    (one_path, one, _), (mesh_path, mesh) = saved_short, saved_mesh
+    assert mesh.spans == one.spans
+    want, got = load_states(one_path), load_states(mesh_path)
+    assert got.positions == want.positions
+    errors = {"logits": relative_logit_error(mesh.logits, one.logits)}
+    for layer in range(len(want.recurrent)):
+        for row, p in enumerate(want.positions):
+            for kind in ("recurrent", "conv"):
+                errors[f"{kind} {layer} @ {p}"] = relative_logit_error(
+                    getattr(got, kind)[layer][row], getattr(want, kind)[layer][row])
+    for layer, (g, w) in enumerate(zip(got.mla, want.mla, strict=True)):
+        errors[f"mla latent {layer}"] = relative_logit_error(token_rows(g["latent"], SHORT),
+                                                             token_rows(w["latent"], SHORT))
+    worst = max(errors, key=errors.get)
+    print(f"mesh vs one device: worst {worst} {errors[worst]:.2e}, logits {errors['logits']:.2e}")
+    for name, error in errors.items():
+        assert error <= MESH_TOLERANCE, f"{name}: max relative difference {error:.2e}"
+
+
+def test_mesh_resumes_from_its_states_like_a_cold_run(model_state, saved_mesh, tmp_path):
+    """A longer prompt resumed on the mesh from the mesh's states (the MLA latents put back
+    in the mesh's DCP layout): the one-device cold run's logits."""
+    tokens = np.concatenate([random_prompt(SHORT), random_prompt(130, seed=5)])
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(" ".join(map(str, tokens)))
+    result = main(["--prompt-file", str(prompt), *GRID, *MESH, "--load-states",
+                   str(saved_mesh[0])], progress=None)
+    assert result.resumed_from == SHORT
+    logits, _ = cold_run(model_state, tokens)
+    error = relative_logit_error(result.logits, logits)
+    assert error <= LOGIT_RTOL, f"max relative logit error {error:.2e}"
+
+
+@pytest.mark.parametrize("mesh, message", [
+    (["--tp", "0"], "--tp must be >= 1, got 0"),
+    (["--tp", "3", "--dcp", "2"], "dcp=2 must divide tp=3"),
+    (["--tp", "16"], "tp=16 needs 16 devices"),
+])
+def test_bad_meshes_name_the_value(mesh, message):
+    with pytest.raises(ValueError, match=message):
+        main(["--random-tokens", str(SHORT), *GRID, *mesh], progress=None)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-import serving.engine
+import serving.dispatch
 from glmjax.config import ModelConfig
 from glmjax.model import DecodeOutput, HybridModel, PrefillOutput
 from glmjax.sharding import single_device_steps
@@ -31,11 +31,13 @@ from serving.step import SchedulerConfig
     ids=["tests", "budget-off-the-grid", "defaults"],
 )
 @pytest.mark.parametrize("single", [False, True], ids=["buckets", "single-bucket"])
-def test_every_reachable_shape_is_listed_and_nothing_else(config, single):
+@pytest.mark.parametrize("feed", [False, True], ids=["sync", "async"])
+def test_every_reachable_shape_is_listed_and_nothing_else(config, single, feed):
     buckets = BatchBuckets.for_config(config)
     if single:
         buckets = buckets.largest_only()
-    listed = {(p.kind, p.shape) for p in reachable_programs(buckets)}
+    listed = {(p.kind, p.shape) for p in reachable_programs(buckets, feed=feed)}
+    mixed = {(p.kind, p.shape) for p in reachable_programs(buckets, feed=feed, mixed=True)}
     widths = buckets.block_table_widths
     reached = set()
     for tokens in range(1, config.budget + 1):  # k spans of at least one token each
@@ -46,8 +48,22 @@ def test_every_reachable_shape_is_listed_and_nothing_else(config, single):
     for seqs in range(1, config.max_num_seqs + 1):
         n = bucket_for(buckets.seqs, seqs, "sequences")
         reached |= {("decode", (n, m)) for m in widths} | {("gather_rows", (n,))}
+        if feed:  # placeholder tokens of a decode batch fed from the step in flight
+            reached.add(("feed", (n,)))
     reached |= {("copy_kv_blocks", ()), ("copy_state_slots", ()), ("sample", ())}
     assert listed == reached
+    assert {kind for kind, _ in mixed - listed} == {"mixed"}
+    if config.budget * config.max_num_seqs > 1024:
+        return  # the brute force below is for small configs
+    # Mixed steps: k spans of p tokens beside d decode rows, one bucket (N, M) for both.
+    both = set()
+    for p in range(1, config.budget):
+        for k in range(1, min(p, config.max_num_seqs - 1) + 1):
+            for d in range(1, min(config.max_num_seqs - k, config.budget - p) + 1):
+                t = bucket_for(buckets.tokens, p, "tokens")
+                n = bucket_for(buckets.seqs, max(k, d), "sequences")
+                both |= {("mixed", (t, n, m)) for m in widths}
+    assert both == mixed - listed
 
 
 class FakeStep:
@@ -104,8 +120,8 @@ def test_the_sampler_compiles_once_across_sequence_buckets(rng):
     four requests) compiles the sampler once; only the row gather compiles per bucket."""
     engine = fake_engine(max_model_len=64, budget=32, max_num_seqs=4, num_kv_blocks=32,
                          num_state_slots=16)
-    serving.engine._sample.clear_cache()  # whatever other tests compiled before
-    serving.engine._gather_rows.clear_cache()
+    serving.dispatch.sample_gathered.clear_cache()  # whatever other tests compiled before
+    serving.dispatch.gather_rows.clear_cache()
     with CompileLog() as log:
         mixed_workload(engine, rng)
     compiles = log.by_function()
@@ -113,7 +129,7 @@ def test_the_sampler_compiles_once_across_sequence_buckets(rng):
     rows_seen = engine.steps.prefill.rows_seen | engine.steps.decode.rows_seen
     assert len(rows_seen) >= 3  # several sequence buckets were sampled from
     assert compiles["jit(sample)"]["count"] == 1
-    assert compiles["jit(_gather_rows)"]["count"] == len(rows_seen)
+    assert compiles["jit(gather_rows)"]["count"] == len(rows_seen)
 
 
 def test_after_precompile_a_mixed_workload_compiles_nothing(rng):

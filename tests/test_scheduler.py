@@ -9,6 +9,10 @@ tokens from the reference, which is the same function applied to the true sequen
 With speculation the fake device verifies the drafts as the model does (a chain of states,
 the accepted one kept in the running slot) and the harness drafts from the reference,
 often with a wrong token, so every acceptance length occurs.
+
+With ``async_scheduling`` the harness pipelines as the engine does: it schedules and runs
+step n + 1 before updating the scheduler with step n's tokens, feeding step n + 1's
+placeholder decode tokens from step n's samples "on the device".
 """
 
 import collections
@@ -26,7 +30,7 @@ from serving.block_allocator import BlockAllocator
 from serving.block_hash import chained_block_hashes
 from serving.plan import cut_span_to_budget, plan_prefill, retention_capacity
 from serving.prefix_cache import PrefixCache
-from serving.request import RequestStatus, SamplingParams
+from serving.request import PLACEHOLDER, RequestStatus, SamplingParams
 from serving.scheduler import Scheduler
 from serving.state_slots import StateKey, StateSlotAllocator
 from serving.step import SchedulerConfig
@@ -149,6 +153,7 @@ class Harness:
         self.num_preemptions = 0
         self.rng = random.Random(5)
         self.accepted = collections.Counter()  # drafts accepted per verified decode
+        self.in_flight = []  # async: (step, its sampled tokens), oldest first
 
     def add(self, request_id, prompt, max_tokens=4, stop=(STOP,)):
         sampling = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop)
@@ -160,11 +165,28 @@ class Harness:
 
     def step(self):
         """Schedules, checks, runs and updates one step; returns it (None if empty)."""
-        before = {r.request_id: r.num_tokens for r in self.live() if r is not None}
+        launched = self.launch()
+        if launched is not None:
+            self.update(*self.in_flight.pop())
+        return launched
+
+    def pipelined_step(self):
+        """As the engine with ``async_scheduling``: launches a step (two when none is in
+        flight), then updates the oldest."""
+        if not self.in_flight:
+            self.launch()
+        if self.in_flight:
+            self.launch()
+            self.update(*self.in_flight.pop(0))
+
+    def launch(self):
+        """Schedules, checks and runs one step (None if empty), leaving it in flight."""
+        live = [r for r in self.live() if r is not None]
+        before = {r.request_id: r.num_tokens for r in live}
         ready = {
             r.request_id
-            for r in self.live()
-            if r is not None and r.status is RequestStatus.RUNNING and r.is_decoding
+            for r in live
+            if r.status is RequestStatus.RUNNING and r.is_decoding and not r.reached_max_tokens
         }
         step = self.scheduler.schedule()
         self.num_preemptions += len(step.preempted)
@@ -173,16 +195,22 @@ class Harness:
         self.check_step(step, before, ready)
         prefill, decode = self.builder.build(step)
         self.check_batches(step, prefill, decode)
-        sampled = self.device.run(step, prefill, decode)
+        for i, scheduled in enumerate(step.decodes):
+            if scheduled.token_id == PLACEHOLDER:  # sampled by the step in flight
+                decode.token_ids[i] = self.in_flight[-1][1][scheduled.request_id]
+        self.in_flight.append((step, self.device.run(step, prefill, decode)))
+        self.steps.append(step)
+        return step
+
+    def update(self, step, sampled):
         for request in self.scheduler.update_from_step(step, sampled):
+            assert PLACEHOLDER not in request.output_token_ids
             self.outputs[request.request_id] = list(request.output_token_ids)
         for scheduled in step.decodes:
             if scheduled.draft_token_ids:
                 self.accepted[len(sampled[scheduled.request_id]) - 1] += 1
         if self.config.speculative_tokens:
             self.draft()
-        self.steps.append(step)
-        return step
 
     def draft(self):
         """Drafts for every running request: the reference's next tokens, half the time
@@ -243,17 +271,21 @@ class Harness:
                 count = len(scheduled.draft_token_ids)
                 assert decode.num_drafts[i] == count == len(set(scheduled.draft_slots))
                 request = self.scheduler.get_request(scheduled.request_id)
-                assert count < request.sampling.max_tokens - len(request.output_token_ids)
+                # schedule() appended the decode's placeholder: the drafts fit after it
+                assert count <= request.sampling.max_tokens - len(request.output_token_ids)
 
     def run(self, arrivals=(), max_steps=2000):
         """Adds each (step index, id, prompt, max_tokens) when due; runs until all finish."""
         arrivals = sorted(arrivals, key=lambda a: a[0])
         index = 0
-        while arrivals or self.scheduler.has_unfinished():
+        while arrivals or self.scheduler.has_unfinished() or self.in_flight:
             while arrivals and arrivals[0][0] <= index:
                 _, request_id, prompt, max_tokens = arrivals.pop(0)
                 self.add(request_id, prompt, max_tokens)
-            self.step()
+            if self.config.async_scheduling:
+                self.pipelined_step()
+            else:
+                self.step()
             index += 1
             assert index < max_steps, "no progress"
 
@@ -313,6 +345,7 @@ def workloads(draw, crowded=False, max_tokens=6):
         budget=budget,
         coalesce=draw(st.booleans()),
         prefix_caching=crowded or draw(st.sampled_from([True, True, False])),
+        async_scheduling=draw(st.booleans()),
     )
 
 
@@ -323,6 +356,7 @@ def run_and_check(workload):
     harness.check_finished()
     event(f"preempted: {harness.num_preemptions > 0}")
     event(f"prefix hits: {harness.cache.stats().hits > 0}")
+    event(f"async: {harness.config.async_scheduling}")
     return harness
 
 
@@ -347,7 +381,7 @@ def test_crowded_pool_preempts_and_every_request_matches_an_unconstrained_run(wo
 def test_speculative_workloads_match_the_reference_and_free_everything(workload, n):
     """Verified drafts (right, wrong, cut by max_tokens or a stop) change nothing but the
     steps: outputs, retained states and freed memory are as without speculation."""
-    harness = run_and_check(workload | dict(speculative_tokens=n))
+    harness = run_and_check(workload | dict(speculative_tokens=n, async_scheduling=False))
     event(f"some decode accepted {n} drafts: {harness.accepted[n] > 0}")
     event(f"some decode accepted none: {harness.accepted[0] > 0}")
 
@@ -512,6 +546,29 @@ def test_config_and_step_protocol_are_checked():
     harness.scheduler.update_from_step(step, {"a": 1})
     with pytest.raises(ValueError, match="not the step in flight"):
         harness.scheduler.update_from_step(step, {"a": 1})
+
+
+def test_async_protocol_and_a_stop_with_the_next_step_in_flight():
+    """Two steps in flight at most, updated oldest first; a stop token sampled by the
+    older one drops the newer one's token for the request, and its placeholder."""
+    harness = Harness(num_blocks=8, num_slots=4, async_scheduling=True)
+    harness.add("a", [1] * 10, max_tokens=5)
+    first = harness.scheduler.schedule()
+    request = harness.scheduler.get_request("a")
+    assert (request.num_computed, request.output_token_ids) == (10, [PLACEHOLDER])
+    second = harness.scheduler.schedule()
+    assert [(d.token_id, d.position) for d in second.decodes] == [(PLACEHOLDER, 10)]
+    assert request.output_token_ids == [PLACEHOLDER, PLACEHOLDER]
+    with pytest.raises(RuntimeError, match="still in flight"):
+        harness.scheduler.schedule()
+    with pytest.raises(ValueError, match="not the step in flight"):
+        harness.scheduler.update_from_step(second, {"a": 7})
+    assert harness.scheduler.update_from_step(first, {"a": STOP}) == [request]
+    assert request.output_token_ids == [STOP] and request.status is RequestStatus.FINISHED
+    assert harness.scheduler.update_from_step(second, {"a": 7}) == []
+    assert request.output_token_ids == [STOP]
+    assert harness.cache.blocks.usage().used == harness.cache.states.usage().used == 0
+    assert not harness.scheduler.has_unfinished()
 
 
 def test_a_failure_while_recording_a_step_frees_the_slots_it_held():

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_engine import BASE, logprob_diff, make_engine
+from test_engine import BASE, ENGINE, logprob_diff, make_engine
 from test_engine import model_state as engine_model_state  # noqa: F401 (fixture)
 from test_engine_faults import raise_once
 
@@ -28,10 +28,13 @@ from glmjax.speculative import (
     verify,
 )
 from glmjax.state_pool import PoolStatus
+from serving.batch_builder import BatchBuckets
 from serving.compiles import CompileLog
+from serving.engine import EngineConfig
 from serving.outputs import FinishReason
-from serving.precompile import precompile
+from serving.precompile import precompile, reachable_programs
 from serving.request import SamplingParams
+from serving.step import SchedulerConfig
 
 P = 64
 CONFIG = dataclasses.replace(ModelConfig.preset("tiny"), kv_block_size=P)
@@ -333,9 +336,33 @@ def test_a_fault_in_a_speculative_call_fails_only_its_step(engine_model_state, s
         assert again[request_id].output_token_ids == clean[request_id].output_token_ids
 
 
+def test_speculation_schedules_synchronously_and_refuses_mixed_steps(caplog):
+    """A verified decode's length is known only at its step's fetch: the engine turns
+    asynchronous scheduling off (saying so); mixed steps and fed programs are refused."""
+    with caplog.at_level("INFO", logger="serving.engine"):
+        config = EngineConfig(**ENGINE | dict(speculative_tokens=N, async_scheduling=True))
+    assert not config.async_scheduling and not config.scheduler_config().async_scheduling
+    assert "asynchronous scheduling off" in caplog.text
+    assert EngineConfig(**ENGINE).async_scheduling  # main's default stands without it
+    with pytest.raises(ValueError, match=f"--speculative-tokens {N} cannot run with "
+                                         "--mixed-steps"):
+        EngineConfig(**ENGINE | dict(speculative_tokens=N, mixed_steps=True))
+    with pytest.raises(ValueError, match="needs async_scheduling=False"):
+        SchedulerConfig(max_model_len=256, block_size=P, budget=P, speculative_tokens=N,
+                        async_scheduling=True)
+    buckets = BatchBuckets.for_config(config)
+    for flags in (dict(feed=True), dict(mixed=True)):
+        with pytest.raises(ValueError, match="synchronous, unmixed"):
+            reachable_programs(buckets, speculative_tokens=N, **flags)
+
+
 def test_the_server_checks_the_flag_before_reading_any_weight():
     pytest.importorskip("uvicorn")
     from serving.server import build_engine, parse_args
+
+    with pytest.raises(ValueError, match="--speculative-tokens 2 cannot run with --mixed-steps"):
+        build_engine(parse_args(["--preset", "glm5.3-flash", "--speculative-tokens", "2",
+                                 "--mixed-steps"]))
 
     with pytest.raises(ValueError, match="--speculative-tokens 2: .*num_mtp_layers=0"):
         build_engine(parse_args(["--preset", "kimi-linear-48b", "--speculative-tokens", "2"]))

@@ -29,7 +29,7 @@ LSE weights, scattered back to each rank's own heads (`merge_partial_attention`)
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -133,6 +133,67 @@ def _in_query_blocks(fn, block: int, *rows):
     return out.reshape(out.shape[0] * block, *out.shape[2:])[:num]
 
 
+class NewLatents(NamedTuple):
+    """What an MLA prefill writes to its cache: the new tokens' rows."""
+
+    latent: jax.Array  # [T, kv_lora + qk_rope]
+    index_keys: jax.Array | None  # [T, dsa_head_dim] (DSA only)
+
+
+def read_prefix(cache: MLACache, block_table: jax.Array, plan: ShardingPlan | None
+                ) -> CachedPrefix:
+    """Every sequence's cached blocks in position order (valid or not), [N, M * P, ...];
+    on a mesh the latents are all-gathered over dcp (replicated result)."""
+    if plan is None:
+        latent = read_paged(cache.latent, block_table)  # [N, M * P, L]
+    else:
+        gather = functools.partial(gather_paged, layout=plan.layout, axis_name=plan.dcp_axis)
+        # check_vma off: lax.all_gather types its result as varying, though every rank
+        # ends with the same whole prefix.
+        latent = jax.shard_map(
+            gather, mesh=plan.mesh,
+            in_specs=(plan.specs.mla_latent, plan.specs.replicated),
+            out_specs=plan.specs.replicated, check_vma=False,
+        )(cache.latent, block_table)
+    index = (None if cache.index_keys is None
+             else read_paged(cache.index_keys, block_table))
+    return CachedPrefix(latent, index)
+
+
+def write_prefill(cache: MLACache, block_table: jax.Array, cu_seqlens: jax.Array,
+                  prefix_lens: jax.Array | None, new: NewLatents, plan: ShardingPlan | None
+                  ) -> MLACache:
+    """A prefill's new latents (`MLA.attend`) into the cache: span n's token i at position
+    prefix_lens[n] + i (prefix_lens None: 0) of its blocks block_table[n] (int32 [N, M])."""
+    tokens = new.latent.shape[0]
+    if prefix_lens is None:
+        prefix_lens = jnp.zeros((cu_seqlens.shape[0] - 1,), jnp.int32)
+    seq, valid = sequence_ids(cu_seqlens, tokens)
+    pos = prefix_lens[seq] + jnp.arange(tokens, dtype=jnp.int32) - cu_seqlens[seq]
+    return _write(cache, block_table, seq, pos, valid, new, plan)
+
+
+def _write(cache, block_table, seq, pos, valid, new: NewLatents, plan) -> MLACache:
+    """New latents (and index keys) into the cache; on a mesh each dcp rank writes the
+    latents it owns into its shard, and the replicated index keys go everywhere."""
+    index = (None if new.index_keys is None
+             else write_paged(cache.index_keys, block_table, seq, pos, new.index_keys, valid))
+    if plan is None:
+        return MLACache(write_paged(cache.latent, block_table, seq, pos, new.latent, valid),
+                        index)
+
+    def on_rank(pages, block_table, seq, pos, latent, valid):
+        return write_paged_local(pages, block_table, seq, pos, latent, valid,
+                                 layout=plan.layout, rank=lax.axis_index(plan.dcp_axis))
+
+    specs = plan.specs
+    pages = jax.shard_map(
+        on_rank, mesh=plan.mesh,
+        in_specs=(specs.mla_latent, *[specs.replicated] * 5), out_specs=specs.mla_latent,
+    )(cache.latent, block_table, seq, pos, new.latent, valid)
+    return MLACache(pages, index)
+
+
 class MLA(nnx.Module):
     """MLA with optional query LoRA and optional DSA indexer (upstream DeepSeek names)."""
 
@@ -177,20 +238,31 @@ class MLA(nnx.Module):
         Returns:
           y [T, D] (zero on padding rows) and the updated cache.
         """
+        prefix = None
+        if cache is not None:
+            self._check_cache(cache.index_keys)
+            prefix = read_prefix(cache, block_table, plan)
+        y, new = self.attend(x, cu_seqlens, prefix, prefix_lens, plan=plan)
+        if cache is not None:
+            cache = write_prefill(cache, block_table, cu_seqlens, prefix_lens, new, plan)
+        return y, cache
+
+    def attend(self, x: jax.Array, cu_seqlens: jax.Array, prefix: CachedPrefix | None,
+               prefix_lens: jax.Array | None = None, *, plan: ShardingPlan | None = None
+               ) -> tuple[jax.Array, NewLatents]:
+        """`__call__` given the cached prefix (`read_prefix`, read before any write) instead
+        of the cache: returns y [T, D] and the new tokens' latents, for `write_prefill`. The
+        layer scan (`glmjax.layer_scan`) reads every layer's prefix before it and writes
+        every layer's latents after it."""
         with jax.named_scope("mla_prefill"):
             tokens, num_seqs = x.shape[0], cu_seqlens.shape[0] - 1
             if prefix_lens is None:
                 prefix_lens = jnp.zeros((num_seqs,), jnp.int32)
+            if prefix is not None:
+                self._check_cache(prefix.index)
             seq, valid = sequence_ids(cu_seqlens, tokens)
-            pos = prefix_lens[seq] + jnp.arange(tokens, dtype=jnp.int32) - cu_seqlens[seq]
             q_nope, q_pe, q_latent = self._queries(x)
             latent, index_keys = self._latent(x), self._index_keys(x)
-            prefix = None
-            if cache is not None:
-                self._check_cache(cache)
-                prefix = self._cached_prefix(cache, block_table, plan)
-                cache = self._write(cache, block_table, seq, pos, valid, latent, index_keys,
-                                    plan)
             keys, cu_keys, prefix_used = sequence_keys(prefix, latent, index_keys, cu_seqlens,
                                                        prefix_lens)
             dense = functools.partial(self._attend_dense, q_nope, q_pe, keys, cu_seqlens,
@@ -206,7 +278,7 @@ class MLA(nnx.Module):
                 max_keys = tokens + (0 if prefix is None else prefix.latent.shape[1])
                 out = self._dense_or_selected(dense, selected, cu_seqlens, prefix_used,
                                               max_keys=max_keys)
-            return self.o_proj(out.reshape(tokens, -1)), cache
+            return self.o_proj(out.reshape(tokens, -1)), NewLatents(latent, index_keys)
 
     def decode(self, x: jax.Array, cache: MLACache, block_table: jax.Array,
                context_lens: jax.Array, *, plan: ShardingPlan | None = None
@@ -218,16 +290,16 @@ class MLA(nnx.Module):
         Returns: y [N, D] (zero on inactive rows) and the cache with the new latents.
         """
         with jax.named_scope("mla_decode"):
-            self._check_cache(cache)
+            self._check_cache(cache.index_keys)
             num_seqs = x.shape[0]
             q_nope, q_pe, q_latent = self._queries(x)
             latent = self._latent(x)
             if plan is not None:
                 return self._decode_dcp(x, q_nope, q_pe, q_latent, latent, cache, block_table,
                                         context_lens, plan)
-            cache = self._write(cache, block_table, jnp.arange(num_seqs, dtype=jnp.int32),
-                                context_lens, context_lens >= 0, latent, self._index_keys(x),
-                                None)
+            new = NewLatents(latent, self._index_keys(x))
+            cache = _write(cache, block_table, jnp.arange(num_seqs, dtype=jnp.int32),
+                           context_lens, context_lens >= 0, new, None)
             latent = read_paged(cache.latent, block_table)  # [N, S, L]
             mask = jnp.arange(latent.shape[1])[None] <= context_lens[:, None]  # [N, S]
             if self.indexer is not None:
@@ -303,49 +375,11 @@ class MLA(nnx.Module):
     def _index_keys(self, x):
         return None if self.indexer is None else self.indexer.keys(x)
 
-    def _check_cache(self, cache: MLACache):
-        if (cache.index_keys is None) != (self.indexer is None):
+    def _check_cache(self, index_keys: jax.Array | None):
+        """`index_keys`: the cache's (or its prefix's) DSA index keys, or None."""
+        if (index_keys is None) != (self.indexer is None):
             raise ValueError("an MLA layer with a DSA indexer needs cache.index_keys, and one "
                              "without must not have them")
-
-    def _cached_prefix(self, cache, block_table, plan) -> CachedPrefix:
-        """Every sequence's cached blocks in position order (valid or not), [N, M * P, ...]."""
-        if plan is None:
-            latent = read_paged(cache.latent, block_table)  # [N, M * P, L]
-        else:
-            gather = functools.partial(gather_paged, layout=plan.layout,
-                                       axis_name=plan.dcp_axis)
-            # check_vma off: lax.all_gather types its result as varying, though every rank
-            # ends with the same whole prefix.
-            latent = jax.shard_map(
-                gather, mesh=plan.mesh,
-                in_specs=(plan.specs.mla_latent, plan.specs.replicated),
-                out_specs=plan.specs.replicated, check_vma=False,
-            )(cache.latent, block_table)
-        index = (None if cache.index_keys is None
-                 else read_paged(cache.index_keys, block_table))
-        return CachedPrefix(latent, index)
-
-    def _write(self, cache, block_table, seq, pos, valid, latent, index_keys, plan
-               ) -> MLACache:
-        """New latents (and index keys) into the cache; on a mesh each dcp rank writes the
-        latents it owns into its shard, and the replicated index keys go everywhere."""
-        index = (None if index_keys is None
-                 else write_paged(cache.index_keys, block_table, seq, pos, index_keys, valid))
-        if plan is None:
-            return MLACache(write_paged(cache.latent, block_table, seq, pos, latent, valid),
-                            index)
-
-        def on_rank(pages, block_table, seq, pos, latent, valid):
-            return write_paged_local(pages, block_table, seq, pos, latent, valid,
-                                     layout=plan.layout, rank=lax.axis_index(plan.dcp_axis))
-
-        specs = plan.specs
-        pages = jax.shard_map(
-            on_rank, mesh=plan.mesh,
-            in_specs=(specs.mla_latent, *[specs.replicated] * 5), out_specs=specs.mla_latent,
-        )(cache.latent, block_table, seq, pos, latent, valid)
-        return MLACache(pages, index)
 
     def _expand(self, keys: PackedKeys, dtype):
         """Latents [S, L] -> k_nope [S, H, nope], k_pe [S, rope], v [S, H, v] (kv_b_proj)."""

@@ -56,7 +56,7 @@ class MoE(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         hidden, inter, experts = (config.hidden_size, config.moe_intermediate_size,
                                   config.num_experts)
-        self.top_k = config.num_experts_per_token
+        self.num_experts, self.top_k = experts, config.num_experts_per_token
         self.scaling = config.routed_scaling_factor
         self.limit = config.swiglu_limit
         self.backend = config.moe_backend or default_implementation()
@@ -79,22 +79,35 @@ class MoE(nnx.Module):
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
         return weights * self.scaling, experts.astype(jnp.int32)
 
-    def __call__(self, x: jax.Array, *, plan: ShardingPlan | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, plan: ShardingPlan | None = None,
+                 layer: jax.Array | int | None = None) -> jax.Array:
         """x [T, D] -> [T, D]. On a mesh (`plan`) a Pallas or tokamax grouped GEMM runs per
         device on its slice of the intermediate (shard_map; XLA cannot partition a custom
-        kernel and would gather every expert's weights), ragged_dot is left to XLA."""
+        kernel and would gather every expert's weights), ragged_dot is left to XLA.
+
+        `layer`: when the routed experts' weights are stacked over G layers ([G, E, D, I],
+        as `glmjax.layer_scan` leaves them), the entry (int32 [] or int) this layer uses;
+        None: they are [E, D, I]."""
         with jax.named_scope("moe"):
             with jax.named_scope("router"):
                 weights, experts = self.route(x)
             with jax.named_scope("routed_experts"):
-                routed = self._routed(x, weights, experts, plan)
+                routed = self._routed(x, weights, experts, plan, layer)
             with jax.named_scope("shared_experts"):
                 shared = self.shared_experts(x)
             return routed + shared
 
-    def _routed(self, x, weights, experts, plan):
+    def _routed(self, x, weights, experts, plan, layer):
+        stacks = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        if layer is not None:
+            # Layer `layer`'s experts are groups layer * E ... of the stacks seen as G * E
+            # experts (a free reshape): slicing them out would copy every expert's weights
+            # before a Pallas kernel, each step.
+            experts = experts + layer * stacks[0].shape[1]
+            stacks = tuple(w.reshape(-1, *w.shape[2:]) for w in stacks)
         experts_fn = functools.partial(routed_experts, limit=self.limit,
-                                       implementation=self.backend)
+                                       implementation=self.backend,
+                                       active_experts=self.num_experts)
         routed = experts_fn
         if plan is not None and self.backend != "ragged_dot":
             s = plan.specs
@@ -109,4 +122,4 @@ class MoE(nnx.Module):
                 in_specs=(s.tokens, s.tokens, s.tokens, s.expert_column, s.expert_column,
                           s.expert_row),
                 out_specs=s.tokens, check_vma=False)
-        return routed(x, weights, experts, self.w_gate[...], self.w_up[...], self.w_down[...])
+        return routed(x, weights, experts, *stacks)
