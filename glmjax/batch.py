@@ -35,3 +35,14 @@ class DecodeBatch(NamedTuple):
     positions: jax.Array     # int32 [N], position of the new token (= tokens already cached)
     state_slots: jax.Array   # int32 [N], running KDA state slot (-1: padding row)
     block_tables: jax.Array  # int32 [N, M]
+
+
+class VerifyBatch(NamedTuple):
+    """R decodes of one step, each verifying up to J - 1 speculative drafts (J, R, M static;
+    `glmjax.speculative`). Padding sequences have position -1, no drafts, slots -1."""
+
+    token_ids: jax.Array  # int32 [J, R]: the last sampled token, then the drafts (0: none)
+    positions: jax.Array  # int32 [R], position of token 0 (-1: padding sequence)
+    num_drafts: jax.Array  # int32 [R] in [0, J - 1]; rows j > num_drafts[r] are padding
+    slot_chain: jax.Array  # int32 [J, R]: the running slot, then a scratch slot per draft
+    block_tables: jax.Array  # int32 [R, M], covering positions .. positions + num_drafts

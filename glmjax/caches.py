@@ -17,19 +17,23 @@ from glmjax.state_pool import StatePool, copy_slots
 
 
 class Caches(NamedTuple):
-    """The model's caches. The MTP head's own MLA cache is not here: the steps do not run it."""
+    """The model's caches. The MTP head's MLA cache is there only for speculative decoding
+    (`glmjax.speculative`); it shares the model's block ids and block tables."""
 
     kda: tuple[StatePool, ...]  # one per KDA layer, in layer order
     mla: tuple[MLACache, ...]  # one per MLA layer, in layer order
+    mtp: tuple[MLACache, ...] = ()  # the drafting MTP layer's cache, or none
 
     @classmethod
-    def init(cls, config: ModelConfig, num_state_slots: int, num_kv_blocks: int) -> Caches:
+    def init(cls, config: ModelConfig, num_state_slots: int, num_kv_blocks: int, *,
+             mtp: bool = False) -> Caches:
         """Zeroed caches: `num_state_slots` KDA slots per layer, `num_kv_blocks` MLA blocks of
-        `config.kv_block_size` tokens per layer."""
+        `config.kv_block_size` tokens per layer (and for the first MTP layer with `mtp`)."""
         kinds = config.layer_types
         return cls(
             tuple(StatePool.zeros(config, num_state_slots) for kind in kinds if kind == "kda"),
-            tuple(MLACache.zeros(config, num_kv_blocks) for kind in kinds if kind == "mla"))
+            tuple(MLACache.zeros(config, num_kv_blocks) for kind in kinds if kind == "mla"),
+            (MLACache.zeros(config, num_kv_blocks),) if mtp else ())
 
     @property
     def num_state_slots(self) -> int:
@@ -42,7 +46,7 @@ def copy_state_slots(caches: Caches, sources: jax.Array, destinations: jax.Array
     """``glmjax.state_pool.copy_slots`` over every KDA pool (int32 [K] pairs, -1: none);
     returns the caches and the int32 [] `PoolStatus` (not OK: nothing copied)."""
     kda, status = copy_slots(caches.kda, sources, destinations)
-    return Caches(kda, caches.mla), status
+    return caches._replace(kda=kda), status
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -59,6 +63,8 @@ def copy_kv_blocks(caches: Caches, sources: jax.Array, destinations: jax.Array) 
                         num_blocks)
         return pages.at[dst].set(pages.at[src].get(mode="fill", fill_value=0), mode="drop")
 
-    return Caches(caches.kda, tuple(
-        MLACache(copy(c.latent), None if c.index_keys is None else copy(c.index_keys))
-        for c in caches.mla))
+    def copy_cache(c: MLACache) -> MLACache:
+        return MLACache(copy(c.latent), None if c.index_keys is None else copy(c.index_keys))
+
+    return Caches(caches.kda, tuple(map(copy_cache, caches.mla)),
+                  tuple(map(copy_cache, caches.mtp)))

@@ -63,9 +63,10 @@ class ForwardResult(NamedTuple):
 
 class HybridModel(nnx.Module):
     """Embedding, decoder blocks per `config.layer_types`, final norm, LM head; the MTP
-    heads are held (for drafting and weight loading) but not run by the forward passes.
-    With `config.scan_layers` the repeated layer groups are held stacked in `layer_groups`
-    and `layers` holds the others (`glmjax.layer_scan.layer_plan`)."""
+    heads are held (for drafting and weight loading) but not run by the forward passes
+    (`glmjax.speculative` drafts with the first). With `config.scan_layers` the repeated
+    layer groups are held stacked in `layer_groups` and `layers` holds the others
+    (`glmjax.layer_scan.layer_plan`)."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
@@ -233,6 +234,21 @@ def prefill_step(model_state: ModelState, caches: Caches, batch: PrefillBatch, *
     """
     model = nnx.merge(*model_state)
     num_tokens = batch.token_ids.shape[0]
+    out, packed, caches, status = prefill_forward(model, caches, batch, plan=plan)
+    cu = packed.cu_seqlens
+    lengths = cu[1:] - cu[:-1]
+    last = jnp.clip(cu[1:] - 1, 0, num_tokens - 1)
+    logits = jnp.where((lengths > 0)[:, None], model.logits(out.hidden[last]), 0.0)
+    logprobs = (_next_token_logprobs(model, out.hidden, batch.token_ids, cu)
+                if return_logprobs else None)
+    return PrefillOutput(logits, caches, status, logprobs)
+
+
+def prefill_forward(model: HybridModel, caches: Caches, batch: PrefillBatch, *,
+                    plan: ShardingPlan | None = None
+                    ) -> tuple[ForwardResult, PackedBatch, Caches, jax.Array]:
+    """The forward and cache update of `prefill_step`: (the forward's result, the packed
+    batch it ran on (empty spans when refused), the updated caches, the PoolStatus)."""
     # A refused step must not write anything; running it on empty spans with no checkpoints
     # and no blocks also keeps bad offsets and lengths away from the kernel.
     ok = prefill_status(batch, caches.num_state_slots) == PoolStatus.OK
@@ -242,12 +258,7 @@ def prefill_step(model_state: ModelState, caches: Caches, batch: PrefillBatch, *
     initial = read_states(caches.kda, batch.state_slots, batch.has_initial)
     out = model.forward(batch.token_ids, packed, initial, caches.mla, plan=plan)
     kda, status = commit_prefill(caches.kda, batch, out.kda_states, out.kda_snapshots)
-    lengths = cu[1:] - cu[:-1]
-    last = jnp.clip(cu[1:] - 1, 0, num_tokens - 1)
-    logits = jnp.where((lengths > 0)[:, None], model.logits(out.hidden[last]), 0.0)
-    logprobs = (_next_token_logprobs(model, out.hidden, batch.token_ids, cu)
-                if return_logprobs else None)
-    return PrefillOutput(logits, Caches(kda, tuple(out.mla_caches)), status, logprobs)
+    return out, packed, caches._replace(kda=kda, mla=tuple(out.mla_caches)), status
 
 
 def decode_step(model_state: ModelState, caches: Caches, batch: DecodeBatch, *,
@@ -267,7 +278,7 @@ def decode_step(model_state: ModelState, caches: Caches, batch: DecodeBatch, *,
     out = model.forward(batch.token_ids, packed, caches.kda, caches.mla, decode=True, plan=plan)
     kda = tuple(StatePool(*pool) for pool in out.kda_states)
     logits = jnp.where(active[:, None], model.logits(out.hidden), 0.0)
-    return DecodeOutput(logits, Caches(kda, tuple(out.mla_caches)), status)
+    return DecodeOutput(logits, caches._replace(kda=kda, mla=tuple(out.mla_caches)), status)
 
 
 # One device; the mesh versions are `glmjax.sharding.ShardingPlan.steps()`.

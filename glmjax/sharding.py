@@ -214,10 +214,11 @@ def param_spec(path: tuple, specs: Specs = SPECS) -> P:
 
 def cache_specs(caches: Caches, specs: Specs = SPECS) -> Caches:
     """`caches` with every array replaced by its PartitionSpec."""
-    return Caches(
-        tuple(StatePool(specs.kda_states, specs.conv_states) for _ in caches.kda),
-        tuple(MLACache(specs.mla_latent, None if c.index_keys is None else specs.mla_index_keys)
-              for c in caches.mla))
+    def mla(c: MLACache) -> MLACache:
+        return MLACache(specs.mla_latent, None if c.index_keys is None else specs.mla_index_keys)
+
+    return Caches(tuple(StatePool(specs.kda_states, specs.conv_states) for _ in caches.kda),
+                  tuple(map(mla, caches.mla)), tuple(map(mla, caches.mtp)))
 
 
 def device_bytes(tree) -> dict[Any, int]:

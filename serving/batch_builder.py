@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
+from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch, VerifyBatch
 from pallas_kernels.validation import validate_checkpoint_metadata
 from serving.plan import retention_capacity
 from serving.request import PLACEHOLDER
@@ -92,21 +92,28 @@ class BatchBuilder:
         self.tokens_per_block = config.block_size * config.dcp
 
     def build(self, step: ScheduledStep, *, mixed: bool = False
-              ) -> tuple[PrefillBatch | None, DecodeBatch | None]:
+              ) -> tuple[PrefillBatch | None, DecodeBatch | VerifyBatch | None]:
         """The step's batches (None where it has no rows of that kind), checked together.
         ``mixed``: a step with both kinds pads both to one sequence count N and table
         width M (one forward over both, ``glmjax.mixed``: its shape is (T, N, M)).
+        With ``speculative_tokens`` the decodes form a ``VerifyBatch`` (never mixed).
 
         Raises:
           ValueError: naming the row and value of anything the device must not see.
         """
+        if mixed and self.config.speculative_tokens:
+            raise ValueError("mixed steps cannot verify drafts "
+                             f"(speculative_tokens={self.config.speculative_tokens})")
         n = m = None
         if mixed and step.prefills and step.decodes:
             n = bucket_for(self.buckets.seqs, max(len(step.prefills), len(step.decodes)),
                            "prefill sequences or decode rows")
             m = self._block_table_width(step.prefills + step.decodes)
         prefill = self.prefill_batch(step.prefills, n, m) if step.prefills else None
-        decode = self.decode_batch(step.decodes, n, m) if step.decodes else None
+        decode = None
+        if step.decodes:
+            decode = (self.verify_batch(step.decodes) if self.config.speculative_tokens
+                      else self.decode_batch(step.decodes, n, m))
         self.validate_step(prefill, decode)
         return prefill, decode
 
@@ -176,6 +183,69 @@ class BatchBuilder:
         batch = DecodeBatch(token_ids, positions, state_slots, block_tables)
         self.validate_decode(batch)
         return batch
+
+    def verify_batch(self, decodes: tuple[ScheduledDecode, ...]) -> VerifyBatch:
+        """One column per decode (its token, then its drafts), J = speculative_tokens + 1
+        rows, padded to a sequence bucket."""
+        chain = self.config.speculative_tokens + 1
+        n = bucket_for(self.buckets.seqs, len(decodes), "decode rows")
+        m = self._block_table_width(decodes)
+        token_ids = np.zeros((chain, n), np.int32)
+        positions = np.full(n, -1, np.int32)
+        num_drafts = np.zeros(n, np.int32)
+        slot_chain = np.full((chain, n), -1, np.int32)
+        block_tables = np.full((n, m), -1, np.int32)
+        for i, decode in enumerate(decodes):
+            count = len(decode.draft_token_ids)
+            if count >= chain or len(decode.draft_slots) != count:
+                raise ValueError(f"request {decode.request_id!r}: {count} drafts with "
+                                 f"{len(decode.draft_slots)} slots (at most {chain - 1})")
+            token_ids[: count + 1, i] = (decode.token_id, *decode.draft_token_ids)
+            positions[i] = decode.position
+            num_drafts[i] = count
+            slot_chain[: count + 1, i] = (decode.state_slot, *decode.draft_slots)
+            block_tables[i, : len(decode.block_table)] = decode.block_table
+        batch = VerifyBatch(token_ids, positions, num_drafts, slot_chain, block_tables)
+        self.validate_verify(batch)
+        return batch
+
+    def validate_verify(self, batch: VerifyBatch) -> None:
+        """Raises ValueError naming the row and value of anything invalid in ``batch``."""
+        b = {name: np.asarray(value) for name, value in batch._asdict().items()}
+        for name, value in b.items():
+            if value.dtype != np.int32:
+                raise ValueError(f"verify {name} must be int32, got {value.dtype}")
+        chain, n = b["slot_chain"].shape
+        for name, shape in (("token_ids", (chain, n)), ("positions", (n,)), ("num_drafts", (n,))):
+            if b[name].shape != shape:
+                raise ValueError(f"verify {name} has shape {b[name].shape}, expected {shape}")
+        if b["block_tables"].ndim != 2 or b["block_tables"].shape[0] != n:
+            raise ValueError(f"verify block_tables has shape {b['block_tables'].shape}")
+        real = _trailing_padding("verify", b["positions"] != -1)
+        for i in range(real, n):
+            _check_padding_row("verify", i, b, ("num_drafts", "block_tables"))
+        drafts = b["num_drafts"]
+        bad = np.flatnonzero((drafts < 0) | (drafts >= chain))
+        if bad.size:
+            raise ValueError(f"verify row {bad[0]}: {drafts[bad[0]]} drafts outside [0, {chain})")
+        active = np.arange(chain)[:, None] <= np.where(b["positions"] >= 0, drafts, -1)[None]
+        wrong = np.argwhere(active != (b["slot_chain"] != -1))
+        if wrong.size:
+            j, i = wrong[0]
+            raise ValueError(f"verify row {i}, token {j}: slot {b['slot_chain'][j, i]} with "
+                             f"{drafts[i]} drafts (a slot exactly for the token and each draft)")
+        _check_range("verify slot_chain", b["slot_chain"][active], self.num_slots)
+        if np.any(b["token_ids"][active] < 0) or np.any(b["token_ids"][~active]):
+            raise ValueError("verify token ids must be >= 0, and 0 past each row's drafts")
+        if np.any(b["positions"][:real] < 0):
+            raise ValueError(f"verify position {b['positions'][:real].min()} is negative")
+        _check_writes(self._verify_rows(b))
+
+    def _verify_rows(self, b: dict) -> list:
+        real = int(np.count_nonzero(b["positions"] != -1))
+        starts = b["positions"][:real]
+        return self._table_rows("verify", b["block_tables"][:real], starts,
+                                starts + b["num_drafts"][:real] + 1)
 
     def validate_prefill(self, batch: PrefillBatch) -> None:
         """Raises ValueError naming the row and value of anything invalid in ``batch``.
@@ -280,7 +350,9 @@ class BatchBuilder:
             raise ValueError(f"decode position {positions.min()} is negative")
         _check_writes(self._table_rows("decode", b["block_tables"], positions, positions + 1))
 
-    def validate_step(self, prefill: PrefillBatch | None, decode: DecodeBatch | None) -> None:
+    def validate_step(
+        self, prefill: PrefillBatch | None, decode: DecodeBatch | VerifyBatch | None
+    ) -> None:
         """Checks across both batches: no slot written twice, no block written and shared."""
         slots, rows = [], []
         if prefill is not None:
@@ -290,7 +362,11 @@ class BatchBuilder:
             starts = p["prefix_lens"][:real]
             ends = starts + np.diff(p["cu_seqlens"])[:real]
             rows += self._table_rows("prefill", p["block_tables"][:real], starts, ends)
-        if decode is not None:
+        if isinstance(decode, VerifyBatch):
+            chain = np.asarray(decode.slot_chain)
+            slots.append(chain[chain != -1])
+            rows += self._verify_rows({k: np.asarray(v) for k, v in decode._asdict().items()})
+        elif decode is not None:
             real = int(np.count_nonzero(np.asarray(decode.state_slots) != -1))
             positions = np.asarray(decode.positions)[:real]
             slots.append(np.asarray(decode.state_slots)[:real])
@@ -338,7 +414,8 @@ def _trailing_padding(kind: str, real: np.ndarray) -> int:
 
 
 def _check_padding_row(kind: str, i: int, arrays: dict, names: tuple[str, ...]) -> None:
-    inert = {"has_initial": False, "prefix_lens": 0, "token_ids": 0, "positions": 0}
+    inert = {"has_initial": False, "prefix_lens": 0, "token_ids": 0, "positions": 0,
+             "num_drafts": 0}
     for name in names:
         want = inert.get(name, -1)
         if np.any(arrays[name][i] != want):

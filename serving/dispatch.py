@@ -35,6 +35,12 @@ class Draw(NamedTuple):
     logprob: float
     top: tuple[tuple[int, float], ...]
 
+    @classmethod
+    def from_row(cls, sampled: Sampled, k: int) -> Draw:
+        """Row k of a fetched ``Sampled`` (host arrays)."""
+        top = zip(sampled.top_ids[k].tolist(), sampled.top_logprobs[k].tolist(), strict=True)
+        return cls(int(sampled.tokens[k]), float(sampled.logprobs[k]), tuple(top))
+
 
 @dataclasses.dataclass(eq=False)
 class InFlight:
@@ -196,10 +202,7 @@ class StepDispatch:
         draws = {}
         for sampled, request_ids in zip(drawn, flight.rows):
             for k, request_id in enumerate(request_ids):
-                top = zip(sampled.top_ids[k].tolist(), sampled.top_logprobs[k].tolist(),
-                          strict=True)
-                draws[request_id] = Draw(
-                    int(sampled.tokens[k]), float(sampled.logprobs[k]), tuple(top))
+                draws[request_id] = Draw.from_row(sampled, k)
         return draws
 
     def _fed(self, step: ScheduledStep, batch, previous: InFlight | None):

@@ -56,6 +56,8 @@ from serving.prefix_cache import PrefixCache
 from serving.request import Request, SamplingParams
 from serving.sampling import SEED_LIMIT
 from serving.scheduler import Scheduler
+from serving.speculative import COUNTERS as SPECULATIVE_COUNTERS
+from serving.speculative import SpeculativeInFlight, SpeculativeRunner, trim_draws
 from serving.state_slots import StateSlotAllocator
 from serving.step import ScheduledStep, SchedulerConfig
 
@@ -78,6 +80,10 @@ class EngineConfig(SchedulerConfig):
       eos_token_id: finishes a request unless its ``ignore_eos`` (None: no such token).
       single_bucket: pad every batch to the largest bucket, so each entry point compiles
         once; good for small models and tests, wasteful for long budgets.
+      speculative_tokens (from ``SchedulerConfig``): N > 0 drafts N tokens per request
+        with the model's MTP head and verifies them in the next step
+        (``serving.speculative``; greedy requests, one device). It turns
+        ``async_scheduling`` off (logged) and refuses ``mixed_steps``.
       seed: draws the seed of every request that brings none.
       async_scheduling: schedule and dispatch step n + 1 before fetching step n (on by
         default in the engine, off in a bare ``SchedulerConfig``).
@@ -93,6 +99,17 @@ class EngineConfig(SchedulerConfig):
     seed: int = 0
     async_scheduling: bool = True
     mixed_steps: bool = False
+
+    def __post_init__(self):
+        if self.speculative_tokens and self.mixed_steps:
+            raise ValueError(f"--speculative-tokens {self.speculative_tokens} cannot run with "
+                             "--mixed-steps (a mixed step has no verify rows)")
+        if self.speculative_tokens and self.async_scheduling:
+            logger.info("speculative_tokens=%d: asynchronous scheduling off (a verified "
+                        "decode's length is known only after its step's fetch)",
+                        self.speculative_tokens)
+            object.__setattr__(self, "async_scheduling", False)
+        super().__post_init__()
 
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduling knobs alone."""
@@ -168,6 +185,10 @@ class Engine(StepDispatch):
         self.steps = steps
         self._model_state: ModelState = steps.place(model)
         self._detokenize = detokenize
+        self._speculative = None
+        if engine_config.speculative_tokens:
+            self._speculative = SpeculativeRunner(config, engine_config.speculative_tokens,
+                                                  on_mesh=steps.mesh is not None)
         self._make_pools()
         buckets = BatchBuckets.for_config(sched_config)
         if engine_config.single_bucket:
@@ -196,7 +217,7 @@ class Engine(StepDispatch):
             preemptions=0,
             kv_block_copies=0,
             steps=0,
-        )
+        ) | dict.fromkeys(SPECULATIVE_COUNTERS, 0)
 
     def _make_pools(self) -> None:
         """Empty caches, allocators, prefix cache and scheduler (at start and on a reset)."""
@@ -206,8 +227,10 @@ class Engine(StepDispatch):
             StateSlotAllocator(config.num_state_slots),
         )
         self.scheduler = Scheduler(config.scheduler_config(), self.prefix_cache)
-        self.caches = self.steps.init_caches(config.num_state_slots, config.num_kv_blocks)
-        self._in_flight: collections.deque[InFlight] = collections.deque()  # oldest first
+        init_caches = self.steps.init_caches if self._speculative is None else (
+            self._speculative.init_caches)
+        self.caches = init_caches(config.num_state_slots, config.num_kv_blocks)
+        self._in_flight: collections.deque = collections.deque()  # InFlight, oldest first
 
     @property
     def model_state(self) -> ModelState:
@@ -301,38 +324,50 @@ class Engine(StepDispatch):
             owners = {i: self._tracked[i] for i in step.sampling_request_ids}
             sampling = {i: self._sampling_row(owners[i], position)
                         for i, position in _sampled_positions(step).items()}
-            self._in_flight.append(self.dispatch(step, owners, sampling, previous))
+            if self._speculative is None:
+                flight = self.dispatch(step, owners, sampling, previous)
+            else:
+                flight = self._speculative.dispatch(self, step, owners, sampling)
+            self._in_flight.append(flight)
         except DeviceLostError:  # raised by multi-process steps (serving.multiprocess)
             raise
         except Exception as error:
             return self._fail_step(step, error)
         return []
 
-    def _finish(self, flight: InFlight) -> list[RequestOutput]:
+    def _finish(self, flight: InFlight | SpeculativeInFlight) -> list[RequestOutput]:
         """Fetches a dispatched step's results and hands them to the scheduler."""
         step = flight.step
         try:
-            sampled = self.fetch(flight)
+            if self._speculative is None:
+                sampled = {i: [draw] for i, draw in self.fetch(flight).items()}
+            else:  # synchronous: the step's requests are all still tracked
+                sampled = {i: trim_draws(self._tracked[i].request, draws,
+                                         self._tracked[i].stop_token_ids, self._detokenize)
+                           for i, draws in self._speculative.fetch(self, flight).items()}
             self._count_cached_tokens(step)
             finished = {
                 r.request_id
                 for r in self.scheduler.update_from_step(
-                    step, {i: draw.token for i, draw in sampled.items()}
+                    step, {i: [draw.token for draw in draws] for i, draws in sampled.items()}
                 )
             }
+            if self._speculative is not None:
+                self._speculative.set_drafts(self)
         except DeviceLostError:
             raise
         except Exception as error:
             return self._fail_step(step, error)
         outputs = []
-        for request_id, draw in sampled.items():
+        for request_id, draws in sampled.items():
             tracked = flight.owners[request_id]
             if self._tracked.get(request_id) is not tracked:
                 continue  # finished by an earlier step's stop, aborted or failed since
             try:
-                tracked.logprobs.append(draw.logprob)
-                tracked.top_logprobs.append(draw.top)
-                self._counts["generated_tokens"] += 1
+                for draw in draws:
+                    tracked.logprobs.append(draw.logprob)
+                    tracked.top_logprobs.append(draw.top)
+                    self._counts["generated_tokens"] += 1
                 outputs.append(self._after_token(tracked, request_id in finished))
             except Exception:
                 logger.exception("request %s failed after step %d", request_id, step.step_id)

@@ -12,6 +12,9 @@ several servers can live in one process (tests). It holds:
 Names (prefix ``glmjax_``): every ``EngineMetrics`` field, counters with ``_total``
 (``glmjax_requests_added_total``) and gauges without (``glmjax_running``);
 ``glmjax_feature_enabled{feature=...}``, ``glmjax_dcp``, ``glmjax_engine_healthy``;
+speculative decoding: ``glmjax_speculative_tokens``, the counters
+``glmjax_spec_{verified_decodes,draft_tokens,accepted_tokens}_total`` and the derived
+``glmjax_spec_acceptance_rate`` and ``glmjax_spec_tokens_per_step``;
 ``glmjax_backend_compiles_total`` and ``glmjax_backend_compile_seconds_total`` (XLA
 compiles since the server started serving);
 ``glmjax_time_to_first_token_seconds`` and ``glmjax_time_per_output_token_seconds``.
@@ -74,6 +77,9 @@ HELP = {
     "state_slots_total": "KDA state slots",
     "state_slots_used": "KDA state slots referenced by requests",
     "state_slots_retained": "KDA state slots holding retained states",
+    "spec_verified_decodes": "decodes that verified MTP drafts (speculative decoding)",
+    "spec_draft_tokens": "MTP drafts verified",
+    "spec_accepted_tokens": "MTP drafts accepted",
 }
 
 
@@ -116,7 +122,15 @@ class EngineCollector(Collector):
         )
         features.add_metric(["prefill_coalescing"], int(config.coalesce))
         features.add_metric(["prefix_caching"], int(config.prefix_caching))
+        features.add_metric(["speculative_decoding"], int(config.speculative_tokens > 0))
         yield features
+        yield GaugeMetricFamily(f"{PREFIX}_speculative_tokens", "MTP drafts per decode (0: "
+                                "off)", value=config.speculative_tokens)
+        yield GaugeMetricFamily(f"{PREFIX}_spec_acceptance_rate", "MTP drafts accepted / "
+                                "verified since start", value=snapshot.spec_acceptance_rate)
+        yield GaugeMetricFamily(f"{PREFIX}_spec_tokens_per_step", "tokens a decode that "
+                                "verified drafts gained per step, on average since start",
+                                value=snapshot.spec_tokens_per_step)
         yield GaugeMetricFamily(f"{PREFIX}_dcp", "decode-context-parallel ranks", value=config.dcp)
         compiles = self._engine.compiles
         yield CounterMetricFamily(f"{PREFIX}_backend_compiles", "XLA compiles while serving "

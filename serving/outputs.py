@@ -54,8 +54,10 @@ class EngineMetrics:
     Counters (since start): requests added / finished / aborted / failed, steps that
     failed and engine resets (``serving.engine``), prompt tokens added,
     prompt tokens served by the prefix cache at first admission, tokens generated,
-    preemptions, copy-on-write block copies, steps, prefix-cache lookups and hits, evictions. Gauges (now): requests
-    running and waiting, KV blocks and state slots total / referenced / cached.
+    preemptions, copy-on-write block copies, steps, prefix-cache lookups and hits, evictions,
+    and with speculative decoding the decodes that verified drafts, the drafts verified and
+    those accepted. Gauges (now): requests running and waiting, KV blocks and state slots
+    total / referenced / cached.
     """
 
     requests_added: int
@@ -82,3 +84,18 @@ class EngineMetrics:
     state_slots_total: int
     state_slots_used: int
     state_slots_retained: int
+    spec_verified_decodes: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Drafts accepted / drafts verified (0 before any)."""
+        return self.spec_accepted_tokens / max(self.spec_draft_tokens, 1)
+
+    @property
+    def spec_tokens_per_step(self) -> float:
+        """Tokens a decode that verified drafts gained per step, on average (1 + accepted;
+        0 before any)."""
+        decodes = self.spec_verified_decodes
+        return (decodes + self.spec_accepted_tokens) / decodes if decodes else 0.0

@@ -31,9 +31,12 @@ import numpy as np
 from tqdm import tqdm
 
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
+from serving import speculative
 from serving.batch_builder import BatchBuckets
 from serving.dispatch import feed_tokens
 from serving.sampling import SamplingTensors
+
+SPECULATIVE_KINDS = ("spec_prefill", "verify", "draft_prefill", "draft_verify")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,15 +44,21 @@ class Program:
     """One program an engine calls: its kind and static shape."""
 
     kind: str  # "prefill", "decode", "mixed", "copy_kv_blocks", "copy_state_slots",
-    #            "gather_rows", "sample", "feed"
+    #            "gather_rows", "sample", "feed", or one of SPECULATIVE_KINDS
     shape: tuple[int, ...]  # prefill, mixed (T, N, M), decode (N, M), gather_rows, feed (N,),
     #                         others ()
 
 
-def reachable_programs(buckets: BatchBuckets, *, feed: bool = False,
-                       mixed: bool = False) -> list[Program]:
+def reachable_programs(buckets: BatchBuckets, *, feed: bool = False, mixed: bool = False,
+                       speculative_tokens: int = 0) -> list[Program]:
     """Every program an engine padding to ``buckets`` can call, cheapest first (``feed``:
-    the engine schedules asynchronously; ``mixed``: it runs mixed steps)."""
+    the engine schedules asynchronously; ``mixed``: it runs mixed steps; with
+    ``speculative_tokens``, those of ``serving.speculative`` instead of prefill and decode,
+    which needs neither of the other two).
+
+    Raises:
+      ValueError: ``speculative_tokens`` with ``feed`` or ``mixed``.
+    """
     # A bucket of n rows holds more than the bucket below it (k spans need k tokens), so it
     # is reachable with t tokens when that lower bucket is smaller than t.
     below = dict(zip(buckets.seqs, (0, *buckets.seqs[:-1])))
@@ -66,6 +75,17 @@ def reachable_programs(buckets: BatchBuckets, *, feed: bool = False,
     small = [Program("copy_kv_blocks", ()), Program("copy_state_slots", ()), Program("sample", ())]
     both = [Program("mixed", (t, n, m)) for t in buckets.tokens for n in buckets.seqs
             for m in buckets.block_table_widths] if mixed else []
+    if speculative_tokens:
+        if feed or mixed:
+            raise ValueError(f"speculative_tokens={speculative_tokens} runs synchronous, "
+                             f"unmixed steps (got feed={feed}, mixed={mixed})")
+        # Verified decodes' logits have (N + 1) n rows: their gathers too.
+        chain = speculative_tokens + 1
+        gathers += [Program("gather_rows", (chain * n,)) for n in buckets.seqs
+                    if chain * n not in buckets.seqs]
+        shapes = [p.shape for p in prefill]
+        return small + gathers + [Program(kind, shape) for kind, shape in
+                                  speculative.programs(buckets, shapes)]
     return small + gathers + fed + decode + prefill + both
 
 
@@ -101,6 +121,8 @@ def _lower(engine, program: Program, shardings: dict | None = None):
     sampler returns them (``shardings["tokens"]``)."""
     steps, rows, shardings = engine.steps, engine.sampler_rows, shardings or {}
     vocab = engine.model_config.vocab_size
+    if program.kind in SPECULATIVE_KINDS:
+        return speculative.lower(engine, program.kind, program.shape)
     if program.kind == "feed":
         host = np.zeros(program.shape, np.int32)
         sampled = jax.device_put(np.zeros(rows, np.int32), shardings.get("tokens"))
@@ -142,8 +164,10 @@ def precompile(engine, *, workers: int | None = None, progress: bool = True,
       progress: show a progress bar (tqdm, on stderr).
       log: called once with a summary line.
     """
-    programs = reachable_programs(engine.builder.buckets, feed=engine.config.async_scheduling,
-                                  mixed=engine.config.mixed_steps)
+    config = engine.config
+    programs = reachable_programs(engine.builder.buckets, feed=config.async_scheduling,
+                                  mixed=config.mixed_steps,
+                                  speculative_tokens=config.speculative_tokens)
     workers = workers or os.cpu_count() or 1
     start = time.perf_counter()
 
@@ -152,9 +176,10 @@ def precompile(engine, *, workers: int | None = None, progress: bool = True,
     # are sharded, the first gather how its rows are and the sampler how its tokens are, so
     # those three compile first. On one device the steps return uncommitted arrays, which a
     # plain device_put reproduces (naming their device would put a sharding into the
-    # programs and miss the cache).
+    # programs and miss the cache). (Speculation: one device.)
+    decode = "verify" if config.speculative_tokens else "decode"
     first = [next(p for p in programs if p.kind == kind)
-             for kind in ("decode", "gather_rows", "sample")]
+             for kind in (decode, "gather_rows", "sample")]
     bar = tqdm(total=len(programs), desc="precompiling", unit="program", disable=not progress)
     shardings, seconds = {}, []
     for program, name in zip(first, ("logits", "gathered", "tokens")):

@@ -113,6 +113,9 @@ class Request:
       pinned_blocks, pinned_slots: what a prefix hit shares and the step in flight copies
         from (the copy-on-write source block, the retained state); the request holds a
         reference on them until that step is done.
+      draft_token_ids: speculative drafts of the tokens after the last output token, for
+        the next decode to verify (set by the engine after each step; any drafts are safe:
+        a wrong draft only shortens what is accepted).
     """
 
     request_id: str
@@ -128,6 +131,7 @@ class Request:
     num_preemptions: int = 0
     pinned_blocks: list[int] = dataclasses.field(default_factory=list)
     pinned_slots: list[int] = dataclasses.field(default_factory=list)
+    draft_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def create(

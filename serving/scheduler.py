@@ -40,11 +40,22 @@ flight when the next is scheduled.
 Retained states are an optimisation, so their destination slots are best effort: when
 the slot pool is short, a span keeps the destinations it can get (its end state first,
 then its checkpoints from the latest back) rather than preempting anyone.
+
+With ``speculative_tokens`` N, a greedy decode also verifies up to N of the request's
+drafts (``Request.draft_token_ids``), as many as its remaining ``max_tokens``, the budget,
+the free state slots (one scratch slot per draft, held for the step) and the free KV
+blocks allow (drafts never preempt): its block table then covers the drafts, and
+``update_from_step`` takes the accepted tokens (1 to 1 + drafts of them) for it: the
+first fills the decode's placeholder, the others are appended. Only with synchronous
+scheduling (``SchedulerConfig`` refuses both), since how many tokens a verified decode
+adds is known only at its update.
 """
 
 import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from serving.plan import PrefillSpan, cut_span_to_budget, plan_prefill
 from serving.prefix_cache import PrefixCache, PrefixHit
@@ -239,14 +250,17 @@ class Scheduler:
         return step
 
     def update_from_step(
-        self, step: ScheduledStep, sampled_tokens: Mapping[str, int]
+        self, step: ScheduledStep, sampled_tokens: Mapping[str, int | Sequence[int]]
     ) -> list[Request]:
         """Records that ``step`` ran: sets its sampled tokens, registers, finishes.
 
         Args:
           step: the oldest step in flight.
           sampled_tokens: the token sampled for each of ``step.sampling_request_ids``
-            (those aborted or finished since may be left out; their tokens are dropped).
+            (those aborted or finished since may be left out; their tokens are dropped);
+            for a decode that verified drafts (synchronous scheduling only), the tokens it
+            accepted, 1 to 1 + drafts of them, in order (the request computed all but the
+            last; a stop ends it at that token).
 
         Returns:
           The requests that finished (their resources are freed).
@@ -272,6 +286,15 @@ class Scheduler:
         missing = [i for i in expected if live(i) and i not in sampled_tokens]
         if missing:
             raise ValueError(f"no sampled token for requests {sorted(missing)}")
+        tokens = {i: _token_list(t) for i, t in sampled_tokens.items()}
+        for decode in step.decodes:
+            count = len(tokens.get(decode.request_id, [0]))
+            if not 1 <= count <= decode.num_tokens:
+                raise ValueError(f"request {decode.request_id!r}: {count} tokens for a decode "
+                                 f"of {decode.num_tokens}")
+        for prefill in step.prefills:
+            if len(tokens.get(prefill.request_id, [0])) != 1:
+                raise ValueError(f"request {prefill.request_id!r}: one token per prefill")
         self._in_flight.popleft()
 
         finished = []
@@ -279,7 +302,9 @@ class Scheduler:
             for decode in step.decodes:
                 request = live(decode.request_id)
                 if request is not None:
-                    self._set_token(request, decode.position + 1, sampled_tokens, finished)
+                    request.draft_token_ids = ()
+                    self._set_accepted(request, decode.position + 1, tokens[decode.request_id],
+                                       finished)
             for prefill in step.prefills:
                 request = live(prefill.request_id)
                 # Not running: preempted after the step was scheduled; its blocks are gone.
@@ -289,7 +314,9 @@ class Scheduler:
                     if self.config.prefix_caching:
                         self._register(request, prefill)
                 if request is not None and prefill.samples:
-                    self._set_token(request, prefill.span.end, sampled_tokens, finished)
+                    request.draft_token_ids = ()
+                    self._set_token(request, prefill.span.end, tokens[prefill.request_id][0],
+                                    finished)
         finally:  # the step no longer holds them, even if a bug raised above
             self._free_step_slots(step)
         return finished
@@ -309,12 +336,9 @@ class Scheduler:
                 request.output_token_ids.append(PLACEHOLDER)
         return requests
 
-    def _set_token(
-        self, request: Request, position: int, sampled_tokens: Mapping[str, int], finished: list
-    ) -> None:
+    def _set_token(self, request: Request, position: int, token: int, finished: list) -> bool:
         """Puts the token sampled at sequence ``position`` in its placeholder; finishes the
-        request on a stop token or at ``max_tokens``."""
-        token = int(sampled_tokens[request.request_id])
+        request on a stop token or at ``max_tokens``. Returns whether it finished."""
         index = position - len(request.prompt_token_ids)
         request.output_token_ids[index] = token
         sampling = request.sampling
@@ -323,9 +347,27 @@ class Scheduler:
             del request.output_token_ids[index + 1 :]
             self._remove(request, RequestStatus.FINISHED)
             finished.append(request)
+            return True
+        return False
+
+    def _set_accepted(
+        self, request: Request, position: int, accepted: list[int], finished: list
+    ) -> None:
+        """A decode's tokens from sequence ``position`` on: the first fills the placeholder
+        ``schedule`` appended; each further one (after an accepted draft, which the step
+        computed) is appended, up to the first that finishes the request. Several tokens
+        come only from a verified decode, hence with no other step in flight."""
+        for j, token in enumerate(accepted):
+            if j:
+                request.num_computed += 1
+                request.output_token_ids.append(PLACEHOLDER)
+            if self._set_token(request, position + j, token, finished):
+                return
 
     def _free_step_slots(self, step: ScheduledStep) -> None:
         """Frees the checkpoint and retain slots the step held (registered ones stay)."""
+        for decode in step.decodes:  # the drafts' scratch slots were the step's alone
+            self._states.free(decode.draft_slots)
         for prefill in step.prefills:
             self._states.free(prefill.checkpoint_slots)
             if prefill.retain_slot is not None:
@@ -339,6 +381,25 @@ class Scheduler:
         if prefill.retain_slot is not None:
             self._cache.register_state(tokens, prefill.span.end, prefill.retain_slot)
 
+    def set_drafts(self, request_id: str, draft_token_ids: Sequence[int]) -> None:
+        """Drafts for the next decode of a running request (ignored for any other)."""
+        request = self._requests.get(request_id)
+        if request is not None and request.status is RequestStatus.RUNNING:
+            request.draft_token_ids = tuple(int(t) for t in draft_token_ids)
+
+    def _num_drafts(self, request: Request, draft: _Draft) -> int:
+        """Drafts the request's next decode verifies: its drafts, as far as its remaining
+        tokens, the step's budget and the free state slots go, keeping one slot for an
+        admission while requests wait (0 when sampling with a temperature, which
+        speculation leaves to plain decoding). Drafts never preempt (``_schedule_decodes``
+        drops those whose blocks the pool cannot give)."""
+        if not self.config.speculative_tokens or request.sampling.temperature > 0:
+            return 0
+        remaining = request.sampling.max_tokens - len(request.output_token_ids)
+        slots = self._states.num_allocatable - int(bool(self._waiting))
+        return max(0, min(len(request.draft_token_ids), self.config.speculative_tokens,
+                          remaining - 1, draft.budget - 1, slots))
+
     def _schedule_decodes(self, draft: _Draft) -> None:
         for request in list(self._running):
             if (
@@ -350,7 +411,14 @@ class Scheduler:
             if draft.budget < 1 or draft.seqs_left < 1:
                 return
             position = request.num_computed
-            new_blocks = self._blocks.blocks_needed(position + 1) - len(request.block_table)
+            num_drafts = self._num_drafts(request, draft)
+            new_blocks = (
+                self._blocks.blocks_needed(position + 1 + num_drafts) - len(request.block_table)
+            )
+            while num_drafts and new_blocks > self._blocks.num_allocatable:
+                num_drafts -= 1  # a draft never preempts anyone
+                new_blocks = (self._blocks.blocks_needed(position + 1 + num_drafts)
+                              - len(request.block_table))
             if not self._make_room(new_blocks, request, draft):
                 continue
             request.block_table += self._blocks.allocate(new_blocks)
@@ -361,9 +429,11 @@ class Scheduler:
                     position,
                     request.state_slot,
                     tuple(request.block_table),
+                    request.draft_token_ids[:num_drafts],
+                    tuple(self._states.allocate(num_drafts)),
                 )
             )
-            draft.budget -= 1
+            draft.budget -= 1 + num_drafts
             draft.seqs_left -= 1
             draft.scheduled.add(request.request_id)
 
@@ -487,6 +557,7 @@ class Scheduler:
         self._running.remove(request)
         self._free_resources(request)
         request.num_computed = 0
+        request.draft_token_ids = ()
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self._waiting.appendleft(request)
@@ -504,3 +575,7 @@ class Scheduler:
             self._states.free([request.state_slot])
         request.block_table, request.state_slot = [], None
         request.pending_retained = ()
+
+
+def _token_list(tokens: int | Sequence[int]) -> list[int]:
+    return [int(tokens)] if isinstance(tokens, int | np.integer) else [int(t) for t in tokens]

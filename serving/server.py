@@ -49,7 +49,7 @@ from glmjax import compile_cache, distributed
 from glmjax.config import ModelConfig
 from glmjax.random_weights import random_model
 from glmjax.sharding import ShardingPlan, make_mesh, request_cpu_devices
-from serving import api, multiprocess
+from serving import api, multiprocess, speculative
 from serving.async_engine import AsyncEngine
 from serving.batch_builder import BatchBuckets
 from serving.compiles import CompileLog
@@ -322,6 +322,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="KDA state slots: running requests plus retained states",
     )
     p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        choices=range(4),
+        metavar="N",
+        help="MTP speculative decoding: draft N (1-3) tokens per greedy request with the "
+        "model's MTP head and verify them in the next step (same output as plain decoding; "
+        "each decode then costs N + 1 rows of compute and N extra state slots while in "
+        "flight; sampled requests decode one token per step). 0: off. One device only; "
+        "acceptance and tokens per step are in /metrics",
+    )
+    p.add_argument(
         "--single-bucket",
         action="store_true",
         help="pad every batch to the largest shape: one compile per entry point",
@@ -371,6 +383,14 @@ def build_engine(args: argparse.Namespace, channel: multiprocess.StepChannel | N
     """
     config = build_config(args)
     steps = build_steps(args, config)
+    if args.speculative_tokens:  # before any weight is read
+        if args.mixed_steps:
+            raise ValueError(f"--speculative-tokens {args.speculative_tokens} cannot run with "
+                             "--mixed-steps (a mixed step has no verify rows)")
+        try:
+            speculative.check_supported(config, on_mesh=steps is not None or channel is not None)
+        except ValueError as error:
+            raise ValueError(f"--speculative-tokens {args.speculative_tokens}: {error}") from None
     if channel is not None:
         steps = multiprocess.leader_steps(steps, channel)
     tokenizer = load_tokenizer(args.tokenizer, config.vocab_size)
@@ -388,6 +408,7 @@ def build_engine(args: argparse.Namespace, channel: multiprocess.StepChannel | N
         eos_token_id=tokenizer.eos_token_id,
         single_bucket=args.single_bucket,
         seed=args.seed,
+        speculative_tokens=args.speculative_tokens,
         async_scheduling=not args.no_async_scheduling and channel is None,
         mixed_steps=args.mixed_steps,
     )
@@ -426,6 +447,8 @@ def log_features(engine: Engine, tokenizer: Tokenizer) -> None:
     c = engine.config
     logger.info("prefill coalescing: %s", "on" if c.coalesce else "off (reference ladder)")
     logger.info("prefix caching: %s", "on" if c.prefix_caching else "off")
+    logger.info("speculative decoding: %s", f"MTP, {c.speculative_tokens} drafts per step"
+                if c.speculative_tokens else "off")
     mesh = engine.steps.mesh
     if mesh is None:
         where = " (emulated on one device: a block id names block_size * dcp tokens)"

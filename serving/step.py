@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 from serving.plan import PrefillSpan, alignment
 
+MAX_SPECULATIVE_TOKENS = 3  # N + 1 rows of a verified sequence: at most 4 chained states
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
@@ -22,6 +24,8 @@ class SchedulerConfig:
       prefix_caching: look requests up in the prefix cache and retain states for it.
       max_num_seqs: the most requests (decodes plus prefills) in one step.
       log_schedule: keep ``Scheduler.schedule_log``, one plain-data entry per step.
+      speculative_tokens: N, drafts (from the model's MTP head) a greedy decode verifies
+        per step, 0..3 (0: plain decoding; see ``serving.speculative``).
       async_scheduling: allow scheduling a step while the previous one is in flight
         (its sampled tokens are placeholders until ``update_from_step``).
     """
@@ -34,6 +38,7 @@ class SchedulerConfig:
     prefix_caching: bool = True
     max_num_seqs: int = 256
     log_schedule: bool = False
+    speculative_tokens: int = 0
     async_scheduling: bool = False
 
     def __post_init__(self):
@@ -47,6 +52,13 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.speculative_tokens}")
+        if self.speculative_tokens and self.async_scheduling:
+            raise ValueError(f"speculative_tokens={self.speculative_tokens} needs "
+                             "async_scheduling=False (a verified decode's length is known "
+                             "only after its step's fetch)")
 
 
 class BlockCopy(NamedTuple):
@@ -97,13 +109,24 @@ class ScheduledPrefill:
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledDecode:
-    """One request's decode in a step: token ``token_id`` at ``position``."""
+    """One request's decode in a step: token ``token_id`` at ``position``.
+
+    With speculation it also verifies ``draft_token_ids`` at the positions after it; the
+    KDA state after each of them goes to its ``draft_slots`` entry (held for the step),
+    and ``block_table`` covers them all.
+    """
 
     request_id: str
     token_id: int
     position: int
     state_slot: int
     block_table: tuple[int, ...]
+    draft_token_ids: tuple[int, ...] = ()
+    draft_slots: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return 1 + len(self.draft_token_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +155,10 @@ class ScheduledStep:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens computed: one per decode plus every span's length."""
-        return len(self.decodes) + sum(p.span.num_tokens for p in self.prefills)
+        """Tokens computed: one per decode (and its drafts) plus every span's length."""
+        return sum(d.num_tokens for d in self.decodes) + sum(
+            p.span.num_tokens for p in self.prefills
+        )
 
     @property
     def is_empty(self) -> bool:
@@ -159,6 +184,8 @@ class ScheduledStep:
             "step": self.step_id,
             "num_tokens": self.num_tokens,
             "decodes": [d.request_id for d in self.decodes],
+            "drafts": {d.request_id: len(d.draft_token_ids) for d in self.decodes
+                       if d.draft_token_ids},
             "prefills": [
                 {
                     "request_id": p.request_id,

@@ -4,6 +4,7 @@ with prometheus_client's own parser; each server has a registry of its own."""
 import dataclasses
 import types
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.async_engine import AsyncEngine
@@ -18,7 +19,8 @@ class _StandInEngine:
         names = [field.name for field in dataclasses.fields(EngineMetrics)]
         # Distinct values, so a field exported under another's name would show.
         self.snapshot = EngineMetrics(**{name: i + 1 for i, name in enumerate(names)})
-        self.config = types.SimpleNamespace(coalesce=True, prefix_caching=prefix_caching, dcp=dcp)
+        self.config = types.SimpleNamespace(coalesce=True, prefix_caching=prefix_caching, dcp=dcp,
+                                            speculative_tokens=3)
 
     def metrics(self) -> EngineMetrics:
         return self.snapshot
@@ -47,8 +49,18 @@ def test_engine_counters_and_gauges_keep_their_names_and_types():
     assert samples(found["glmjax_feature_enabled"]) == {
         ("glmjax_feature_enabled", (("feature", "prefill_coalescing"),)): 1,
         ("glmjax_feature_enabled", (("feature", "prefix_caching"),)): 1,
+        ("glmjax_feature_enabled", (("feature", "speculative_decoding"),)): 1,
     }
     assert samples(found["glmjax_dcp"]) == {("glmjax_dcp", ()): 2}
+    snapshot = engine.metrics()
+    assert samples(found["glmjax_speculative_tokens"]) == {("glmjax_speculative_tokens", ()): 3}
+    rate = snapshot.spec_accepted_tokens / snapshot.spec_draft_tokens
+    per_step = 1 + snapshot.spec_accepted_tokens / snapshot.spec_verified_decodes
+    assert samples(found["glmjax_spec_acceptance_rate"]) == {
+        ("glmjax_spec_acceptance_rate", ()): rate
+    }
+    tokens_per_step = samples(found["glmjax_spec_tokens_per_step"])
+    assert tokens_per_step == {("glmjax_spec_tokens_per_step", ()): pytest.approx(per_step)}
     assert samples(found["glmjax_engine_healthy"]) == {("glmjax_engine_healthy", ()): 1}
 
 

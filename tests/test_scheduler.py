@@ -6,12 +6,16 @@ KV a block row holds, ``state[slot]`` is (tokens consumed, CRC-32 of them). The 
 samples the next token from both halves (the running state and the KV its block table
 reads), so a request resumed from a wrong state or wrong blocks generates different
 tokens from the reference, which is the same function applied to the true sequence.
+With speculation the fake device verifies the drafts as the model does (a chain of states,
+the accepted one kept in the running slot) and the harness drafts from the reference,
+often with a wrong token, so every acceptance length occurs.
 
 With ``async_scheduling`` the harness pipelines as the engine does: it schedules and runs
 step n + 1 before updating the scheduler with step n's tokens, feeding step n + 1's
 placeholder decode tokens from step n's samples "on the device".
 """
 
+import collections
 import random
 import zlib
 
@@ -20,6 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 
+from glmjax.batch import DecodeBatch, VerifyBatch
 from serving.batch_builder import BatchBuilder
 from serving.block_allocator import BlockAllocator
 from serving.block_hash import chained_block_hashes
@@ -90,7 +95,9 @@ class FakeDevice:
             if scheduled.samples:
                 kv = self.kv_crc(table, prefix + len(tokens))
                 sampled[scheduled.request_id] = next_token(self.state[slot][1], kv)
-        for i, scheduled in enumerate(step.decodes):
+        if isinstance(decode, VerifyBatch):
+            sampled |= self.verify(step, decode)
+        for i, scheduled in enumerate(step.decodes if isinstance(decode, DecodeBatch) else ()):
             slot, position = decode.state_slots[i], decode.positions[i]
             table = decode.block_tables[i]
             assert self.state[slot][0] == position, "decode from a state at the wrong position"
@@ -101,6 +108,28 @@ class FakeDevice:
             )
         for copy in step.retain_state_copies:
             self.state[copy.dst] = self.state[copy.src]
+        return sampled
+
+    def verify(self, step, batch):
+        """Each decode's token and drafts through a chain of states; keeps the accepted."""
+        sampled = {}
+        for i, scheduled in enumerate(step.decodes):
+            position, count = batch.positions[i], batch.num_drafts[i]
+            chain, table = batch.slot_chain[: count + 1, i], batch.block_tables[i]
+            state = self.state[chain[0]]
+            assert state[0] == position, "verify from a state at the wrong position"
+            out = []
+            for j in range(count + 1):
+                token, at = batch.token_ids[j, i], position + j
+                self.kv[table[at // self.rows], at % self.rows] = token
+                state = (at + 1, crc([token], state[1]))
+                self.state[chain[j]] = state
+                out.append(next_token(state[1], self.kv_crc(table, at + 1)))
+            accepted = 0
+            while accepted < count and batch.token_ids[accepted + 1, i] == out[accepted]:
+                accepted += 1
+            self.state[chain[0]] = self.state[chain[accepted]]
+            sampled[scheduled.request_id] = out[: accepted + 1]
         return sampled
 
 
@@ -122,6 +151,8 @@ class Harness:
         self.outputs = {}
         self.steps = []
         self.num_preemptions = 0
+        self.rng = random.Random(5)
+        self.accepted = collections.Counter()  # drafts accepted per verified decode
         self.in_flight = []  # async: (step, its sampled tokens), oldest first
 
     def add(self, request_id, prompt, max_tokens=4, stop=(STOP,)):
@@ -175,6 +206,25 @@ class Harness:
         for request in self.scheduler.update_from_step(step, sampled):
             assert PLACEHOLDER not in request.output_token_ids
             self.outputs[request.request_id] = list(request.output_token_ids)
+        for scheduled in step.decodes:
+            if scheduled.draft_token_ids:
+                self.accepted[len(sampled[scheduled.request_id]) - 1] += 1
+        if self.config.speculative_tokens:
+            self.draft()
+
+    def draft(self):
+        """Drafts for every running request: the reference's next tokens, half the time
+        with one of them wrong."""
+        for request in self.live():
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            prompt, sampling = self.sequences[request.request_id]
+            done = len(request.output_token_ids)
+            drafts = reference_output(prompt, sampling)[done : done + self.config.speculative_tokens]
+            if drafts and self.rng.random() < 0.5:
+                wrong = self.rng.randrange(len(drafts))
+                drafts[wrong] = (drafts[wrong] + 1) % VOCAB
+            self.scheduler.set_drafts(request.request_id, drafts)
 
     def check_step(self, step, num_tokens, ready):
         config = self.config
@@ -213,8 +263,16 @@ class Harness:
                 assert offsets[: len(relative)].tolist() == relative
                 assert np.all(offsets[len(relative) :] == -1)
         if decode is not None:
-            assert decode.state_slots.shape[0] in buckets.seqs
+            assert decode.positions.shape[0] in buckets.seqs
             assert decode.block_tables.shape[1] in buckets.block_table_widths
+        if isinstance(decode, VerifyBatch):
+            assert decode.token_ids.shape[0] == self.config.speculative_tokens + 1
+            for i, scheduled in enumerate(step.decodes):
+                count = len(scheduled.draft_token_ids)
+                assert decode.num_drafts[i] == count == len(set(scheduled.draft_slots))
+                request = self.scheduler.get_request(scheduled.request_id)
+                # schedule() appended the decode's placeholder: the drafts fit after it
+                assert count <= request.sampling.max_tokens - len(request.output_token_ids)
 
     def run(self, arrivals=(), max_steps=2000):
         """Adds each (step index, id, prompt, max_tokens) when due; runs until all finish."""
@@ -246,7 +304,7 @@ class Harness:
 
 
 @st.composite
-def workloads(draw, crowded=False):
+def workloads(draw, crowded=False, max_tokens=6):
     """Arrivals of prompts of random lengths, often sharing prefixes, and a scheduler setup.
 
     ``crowded``: several long prompts at once into a pool that fits only the largest, with
@@ -271,7 +329,7 @@ def workloads(draw, crowded=False):
         prompt = rng.choice(bases)[:shared]
         prompt += [rng.randrange(VOCAB) for _ in range(length - len(prompt))]
         arrival = 0 if crowded else rng.choice([0, rng.randint(0, 8)])
-        arrivals.append((arrival, f"r{i}", prompt, rng.randint(1, 6)))
+        arrivals.append((arrival, f"r{i}", prompt, rng.randint(1, max_tokens)))
     need = max(-(-(len(a[2]) + a[3]) // align) + 1 for a in arrivals)
     if crowded:
         num_blocks, num_slots = need + rng.randint(0, 1), rng.randint(2, 8)
@@ -313,6 +371,19 @@ def test_generated_workloads_complete_correctly_and_free_everything(workload):
 def test_crowded_pool_preempts_and_every_request_matches_an_unconstrained_run(workload):
     """The reference output is the unconstrained run: the model on the true sequence."""
     run_and_check(workload)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.one_of(workloads(max_tokens=24), workloads(crowded=True, max_tokens=24)),
+    st.integers(1, 3),
+)
+def test_speculative_workloads_match_the_reference_and_free_everything(workload, n):
+    """Verified drafts (right, wrong, cut by max_tokens or a stop) change nothing but the
+    steps: outputs, retained states and freed memory are as without speculation."""
+    harness = run_and_check(workload | dict(speculative_tokens=n, async_scheduling=False))
+    event(f"some decode accepted {n} drafts: {harness.accepted[n] > 0}")
+    event(f"some decode accepted none: {harness.accepted[0] > 0}")
 
 
 def test_small_pool_forces_preemption_and_every_request_still_completes():

@@ -135,15 +135,21 @@ class KDA(nnx.Module):
         [S, 3 H K, W - 1]), donated by the caller's jit: row n's slot is updated in place;
         state_slots int32 [N], checked by the caller (`glmjax.state_pool.decode_slots`):
         -1 marks a padding row, which reads zeros and writes nothing.
+        state_slots may also be a chain int32 [J, R] with N = J R (speculative
+        verification, `glmjax.speculative`): rows j R .. j R + R - 1 are token j of R
+        sequences; before sub-step j > 0 the state of slot [j - 1, r] is copied to slot
+        [j, r], which then advances by token j, so slot [j, r] ends holding the state after
+        j + 1 tokens. The projections run once over all N rows; each sub-step is the
+        one-token decode (same conv and kernel), so chained and plain decoding differ only
+        as a matmul over more rows rounds (as plain decoding in another batch bucket).
         Returns y [N, D] and the pool. On a mesh the step runs per device on its own heads
         (shard_map), as the prefill scan.
         """
         with jax.named_scope("kda_decode"):
             rows, shape = x.shape[0], (x.shape[0], self.num_heads, self.head_dim)
+            chain = state_slots.reshape(-1, state_slots.shape[-1])  # [J, R]
+            width = chain.shape[1]
             qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
-            mixed, conv_pool = self.conv.decode(qkv, pool.conv, state_slots)
-            q, k, v = (part.reshape(shape) for part in jnp.split(mixed, 3, axis=-1))
-            q, k = l2_normalize(q), l2_normalize(k)
             g = self.decay(x)
             beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [N, H]
             step = functools.partial(kda_decode, backend=self.backend)
@@ -154,7 +160,31 @@ class KDA(nnx.Module):
                     in_specs=(s.heads, s.heads, s.heads, s.heads, s.head_scalars, s.replicated,
                               s.kda_states),
                     out_specs=(s.heads, s.kda_states), check_vma=False)
-            o, recurrent = step(q, k, v, g, beta, state_slots, pool.recurrent)
+            outputs = []
+            for j in range(chain.shape[0]):
+                part = slice(j * width, (j + 1) * width)
+                if j:
+                    pool = _copy_chain_slots(pool, chain[j - 1], chain[j])
+                mixed, conv_pool = self.conv.decode(qkv[part], pool.conv, chain[j])
+                q, k, v = (p.reshape(width, self.num_heads, self.head_dim)
+                           for p in jnp.split(mixed, 3, axis=-1))
+                q, k = l2_normalize(q), l2_normalize(k)
+                o, recurrent = step(q, k, v, g[part], beta[part], chain[j], pool.recurrent)
+                pool = KDAState(recurrent, conv_pool)
+                outputs.append(o)
+            o = jnp.concatenate(outputs) if len(outputs) > 1 else outputs[0]
             gate = self.g_b_proj(self.g_a_proj(x)).reshape(shape)
             y = self.o_proj(self.o_norm(o, gate).reshape(rows, -1))
-            return y, KDAState(recurrent, conv_pool)
+            return y, pool
+
+
+def _copy_chain_slots(pool: KDAState, sources: jax.Array, destinations: jax.Array
+                      ) -> KDAState:
+    """Slot sources[r] -> destinations[r] (recurrent and conv) where both are >= 0; the
+    caller's slots are checked (distinct, in range), so reads precede writes trivially."""
+    num_slots = pool.recurrent.shape[0]
+    copy = (sources >= 0) & (destinations >= 0)
+    src = jnp.where(copy, sources, num_slots)
+    dst = jnp.where(copy, destinations, num_slots)
+    return KDAState(*(p.at[dst].set(p.at[src].get(mode="fill", fill_value=0), mode="drop")
+                      for p in pool))

@@ -54,6 +54,15 @@ class MTP(nnx.Module):
           logits fp32 [T, vocab], the block's output hidden [T, D] (the next MTP step's
           input), and the updated cache.
         """
+        h, cache = self.block_hidden(hidden, next_tokens, embed, batch, cache, decode=decode)
+        return self.head(h, lm_head), h, cache
+
+    def block_hidden(self, hidden: jax.Array, next_tokens: jax.Array,
+                     embed: Callable[[jax.Array], jax.Array], batch: PackedBatch,
+                     cache: MLACache | None, *, decode: bool = False
+                     ) -> tuple[jax.Array, MLACache | None]:
+        """The block's output hidden [T, D] and the cache, without the head (filling the
+        cache over a prefill needs no [T, vocab] logits)."""
         with jax.named_scope("mtp"):
             e = self.enorm(embed(next_tokens).astype(hidden.dtype))
             h = self.eh_proj(jnp.concatenate([e, self.hnorm(hidden)], axis=-1))
@@ -62,5 +71,9 @@ class MTP(nnx.Module):
             h, cache, _ = self.block(h, batch, cache, decode=decode)
             if self.num_streams is not None:
                 h = collapse_streams(h)
-            logits = lm_head(self.shared_head_norm(h)).astype(jnp.float32)
-            return logits, h, cache
+            return h, cache
+
+    def head(self, h: jax.Array, lm_head: Callable[[jax.Array], jax.Array]) -> jax.Array:
+        """[T, D] block output -> fp32 [T, vocab] logits of the token two ahead."""
+        with jax.named_scope("mtp_head"):
+            return lm_head(self.shared_head_norm(h)).astype(jnp.float32)

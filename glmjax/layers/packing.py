@@ -15,7 +15,8 @@ class PackedBatch(NamedTuple):
     prefix_lens: jax.Array  # int32 [N], tokens already cached (decode: the new token's position)
     block_table: jax.Array  # int32 [N, M], MLA cache blocks (-1: none)
     checkpoint_offsets: jax.Array  # int32 [N, capacity], KDA snapshot offsets (-1: inactive)
-    state_slots: jax.Array | None = None  # decode: int32 [N], KDA pool slots (-1: padding)
+    # decode: int32 [N], KDA pool slots (-1: padding); or a chain [J, R] (`KDA.decode`)
+    state_slots: jax.Array | None = None
 
 
 def sequence_ids(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
