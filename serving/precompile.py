@@ -39,6 +39,12 @@ from serving.sampling import SamplingTensors
 SPECULATIVE_KINDS = ("spec_prefill", "verify", "draft_prefill", "draft_verify")
 
 
+# The output sharding a later program's input takes, from the first compiled program of
+# its kind: the model's logits (a DecodeOutput), the gathered rows, the sampled tokens.
+OUTPUT_SHARDING = {"decode": lambda out: out.logits, "gather_rows": lambda out: out,
+                   "sample": lambda out: out.tokens}
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One program an engine calls: its kind and static shape."""
@@ -186,9 +192,7 @@ def precompile(engine, *, workers: int | None = None, progress: bool = True,
         begin = time.perf_counter()
         compiled = _lower(engine, program, shardings).compile()
         if engine.steps.mesh is not None:
-            out = compiled.output_shardings  # decode: DecodeOutput, sample: Sampled
-            shardings[name] = {"decode": getattr(out, "logits", None), "gather_rows": out,
-                               "sample": getattr(out, "tokens", None)}[program.kind]
+            shardings[name] = OUTPUT_SHARDING[program.kind](compiled.output_shardings)
         seconds.append(time.perf_counter() - begin)
         bar.update()
 

@@ -48,7 +48,7 @@ from glmjax.config import ModelConfig
 from glmjax.speculative import accept_and_draft, spec_prefill, verify
 from glmjax.state_pool import PoolStatus
 from serving.batch_builder import BatchBuckets
-from serving.dispatch import Draw, StepRefusedError
+from serving.dispatch import Draw, StepRefusedError, sample_rows
 from serving.request import PLACEHOLDER, Request
 from serving.sampling import Sampled, SamplingTensors
 from serving.step import ScheduledStep
@@ -187,8 +187,7 @@ class SpeculativeRunner:
         index = np.zeros(width, np.int32)
         index[: len(rows)] = [step.prefills.index(p) for p in rows]
         params = [sampling[p.request_id] for p in rows]
-        sampled = engine.sampler(engine.row_gather(out.logits, index),
-                                 SamplingTensors.host(params, width))
+        sampled = sample_rows(out.logits, index, SamplingTensors.host(params, width))
         tables = np.full((width, batch.block_tables.shape[1]), -1, np.int32)
         tables[: len(rows)] = batch.block_tables[index[: len(rows)]]
         positions = np.full(width, -1, np.int32)
@@ -212,8 +211,8 @@ class SpeculativeRunner:
             index = np.zeros(engine.sampler_rows, np.int32)
             index[:width] = j * width + np.arange(width)
             params = [(*row[:4], row[4] + j) for row in rows]
-            sampled.append(engine.sampler(engine.row_gather(out.logits, index),
-                                          SamplingTensors.host(params, engine.sampler_rows)))
+            sampled.append(sample_rows(out.logits, index,
+                                       SamplingTensors.host(params, engine.sampler_rows)))
         drafted = accept_and_draft(engine.model_state, engine.caches, batch,
                                    tuple(s.tokens for s in sampled), out.hidden,
                                    np.arange(chain * width, dtype=np.int32), out.status,
