@@ -47,6 +47,7 @@ from glmjax.state_pool import (
     prefill_status,
     read_states,
 )
+from glmjax.xla_options import STEP_OPTIONS
 
 if TYPE_CHECKING:
     from glmjax.sharding import ShardingPlan
@@ -150,4 +151,4 @@ def mixed_step(model_state: ModelState, caches: Caches, prefill_batch: PrefillBa
         Caches(kda, tuple(mla_out)), status)
 
 
-mixed = jax.jit(mixed_step, donate_argnums=1)
+mixed = jax.jit(mixed_step, donate_argnums=1, compiler_options=STEP_OPTIONS)

@@ -47,6 +47,7 @@ from glmjax.state_pool import (
     prefill_status,
     read_states,
 )
+from glmjax.xla_options import STEP_OPTIONS
 
 if TYPE_CHECKING:
     from glmjax.sharding import ShardingPlan
@@ -282,5 +283,6 @@ def decode_step(model_state: ModelState, caches: Caches, batch: DecodeBatch, *,
 
 
 # One device; the mesh versions are `glmjax.sharding.ShardingPlan.steps()`.
-prefill = jax.jit(prefill_step, donate_argnums=1, static_argnames="return_logprobs")
-decode = jax.jit(decode_step, donate_argnums=1)
+prefill = jax.jit(prefill_step, donate_argnums=1, static_argnames="return_logprobs",
+                  compiler_options=STEP_OPTIONS)
+decode = jax.jit(decode_step, donate_argnums=1, compiler_options=STEP_OPTIONS)

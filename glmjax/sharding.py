@@ -68,6 +68,7 @@ from glmjax.model import (
     prefill_step,
 )
 from glmjax.state_pool import StatePool
+from glmjax.xla_options import STEP_OPTIONS
 
 AXES = ("tpo", "dcp")
 DCP_AXIS = "dcp"
@@ -408,11 +409,11 @@ class ShardingPlan:
                 functools.partial(prefill_on_mesh, return_logprobs=logprobs),
                 in_shardings=(state_sh, caches_sh, rep),
                 out_shardings=PrefillOutput(rep, caches_sh, rep, rep if logprobs else None),
-                donate_argnums=1)
+                donate_argnums=1, compiler_options=STEP_OPTIONS)
             for logprobs in (False, True)}
         jitted_decode = jax.jit(decode_on_mesh, in_shardings=(state_sh, caches_sh, rep),
                                 out_shardings=DecodeOutput(rep, caches_sh, rep),
-                                donate_argnums=1)
+                                donate_argnums=1, compiler_options=STEP_OPTIONS)
         jitted_copy_slots = jax.jit(copy_state_slots, in_shardings=(caches_sh, rep, rep),
                                     out_shardings=(caches_sh, rep), donate_argnums=0)
         jitted_copy_blocks = jax.jit(copy_kv_blocks, in_shardings=(caches_sh, rep, rep),

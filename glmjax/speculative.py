@@ -44,6 +44,7 @@ from glmjax.caches import Caches
 from glmjax.layers.packing import PackedBatch
 from glmjax.model import ModelState, prefill_forward
 from glmjax.state_pool import PoolStatus, StatePool, copy_slots, decode_slots
+from glmjax.xla_options import STEP_OPTIONS
 
 
 class VerifyOutput(NamedTuple):
@@ -175,7 +176,7 @@ def spec_prefill_step(model_state: ModelState, caches: Caches, batch: PrefillBat
     return SpecPrefillOutput(logits, last_hidden, caches._replace(mtp=(mtp_cache,)), status)
 
 
-verify = jax.jit(verify_step, donate_argnums=1)
+verify = jax.jit(verify_step, donate_argnums=1, compiler_options=STEP_OPTIONS)
 accept_and_draft = jax.jit(accept_and_draft_step, donate_argnums=1,
-                           static_argnames="num_speculative")
-spec_prefill = jax.jit(spec_prefill_step, donate_argnums=1)
+                           static_argnames="num_speculative", compiler_options=STEP_OPTIONS)
+spec_prefill = jax.jit(spec_prefill_step, donate_argnums=1, compiler_options=STEP_OPTIONS)

@@ -71,7 +71,8 @@ def work_schedule(group_sizes, *, rows: int, block_m: int):
     tiles = jnp.where(ends > starts, (ends - 1) // block_m - first_tile + 1, 0)
     tiles_end = jnp.cumsum(tiles)
     w = jnp.arange(num_work_items(rows, num_groups, block_m), dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tiles_end, w, side="right"), num_groups)
+    group = jnp.minimum(jnp.searchsorted(tiles_end, w, side="right", method="compare_all"),
+                        num_groups)
     group = group.astype(jnp.int32)
     tile = first_tile[group] + w - (tiles_end[group] - tiles[group])
     lo = jnp.maximum(starts[group], tile * block_m)
