@@ -47,13 +47,31 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, cu_seqlens: jax.Array,
         return jnp.where(rel >= 0, num_seqs * hist + cu_seqlens[seq] + rel,
                          seq * hist + rel + hist)
 
+    def conv(taps):
+        """silu of the taps' weighted sum, tap 0 the oldest (the order `conv_decode` sums in:
+        the same rounding)."""
+        acc = jnp.zeros(taps[0].shape, jnp.float32)
+        for j, tap in enumerate(taps):
+            acc = acc + tap.astype(jnp.float32) * weight[:, j].astype(jnp.float32)
+        return jax.nn.silu(acc)
+
+    # Every row as if its window lay inside its own sequence: static shifts of x, one
+    # elementwise pass. Gathering each tap's row instead (the history for a window reaching
+    # before the sequence) made XLA write the fp32 sum apart from the SiLU: 0.5 + 0.2 ms a
+    # layer at 8K tokens, 12,288 channels on the H200.
     seq_ids, valid = sequence_ids(cu_seqlens, num_tokens)
-    rel = jnp.arange(num_tokens, dtype=jnp.int32) - cu_seqlens[seq_ids]
-    acc = jnp.zeros((num_tokens, channels), jnp.float32)
-    for j in range(width):  # static taps: each is one fused gather-multiply-add
-        tap = jnp.take(buf, rows(seq_ids, rel - hist + j), axis=0, mode="clip")
-        acc = acc + tap.astype(jnp.float32) * weight[:, j].astype(jnp.float32)
-    y = jnp.where(valid[:, None], jax.nn.silu(acc), 0).astype(x.dtype)
+    padded = jnp.pad(x, ((hist, 0), (0, 0)))
+    y = jnp.where(valid[:, None], conv([padded[j:j + num_tokens] for j in range(width)]), 0)
+    y = y.astype(x.dtype)
+    # Then the first W - 1 rows of each sequence again, their windows read through the
+    # history: N (W - 1) rows gathered, computed and scattered in place.
+    seqs = jnp.arange(num_seqs, dtype=jnp.int32)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    first = jnp.arange(hist, dtype=jnp.int32)  # [W - 1] relative positions
+    taps = [jnp.take(buf, rows(seqs[:, None], first - hist + j), axis=0, mode="clip")
+            for j in range(width)]  # each [N, W - 1, C]
+    target = jnp.where(first < lengths[:, None], cu_seqlens[:-1, None] + first, num_tokens)
+    y = y.at[target].set(conv(taps).astype(x.dtype), mode="drop")
 
     def history_before(seq, pos):
         """[..., C, W-1]: the W-1 inputs before relative position `pos` of `seq`."""
@@ -61,8 +79,6 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, cu_seqlens: jax.Array,
         idx = rows(seq[..., None], pos[..., None] + taps)
         return jnp.swapaxes(jnp.take(buf, idx, axis=0, mode="clip"), -1, -2)
 
-    seqs = jnp.arange(num_seqs, dtype=jnp.int32)
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     snapshots = history_before(jnp.broadcast_to(seqs[:, None], checkpoint_offsets.shape),
                                checkpoint_offsets)
     snapshots = jnp.where((checkpoint_offsets >= 0)[..., None, None], snapshots, 0)
