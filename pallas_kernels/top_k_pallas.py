@@ -1,0 +1,184 @@
+"""Exact top-k selection of each row as one Pallas kernel lowered through Triton.
+
+Grid: (rows,). A program owns one row of scores and finds its k-th largest order key tau
+(`top_k.order_keys`'s order; here as int32 with the sign bit flipped, so signed compares
+order them) digit by digit from the top, then compacts the selection.
+
+1. Search. `digit_bits` bits a step: the step counts the row's keys at or above
+   prefix | d for each candidate digit d (2^digit_bits - 1 of them, digit 0 always fits) and
+   keeps the largest digit that still leaves k keys; 32 / digit_bits steps, each a compare
+   and a block reduction per candidate. Rows up to `resident` keys (rounded up to a power
+   of two) are loaded once and stay in registers over every step, so one bit a step (32
+   steps of one compare) is the cheapest; longer rows are read again from L2 `tile` keys
+   at a time in every step, so fewer steps of more candidates pay (`streamed_digit_bits`).
+2. Compaction, `tile` keys at a time: the keys above tau, then the first (k - their
+   count) keys equal to tau in index order, are the selection. Within a tile one cumsum of
+   (above + tied << 16) gives both exclusive ranks; the counts of earlier tiles ride in the
+   loop carry. Each chosen key's index is stored to its slot with a masked scatter
+   (every slot of [0, k) written exactly once).
+
+Ties, -0.0, -inf and the output order are exactly `top_k.select_top_k`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.tiles import iota
+from pallas_kernels.tuning import DeviceSpec, device_spec
+
+SIGN = -(1 << 31)  # int32 with only the sign bit: below every score's key
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKConfig:
+    """Static parameters (hashable: a jit static argument)."""
+
+    tile: int = 4096  # keys a compaction step (and a streamed search step) handles
+    resident: int = 32768  # longest row (padded to a power of two) kept in registers
+    streamed_digit_bits: int = 2  # search bits a step when the row is streamed
+    num_warps: int = 8
+
+
+# Per compute capability major: GB10 has the H200's 64K registers per SM, so the same 32K
+# row fits in registers there (`python -m pallas_kernels.aot`, rows select_top_k_*).
+TUNING = {12: TopKConfig(), 9: TopKConfig(), 10: TopKConfig(), 8: TopKConfig()}
+
+
+def select_top_k_config(spec: DeviceSpec | None = None) -> TopKConfig:
+    """The tuning table's entry for `spec` (default: this process's first device)."""
+    spec = spec or device_spec()
+    return TUNING.get(spec.compute_capability[0], TUNING[8])
+
+
+def signed_order_keys(x):
+    """fp32 scores -> int32 keys whose signed order is the scores' (-0.0 as +0.0)."""
+    bits = lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _kth_largest(count_at_least, smallest_at_least, k, digit_bits):
+    """The row's k-th largest key, `digit_bits` bits a step: the largest t with
+    count_at_least(t) >= k, built as an unsigned bit pattern (^ SIGN maps it to the signed
+    key). A step that finds a candidate with exactly k keys at or above it ends the search
+    early: the k-th largest key is then the smallest of those (one more reduction)."""
+    steps = 32 // digit_bits
+
+    def searching(carry):
+        i, _, exact = carry
+        return (i < steps) & (exact == SIGN)
+
+    def step(carry):
+        i, prefix, exact = carry
+        shift = 32 - digit_bits * (i + 1)
+        digit = jnp.int32(0)
+        for d in range(1, 1 << digit_bits):  # counts fall as d grows: the fitting d's are 1..
+            candidate = (prefix | lax.shift_left(jnp.int32(d), shift)) ^ SIGN  # > SIGN
+            count = count_at_least(candidate)
+            digit += (count >= k).astype(jnp.int32)
+            exact = jnp.where(count == k, candidate, exact)
+        return i + 1, prefix | lax.shift_left(digit, shift), exact
+
+    _, prefix, exact = lax.while_loop(searching, step,
+                                      (jnp.int32(0), jnp.int32(0), jnp.int32(SIGN)))
+    # Without an early end the prefix is the k-th largest key itself: the min is a no-op.
+    return smallest_at_least(jnp.where(exact == SIGN, prefix ^ SIGN, exact))
+
+
+def _top_k_kernel(scores_ref, out_ref, *, k, num_keys, padded, tile, resident, digit_bits):
+    row = pl.program_id(0)
+    num_tiles = padded // tile
+
+    def load_keys(start, size):  # [size] keys of columns start.., SIGN past the row
+        cols = start + iota((size,), 0)
+        x = plgpu.load(scores_ref.at[row, pl.ds(start, size)], mask=cols < num_keys,
+                       other=-jnp.inf)
+        return jnp.where(cols < num_keys, signed_order_keys(x), SIGN), cols
+
+    def count(keys, threshold):
+        return jnp.sum((keys >= threshold).astype(jnp.int32))
+
+    def smallest(keys, threshold):
+        return jnp.min(jnp.where(keys >= threshold, keys, jnp.iinfo(jnp.int32).max))
+
+    if resident:
+        keys, _ = load_keys(0, padded)  # held in registers over the search
+        over_row = lambda per_tile, combine, init: per_tile(keys)  # noqa: E731
+    else:
+        def over_row(per_tile, combine, init):  # streamed again from L2 for each reduction
+            return lax.fori_loop(
+                0, num_tiles,
+                lambda t, acc: combine(acc, per_tile(load_keys(t * tile, tile)[0])), init)
+
+    def count_at_least(threshold):
+        return over_row(lambda keys: count(keys, threshold), jnp.add, jnp.int32(0))
+
+    def smallest_at_least(threshold):
+        return over_row(lambda keys: smallest(keys, threshold), jnp.minimum,
+                        jnp.int32(jnp.iinfo(jnp.int32).max))
+
+    tau = _kth_largest(count_at_least, smallest_at_least, k, digit_bits)
+    num_above = count_at_least(tau + 1)  # tau < the largest key: no overflow
+    need = k - num_above  # >= 1: tau itself is among the k
+
+    def compact(t, carry):
+        above_before, tied_before = carry
+        keys, cols = load_keys(t * tile, tile)
+        above, tied = keys > tau, keys == tau
+        packed = above.astype(jnp.int32) + lax.shift_left(tied.astype(jnp.int32), 16)
+        inclusive = jnp.cumsum(packed)  # a tile holds < 2^16 keys: the halves stay apart
+        exclusive = inclusive - packed
+        rank_above = above_before + (exclusive & 0xFFFF)
+        rank_tied = tied_before + lax.shift_right_logical(exclusive, 16)
+        taken = above | (tied & (rank_tied < need))
+        slot = jnp.where(above, rank_above, num_above + rank_tied)
+        plgpu.store(out_ref.at[row, slot], cols, mask=taken)
+        total = jnp.sum(packed)
+        return (above_before + (total & 0xFFFF),
+                tied_before + lax.shift_right_logical(total, 16))
+
+    lax.fori_loop(0, num_tiles, compact, (jnp.int32(0), jnp.int32(0)))
+
+
+def _padded_length(num_keys: int, tile: int) -> int:
+    """The row length the kernel walks: a power of two up to `tile`, else whole tiles."""
+    if num_keys <= tile:
+        return max(16, 1 << (num_keys - 1).bit_length())
+    return -(-num_keys // tile) * tile
+
+
+@functools.partial(jax.jit, static_argnames=("k", "config", "interpret"))
+def select_top_k_pallas(scores, *, k: int, config: TopKConfig, interpret: bool):
+    """fp32 [R, S] -> int32 [R, k] (see `pallas_kernels.top_k`; 1 <= k <= S checked
+    there)."""
+    num_rows, num_keys = scores.shape
+    padded = _padded_length(num_keys, config.tile)
+    tile = min(config.tile, padded)
+    resident_len = 1 << (padded - 1).bit_length()
+    resident = resident_len <= config.resident
+    if resident:
+        padded = resident_len
+        tile = min(tile, padded)
+    if tile >= 1 << 16:
+        raise ValueError(f"tile={tile} must be below 65536 (ranks are packed in 16 bits)")
+    scores = scores.astype(jnp.float32)
+    if interpret:  # the interpreter clamps out-of-range windows; Triton masks them
+        scores = jnp.pad(scores, ((0, 0), (0, padded - num_keys)), constant_values=-jnp.inf)
+    kernel = functools.partial(
+        _top_k_kernel, k=k, num_keys=num_keys, padded=padded, tile=tile, resident=resident,
+        digit_bits=1 if resident else config.streamed_digit_bits)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
+        grid=(num_rows,),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        interpret=interpret,
+        name="select_top_k",
+    )(scores)
