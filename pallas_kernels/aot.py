@@ -12,7 +12,8 @@ KDA decode kernel likewise, at 1 and 64 rows on a 256-slot pool, with the tiling
 runtime picks for each (`kda_decode_bv*` in the table); the MLA prefill flash attention at
 both presets' heads and head dims (`ATTENTION_SHAPES`) with the tuning table's config; the
 DSA sparse attention at glm5.3-flash's shape (`SPARSE_SHAPES`: 64 heads over 512-wide
-latents, top-k 2048) and its indexer's scores (`INDEX_SHAPES`). So is the routed experts'
+latents, top-k 2048), its indexer's scores (`INDEX_SHAPES`) and its exact top-k selection
+(`TOP_K_SHAPES`: 32K rows held in registers, 64K rows streamed). So is the routed experts'
 grouped GEMM (`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered,
 gathered +
 SwiGLU, down, down + combine) at both presets' real shapes (`pallas_kernels.moe_shapes`)

@@ -11,7 +11,8 @@ order them) digit by digit from the top, then compacts the selection.
    of two) are loaded once and stay in registers over every step, so one bit a step (32
    steps of one compare) is the cheapest; longer rows are read again from L2 `tile` keys
    at a time in every step, so fewer steps of more candidates pay (`streamed_digit_bits`).
-2. Compaction, `tile` keys at a time: the keys above tau, then the first (k - their
+2. Compaction, `tile` keys at a time, until all k are placed (a causal row's tiles past
+   its last chosen key are never read): the keys above tau, then the first (k - their
    count) keys equal to tau in index order, are the selection. Within a tile one cumsum of
    (above + tied << 16) gives both exclusive ranks; the counts of earlier tiles ride in the
    loop carry. Each chosen key's index is stored to its slot with a masked scatter
@@ -64,11 +65,12 @@ def signed_order_keys(x):
     return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def _kth_largest(count_at_least, smallest_at_least, k, digit_bits):
-    """The row's k-th largest key, `digit_bits` bits a step: the largest t with
-    count_at_least(t) >= k, built as an unsigned bit pattern (^ SIGN maps it to the signed
-    key). A step that finds a candidate with exactly k keys at or above it ends the search
-    early: the k-th largest key is then the smallest of those (one more reduction)."""
+def _kth_largest(counts_at_least, smallest_at_least, k, digit_bits):
+    """The row's k-th largest key, `digit_bits` bits a step: the largest t with at least k
+    keys >= t (`counts_at_least`: those counts for a list of thresholds), built as an
+    unsigned bit pattern (^ SIGN maps it to the signed key). A step that finds a candidate
+    with exactly k keys at or above it ends the search early: the k-th largest key is then
+    the smallest of those (one more reduction)."""
     steps = 32 // digit_bits
 
     def searching(carry):
@@ -78,10 +80,11 @@ def _kth_largest(count_at_least, smallest_at_least, k, digit_bits):
     def step(carry):
         i, prefix, exact = carry
         shift = 32 - digit_bits * (i + 1)
+        candidates = [(prefix | lax.shift_left(jnp.int32(d), shift)) ^ SIGN  # each > SIGN
+                      for d in range(1, 1 << digit_bits)]  # digit 0 always fits
         digit = jnp.int32(0)
-        for d in range(1, 1 << digit_bits):  # counts fall as d grows: the fitting d's are 1..
-            candidate = (prefix | lax.shift_left(jnp.int32(d), shift)) ^ SIGN  # > SIGN
-            count = count_at_least(candidate)
+        # counts fall as the digit grows: the fitting digits are 1..digit.
+        for candidate, count in zip(candidates, counts_at_least(candidates)):
             digit += (count >= k).astype(jnp.int32)
             exact = jnp.where(count == k, candidate, exact)
         return i + 1, prefix | lax.shift_left(digit, shift), exact
@@ -102,8 +105,8 @@ def _top_k_kernel(scores_ref, out_ref, *, k, num_keys, padded, tile, resident, d
                        other=-jnp.inf)
         return jnp.where(cols < num_keys, signed_order_keys(x), SIGN), cols
 
-    def count(keys, threshold):
-        return jnp.sum((keys >= threshold).astype(jnp.int32))
+    def counts(keys, thresholds):
+        return tuple(jnp.sum((keys >= t).astype(jnp.int32)) for t in thresholds)
 
     def smallest(keys, threshold):
         return jnp.min(jnp.where(keys >= threshold, keys, jnp.iinfo(jnp.int32).max))
@@ -112,24 +115,29 @@ def _top_k_kernel(scores_ref, out_ref, *, k, num_keys, padded, tile, resident, d
         keys, _ = load_keys(0, padded)  # held in registers over the search
         over_row = lambda per_tile, combine, init: per_tile(keys)  # noqa: E731
     else:
-        def over_row(per_tile, combine, init):  # streamed again from L2 for each reduction
-            return lax.fori_loop(
-                0, num_tiles,
-                lambda t, acc: combine(acc, per_tile(load_keys(t * tile, tile)[0])), init)
+        def over_row(per_tile, combine, init):  # one pass over the row, streamed from L2
+            def add_tile(t, acc):
+                return jax.tree.map(combine, acc, per_tile(load_keys(t * tile, tile)[0]))
+            return lax.fori_loop(0, num_tiles, add_tile, init)
 
-    def count_at_least(threshold):
-        return over_row(lambda keys: count(keys, threshold), jnp.add, jnp.int32(0))
+    def counts_at_least(thresholds):
+        return over_row(lambda keys: counts(keys, thresholds), jnp.add,
+                        tuple(jnp.int32(0) for _ in thresholds))
 
     def smallest_at_least(threshold):
         return over_row(lambda keys: smallest(keys, threshold), jnp.minimum,
                         jnp.int32(jnp.iinfo(jnp.int32).max))
 
-    tau = _kth_largest(count_at_least, smallest_at_least, k, digit_bits)
-    num_above = count_at_least(tau + 1)  # tau < the largest key: no overflow
+    tau = _kth_largest(counts_at_least, smallest_at_least, k, digit_bits)
+    (num_above,) = counts_at_least([tau + 1])  # tau < the largest key: no overflow
     need = k - num_above  # >= 1: tau itself is among the k
 
-    def compact(t, carry):
-        above_before, tied_before = carry
+    def unplaced(carry):
+        t, above_before, tied_before = carry
+        return (t < num_tiles) & (above_before + jnp.minimum(tied_before, need) < k)
+
+    def compact(carry):  # tiles past the last chosen key are never read
+        t, above_before, tied_before = carry
         keys, cols = load_keys(t * tile, tile)
         above, tied = keys > tau, keys == tau
         packed = above.astype(jnp.int32) + lax.shift_left(tied.astype(jnp.int32), 16)
@@ -141,10 +149,10 @@ def _top_k_kernel(scores_ref, out_ref, *, k, num_keys, padded, tile, resident, d
         slot = jnp.where(above, rank_above, num_above + rank_tied)
         plgpu.store(out_ref.at[row, slot], cols, mask=taken)
         total = jnp.sum(packed)
-        return (above_before + (total & 0xFFFF),
+        return (t + 1, above_before + (total & 0xFFFF),
                 tied_before + lax.shift_right_logical(total, 16))
 
-    lax.fori_loop(0, num_tiles, compact, (jnp.int32(0), jnp.int32(0)))
+    lax.while_loop(unplaced, compact, (jnp.int32(0), jnp.int32(0), jnp.int32(0)))
 
 
 def _padded_length(num_keys: int, tile: int) -> int:
