@@ -36,6 +36,7 @@ from pallas_kernels.tiles import iota
 from pallas_kernels.tuning import DeviceSpec, device_spec
 
 SIGN = -(1 << 31)  # int32 with only the sign bit: below every score's key
+NEG_INF_KEY = -0x7F800001  # -inf's key (0xFF800000 ^ 0x7FFFFFFF)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +90,16 @@ def _kth_largest(counts_at_least, smallest_at_least, k, digit_bits):
             exact = jnp.where(count == k, candidate, exact)
         return i + 1, prefix | lax.shift_left(digit, shift), exact
 
+    # A row with fewer than k finite scores (a causal row near its sequence start) needs
+    # no search: its k-th largest score is -inf.
+    (finite,) = counts_at_least([NEG_INF_KEY + 1])
+    few = (finite < k).astype(jnp.int32)  # integer, not a bool: a scalar select of
+    start = few * steps  # constants lowers as i1
     _, prefix, exact = lax.while_loop(searching, step,
-                                      (jnp.int32(0), jnp.int32(0), jnp.int32(SIGN)))
+                                      (start, jnp.int32(0), jnp.int32(SIGN)))
     # Without an early end the prefix is the k-th largest key itself: the min is a no-op.
-    return smallest_at_least(jnp.where(exact == SIGN, prefix ^ SIGN, exact))
+    return jnp.where(few == 1, jnp.int32(NEG_INF_KEY),
+                     smallest_at_least(jnp.where(exact == SIGN, prefix ^ SIGN, exact)))
 
 
 def _top_k_kernel(scores_ref, out_ref, *, k, num_keys, padded, tile, resident, digit_bits):
