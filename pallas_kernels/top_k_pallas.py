@@ -18,6 +18,12 @@ order them) digit by digit from the top, then compacts the selection.
    loop carry. Each chosen key's index is stored to its slot with a masked scatter
    (every slot of [0, k) written exactly once).
 
+The search ends early at a step whose candidate has exactly k keys at or above it (random
+scores at 32K, k 2048: ~21 of the 32 steps), and is skipped where a row has fewer than k
+finite scores. Every primitive is Pallas Triton's own: the fp32 -> int32 bitcast, int32
+compares (signed, after the sign flip, rather than uint32), `jnp.cumsum` (a Triton scan)
+and a store through a vector of indices with a mask (the scatter).
+
 Ties, -0.0, -inf and the output order are exactly `top_k.select_top_k`'s.
 """
 
@@ -47,6 +53,17 @@ class TopKConfig:
     resident: int = 32768  # longest row (padded to a power of two) kept in registers
     streamed_digit_bits: int = 2  # search bits a step when the row is streamed
     num_warps: int = 8
+
+    def __post_init__(self):
+        for name in ("tile", "resident"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two >= 16")
+        if self.tile >= 1 << 16:  # ranks are packed in 16 bits
+            raise ValueError(f"tile={self.tile} must be below 65536")
+        if self.streamed_digit_bits not in (1, 2, 4, 8):
+            raise ValueError(f"streamed_digit_bits={self.streamed_digit_bits} must divide "
+                             "32 (1, 2, 4 or 8)")
 
 
 # Per compute capability major: GB10 has the H200's 64K registers per SM, so the same 32K
@@ -136,7 +153,7 @@ def _top_k_kernel(scores_ref, out_ref, *, k, num_keys, padded, tile, resident, d
                         jnp.int32(jnp.iinfo(jnp.int32).max))
 
     tau = _kth_largest(counts_at_least, smallest_at_least, k, digit_bits)
-    (num_above,) = counts_at_least([tau + 1])  # tau < the largest key: no overflow
+    (num_above,) = counts_at_least([tau + 1])  # tau <= +inf's key: no overflow
     need = k - num_above  # >= 1: tau itself is among the k
 
     def unplaced(carry):
@@ -181,8 +198,6 @@ def select_top_k_pallas(scores, *, k: int, config: TopKConfig, interpret: bool):
     if resident:
         padded = resident_len
         tile = min(tile, padded)
-    if tile >= 1 << 16:
-        raise ValueError(f"tile={tile} must be below 65536 (ranks are packed in 16 bits)")
     scores = scores.astype(jnp.float32)
     if interpret:  # the interpreter clamps out-of-range windows; Triton masks them
         scores = jnp.pad(scores, ((0, 0), (0, padded - num_keys)), constant_values=-jnp.inf)

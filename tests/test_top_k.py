@@ -149,3 +149,12 @@ def test_row_cumsums_are_exact_across_blocks(rng):
 def test_bad_arguments_are_refused(k, shape, impl, match):
     with pytest.raises(ValueError, match=match):
         select_top_k(jnp.zeros(shape), k, implementation=impl)
+
+
+@pytest.mark.parametrize("changes, match", [({"tile": 48}, "tile=48"),
+                                             ({"tile": 1 << 16}, "tile=65536"),
+                                             ({"resident": 8}, "resident=8"),
+                                             ({"streamed_digit_bits": 3}, "bits=3")])
+def test_bad_configs_are_refused(changes, match):
+    with pytest.raises(ValueError, match=match):
+        TopKConfig(**changes)
