@@ -15,10 +15,11 @@ Per case (one causal span of T tokens, no prefix, bf16, random weights), rows:
   scores as [1024, 32, T] head scores, the sparse attention's reference), with layer-dsa's
   max relative error against it (near-tied index scores may select differently);
 - select: the indexer's selection alone (`MLA.select_keys`: index scores and top-k);
-- top_k-sort / top_k-radix / top_k-pallas: one causal [1024, T] block of scores through
-  lax.top_k, `select_top_k`'s jax.numpy radix select ("reference") and its Pallas kernel
-  (interpret mode on a CPU), times the T / 1024 blocks of a layer; rows_unlike_sort: rows
-  whose selected set differs from the sort's (must be 0);
+- top_k-sort / top_k-radix / top_k-pallas: one causal [1024, T] block of scores (row i
+  sees its first i T / 1024 + 1 keys: every length a layer has) through lax.top_k,
+  `select_top_k`'s jax.numpy radix select ("reference") and its Pallas kernel (interpret
+  mode on a CPU), both given the row lengths as the layer gives them, times the T / 1024
+  blocks of a layer; rows_unlike_sort: rows whose set differs from the sort's (must be 0);
 - index-op: `index_scores` alone on the last block of 1024 queries (it sees every key), and
   that times the T / 1024 blocks (an upper bound: earlier blocks skip their causal tiles);
 - sparse-op: `sparse_attention` alone on [T, 64, 512] absorbed queries with random
@@ -169,17 +170,19 @@ def run_case(name, tokens, args):
     layer.query_block = default_block
     block = min(1024, tokens)
     scores = normal(block, tokens).astype(jnp.float32)
-    scores = jnp.where(jnp.arange(tokens)[None] <= jnp.arange(block)[:, None] * tokens // block,
-                       scores, -jnp.inf)
+    lengths = jnp.arange(block, dtype=jnp.int32) * tokens // block + 1  # causal rows
+    scores = jnp.where(jnp.arange(tokens)[None] < lengths[:, None], scores, -jnp.inf)
     k = min(top_k, tokens)
     selections = {
         "top_k-sort": lambda s: jax.lax.top_k(s, k)[1],
-        "top_k-radix": lambda s: select_top_k(s, k, implementation="reference"),
-        "top_k-pallas": lambda s: select_top_k(s, k, implementation="pallas"),
+        "top_k-radix": lambda s: select_top_k(s, k, lengths=lengths,
+                                              implementation="reference"),
+        "top_k-pallas": lambda s: select_top_k(s, k, lengths=lengths, implementation="pallas"),
     }
     for config in TOP_K_SWEEP if args.sweep else ():
         selections[f"top_k-pallas {tiling(config)}"] = functools.partial(
-            lambda s, c: select_top_k(s, k, implementation="pallas", config=c), c=config)
+            lambda s, c: select_top_k(s, k, lengths=lengths, implementation="pallas",
+                                      config=c), c=config)
     expected = None  # the sort's set of each row
     for row, fn in selections.items():
         fn = jax.jit(fn)

@@ -254,13 +254,14 @@ def lower_index_scores(spec: DeviceSpec, heads: int, dim: int,
 def lower_top_k(spec: DeviceSpec, num_keys: int, k: int,
                 config: TopKConfig | None = None) -> list[TritonModule]:
     """The Triton module of the DSA top-k selection for `spec` (INDEX_ROWS rows of
-    `num_keys` fp32 scores), by default with the tuning table's config; named
-    `select_top_k_<S / 1024>K`."""
+    `num_keys` fp32 scores and their lengths), by default with the tuning table's config;
+    named `select_top_k_<S / 1024>K`."""
     config = config or select_top_k_config(spec)
-    args = (jax.ShapeDtypeStruct((INDEX_ROWS, num_keys), jnp.float32),)
+    args = (jax.ShapeDtypeStruct((INDEX_ROWS, num_keys), jnp.float32),
+            jax.ShapeDtypeStruct((INDEX_ROWS,), jnp.int32))
 
-    def select(scores):
-        return select_top_k_pallas(scores, k=k, config=config, interpret=False)
+    def select(scores, lengths):
+        return select_top_k_pallas(scores, lengths, k=k, config=config, interpret=False)
 
     return [dataclasses.replace(module, name=f"{module.name}_{num_keys // 1024}K")
             for module in _triton_modules(select, args, spec)]

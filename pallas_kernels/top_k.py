@@ -5,8 +5,9 @@ sort on the GPU. The selection here needs only a few passes over the scores.
 
 Implementations behind the one signature (`IMPLEMENTATIONS`), the same set and order:
 - "reference": jax.numpy, below; the CPU default.
-- "pallas": `pallas_kernels.top_k_pallas`, one program per row, the row's keys in registers
-  over a bit-by-bit search (rows above 32K keys streamed from L2); every GPU's default.
+- "pallas": `pallas_kernels.top_k_pallas`, one program per row, the row's keys (up to its
+  length) in registers over a bit-by-bit search (rows above 32K keys streamed from L2);
+  every GPU's default.
 
 The jax.numpy selection:
 
@@ -92,13 +93,17 @@ def row_cumsums(first: jax.Array, second: jax.Array) -> tuple[jax.Array, jax.Arr
     return counts(within % 256), counts(within // 256)
 
 
-def select_top_k(scores: jax.Array, k: int, *, implementation: str | None = None,
-                 interpret: bool | None = None, config=None) -> jax.Array:
+def select_top_k(scores: jax.Array, k: int, *, lengths: jax.Array | None = None,
+                 implementation: str | None = None, interpret: bool | None = None,
+                 config=None) -> jax.Array:
     """The indices of each row's k largest scores, exactly lax.top_k's set.
 
     Args:
       scores: fp32 [R, S] (no NaN; -inf allowed).
       k: 1 <= k <= S.
+      lengths: int32 [R] or None (= S): row r's keys from lengths[r] on (clipped to
+        [0, S]) rank as -inf whatever their scores; the kernel does not read them, and a
+        causal row searches only its prefix.
       implementation: one of `IMPLEMENTATIONS`; None: `default_implementation()`.
       interpret: Pallas interpret mode (default: on the CPU); "pallas" only.
       config: a `top_k_pallas.TopKConfig` override; "pallas" only.
@@ -114,11 +119,20 @@ def select_top_k(scores: jax.Array, k: int, *, implementation: str | None = None
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
+    if lengths is not None and (lengths.shape != (rows,) or lengths.dtype != jnp.int32):
+        raise ValueError(f"lengths must be int32 [R={rows}], got "
+                         f"{lengths.dtype}{list(lengths.shape)}")
     if implementation == "pallas":
         if interpret is None:
             interpret = jax.default_backend() == "cpu"
-        return select_top_k_pallas(scores, k=k, config=config or select_top_k_config(),
+        if lengths is None:
+            lengths = jnp.full((rows,), num, jnp.int32)
+        return select_top_k_pallas(scores, lengths, k=k,
+                                   config=config or select_top_k_config(),
                                    interpret=bool(interpret))
+    if lengths is not None:
+        cols = jnp.arange(num, dtype=jnp.int32)[None]
+        scores = jnp.where(cols < lengths[:, None], scores, -jnp.inf)
     return select_top_k_reference(scores, k)
 
 

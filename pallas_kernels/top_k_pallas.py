@@ -2,15 +2,18 @@
 
 Grid: (rows,). A program owns one row of scores and finds its k-th largest order key tau
 (`top_k.order_keys`'s order; here as int32 with the sign bit flipped, so signed compares
-order them) digit by digit from the top, then compacts the selection.
+order them) digit by digit from the top, then compacts the selection. Keys past the row's
+length (`lengths`: a causal row's end) are -inf by contract and never read.
 
 1. Search. `digit_bits` bits a step: the step counts the row's keys at or above
    prefix | d for each candidate digit d (2^digit_bits - 1 of them, digit 0 always fits) and
    keeps the largest digit that still leaves k keys; 32 / digit_bits steps, each a compare
    and a block reduction per candidate. Rows up to `resident` keys (rounded up to a power
-   of two) are loaded once and stay in registers over every step, so one bit a step (32
-   steps of one compare) is the cheapest; longer rows are read again from L2 `tile` keys
-   at a time in every step, so fewer steps of more candidates pay (`streamed_digit_bits`).
+   of two, P) are loaded once and stay in registers over every step, so one bit a step (32
+   steps of one compare) is the cheapest; the register tile is the smallest of P / 8,
+   P / 4, P / 2, P that covers the row's length (a branch each), so a short causal row
+   compares fewer keys. Longer rows are read again from L2 `tile` keys at a time in every
+   step, up to their length, so fewer steps of more candidates pay (`streamed_digit_bits`).
 2. Compaction, `tile` keys at a time, until all k are placed (a causal row's tiles past
    its last chosen key are never read): the keys above tau, then the first (k - their
    count) keys equal to tau in index order, are the selection. Within a tile one cumsum of
@@ -43,6 +46,7 @@ from pallas_kernels.tuning import DeviceSpec, device_spec
 
 SIGN = -(1 << 31)  # int32 with only the sign bit: below every score's key
 NEG_INF_KEY = -0x7F800001  # -inf's key (0xFF800000 ^ 0x7FFFFFFF)
+RESIDENT_BUCKETS = 4  # register tiles of padded / 8 .. padded keys, by the row's length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +92,9 @@ def _kth_largest(counts_at_least, smallest_at_least, k, digit_bits):
     keys >= t (`counts_at_least`: those counts for a list of thresholds), built as an
     unsigned bit pattern (^ SIGN maps it to the signed key). A step that finds a candidate
     with exactly k keys at or above it ends the search early: the k-th largest key is then
-    the smallest of those (one more reduction)."""
+    the smallest of those (one more reduction). The search runs only where at least k keys
+    are finite, so a threshold at or below -inf's key always fits and is never taken as
+    exact: the counts may leave out -inf keys."""
     steps = 32 // digit_bits
 
     def searching(carry):
@@ -104,7 +110,7 @@ def _kth_largest(counts_at_least, smallest_at_least, k, digit_bits):
         # counts fall as the digit grows: the fitting digits are 1..digit.
         for candidate, count in zip(candidates, counts_at_least(candidates)):
             digit += (count >= k).astype(jnp.int32)
-            exact = jnp.where(count == k, candidate, exact)
+            exact = jnp.where((count == k) & (candidate > NEG_INF_KEY), candidate, exact)
         return i + 1, prefix | lax.shift_left(digit, shift), exact
 
     # A row with fewer than k finite scores (a causal row near its sequence start) needs
@@ -119,13 +125,16 @@ def _kth_largest(counts_at_least, smallest_at_least, k, digit_bits):
                      smallest_at_least(jnp.where(exact == SIGN, prefix ^ SIGN, exact)))
 
 
-def _top_k_kernel(scores_ref, out_ref, *, k, num_keys, padded, tile, resident, digit_bits):
+def _top_k_kernel(lengths_ref, scores_ref, out_ref, *, k, num_keys, padded, tile,
+                  resident_sizes, digit_bits):
+    """One row: its k-th largest key tau (searched over its first `lengths` keys only:
+    the rest are -inf), then the compaction."""
     row = pl.program_id(0)
-    num_tiles = padded // tile
+    end = lengths_ref[row]  # in [0, num_keys]: keys from `end` on are -inf, never read
 
     def load_keys(start, size):  # [size] keys of columns start.., SIGN past the row
         cols = start + iota((size,), 0)
-        x = plgpu.load(scores_ref.at[row, pl.ds(start, size)], mask=cols < num_keys,
+        x = plgpu.load(scores_ref.at[row, pl.ds(start, size)], mask=cols < end,
                        other=-jnp.inf)
         return jnp.where(cols < num_keys, signed_order_keys(x), SIGN), cols
 
@@ -135,26 +144,40 @@ def _top_k_kernel(scores_ref, out_ref, *, k, num_keys, padded, tile, resident, d
     def smallest(keys, threshold):
         return jnp.min(jnp.where(keys >= threshold, keys, jnp.iinfo(jnp.int32).max))
 
-    if resident:
-        keys, _ = load_keys(0, padded)  # held in registers over the search
-        over_row = lambda per_tile, combine, init: per_tile(keys)  # noqa: E731
+    def search(over_row):
+        """(tau, keys above tau) with `over_row(per_tile, combine, init)` reducing over
+        the keys from 0 to at least `end` (the -inf keys past `end` may be left out, see
+        `_kth_largest`; tau + 1 is above -inf's key)."""
+        def counts_at_least(thresholds):
+            return over_row(lambda keys: counts(keys, thresholds), jnp.add,
+                            tuple(jnp.int32(0) for _ in thresholds))
+
+        def smallest_at_least(threshold):
+            return over_row(lambda keys: smallest(keys, threshold), jnp.minimum,
+                            jnp.int32(jnp.iinfo(jnp.int32).max))
+
+        tau = _kth_largest(counts_at_least, smallest_at_least, k, digit_bits)
+        (num_above,) = counts_at_least([tau + 1])  # tau <= +inf's key: no overflow
+        return tau, num_above
+
+    if resident_sizes:  # the row's first `size` keys held in registers over the search
+        def resident(size):
+            keys, _ = load_keys(0, size)
+            return search(lambda per_tile, combine, init: per_tile(keys))
+
+        # The smallest size that covers `end` (integer sum, not a bool select).
+        bucket = sum((end > size).astype(jnp.int32) for size in resident_sizes[:-1])
+        tau, num_above = lax.switch(bucket, [functools.partial(resident, size)
+                                             for size in resident_sizes])
     else:
-        def over_row(per_tile, combine, init):  # one pass over the row, streamed from L2
+        def streamed(per_tile, combine, init):  # one pass over the row's tiles, from L2
             def add_tile(t, acc):
                 return jax.tree.map(combine, acc, per_tile(load_keys(t * tile, tile)[0]))
-            return lax.fori_loop(0, num_tiles, add_tile, init)
+            return lax.fori_loop(0, (end + tile - 1) // tile, add_tile, init)
 
-    def counts_at_least(thresholds):
-        return over_row(lambda keys: counts(keys, thresholds), jnp.add,
-                        tuple(jnp.int32(0) for _ in thresholds))
-
-    def smallest_at_least(threshold):
-        return over_row(lambda keys: smallest(keys, threshold), jnp.minimum,
-                        jnp.int32(jnp.iinfo(jnp.int32).max))
-
-    tau = _kth_largest(counts_at_least, smallest_at_least, k, digit_bits)
-    (num_above,) = counts_at_least([tau + 1])  # tau <= +inf's key: no overflow
+        tau, num_above = search(streamed)
     need = k - num_above  # >= 1: tau itself is among the k
+    num_tiles = padded // tile
 
     def unplaced(carry):
         t, above_before, tied_before = carry
@@ -187,23 +210,27 @@ def _padded_length(num_keys: int, tile: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("k", "config", "interpret"))
-def select_top_k_pallas(scores, *, k: int, config: TopKConfig, interpret: bool):
-    """fp32 [R, S] -> int32 [R, k] (see `pallas_kernels.top_k`; 1 <= k <= S checked
-    there)."""
+def select_top_k_pallas(scores, lengths, *, k: int, config: TopKConfig, interpret: bool):
+    """fp32 [R, S] scores, int32 [R] lengths in [0, S] -> int32 [R, k] (see
+    `pallas_kernels.top_k`; 1 <= k <= S checked there)."""
     num_rows, num_keys = scores.shape
     padded = _padded_length(num_keys, config.tile)
     tile = min(config.tile, padded)
     resident_len = 1 << (padded - 1).bit_length()
-    resident = resident_len <= config.resident
-    if resident:
+    resident_sizes = ()
+    if resident_len <= config.resident:
         padded = resident_len
         tile = min(tile, padded)
+        # Short causal rows search a smaller register tile: up to RESIDENT_BUCKETS sizes.
+        resident_sizes = tuple(padded >> i for i in reversed(range(RESIDENT_BUCKETS))
+                               if padded >> i >= 16)
     scores = scores.astype(jnp.float32)
     if interpret:  # the interpreter clamps out-of-range windows; Triton masks them
         scores = jnp.pad(scores, ((0, 0), (0, padded - num_keys)), constant_values=-jnp.inf)
     kernel = functools.partial(
-        _top_k_kernel, k=k, num_keys=num_keys, padded=padded, tile=tile, resident=resident,
-        digit_bits=1 if resident else config.streamed_digit_bits)
+        _top_k_kernel, k=k, num_keys=num_keys, padded=padded, tile=tile,
+        resident_sizes=resident_sizes,
+        digit_bits=1 if resident_sizes else config.streamed_digit_bits)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
@@ -211,4 +238,4 @@ def select_top_k_pallas(scores, *, k: int, config: TopKConfig, interpret: bool):
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name="select_top_k",
-    )(scores)
+    )(jnp.clip(lengths.astype(jnp.int32), 0, num_keys), scores)

@@ -60,15 +60,28 @@ class TopKCases:
     INTERPRET: bool | None = None  # None: interpret on the CPU only
     ROWS_PER_KIND = 3
 
-    def select(self, scores, k):
-        fn = jax.jit(lambda s: select_top_k(s, k, implementation=self.IMPLEMENTATION,
-                                            interpret=self.INTERPRET, config=self.CONFIG))
-        return fn(jnp.asarray(scores))
+    def select(self, scores, k, lengths=None):
+        fn = jax.jit(lambda s, n: select_top_k(s, k, lengths=n,
+                                               implementation=self.IMPLEMENTATION,
+                                               interpret=self.INTERPRET, config=self.CONFIG))
+        return fn(jnp.asarray(scores), None if lengths is None else jnp.asarray(lengths))
 
     @pytest.mark.parametrize("num, k", CASES)
     def test_the_set_is_lax_top_k_s(self, rng, num, k):
         scores = mixed_scores(rng, self.ROWS_PER_KIND, num)
         check_selection(scores, self.select(scores, k), k)
+
+    @pytest.mark.parametrize("num, k", CASES)
+    def test_keys_past_the_lengths_rank_as_minus_inf(self, rng, num, k):
+        """Finite scores past each row's length are ignored: causal rows of every length
+        (0, below k, S, beyond S: clipped), over every kind of scores."""
+        scores = mixed_scores(rng, self.ROWS_PER_KIND, num)
+        scores = np.where(np.isinf(scores), np.float32(5), scores)[::-1].copy()
+        lengths = rng.integers(0, num + 1, scores.shape[0]).astype(np.int32)
+        lengths[:4] = 0, min(k, num) - 1, num, num + 7
+        got = self.select(scores, k, lengths)
+        visible = np.arange(num)[None] < lengths[:, None]
+        check_selection(np.where(visible, scores, -np.inf), got, k)
 
 
 class TestReference(TopKCases):
@@ -149,6 +162,11 @@ def test_row_cumsums_are_exact_across_blocks(rng):
 def test_bad_arguments_are_refused(k, shape, impl, match):
     with pytest.raises(ValueError, match=match):
         select_top_k(jnp.zeros(shape), k, implementation=impl)
+
+
+def test_bad_lengths_are_refused():
+    with pytest.raises(ValueError, match="lengths must be int32"):
+        select_top_k(jnp.zeros((2, 5)), 1, lengths=jnp.zeros((3,), jnp.int32))
 
 
 @pytest.mark.parametrize("changes, match", [({"tile": 48}, "tile=48"),

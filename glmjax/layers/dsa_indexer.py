@@ -87,8 +87,8 @@ class DSAIndexer(nnx.Module):
         with jax.named_scope("dsa_indexer"):
             scores = index_scores(q, weights, keys, key_start, key_end,
                                   implementation=implementation)  # [R, S], -inf: not seen
-            top = select_top_k(scores, min(self.top_k, scores.shape[-1]),
-                               implementation=implementation)
+            top = select_top_k(scores, min(self.top_k, scores.shape[-1]), lengths=key_end,
+                               implementation=implementation)  # -inf from key_end on
             return top, (top >= key_start[:, None]) & (top < key_end[:, None])
 
     def select(self, q: jax.Array, weights: jax.Array, keys: jax.Array,
