@@ -127,15 +127,18 @@ class TestPallasGpu(TopKCases):
     ROWS_PER_KIND = 40
 
     @pytest.mark.parametrize("num", [8192, 32768, 65536])
-    def test_real_shape(self, rng, num):
+    @pytest.mark.parametrize("given_lengths", [False, True])
+    def test_real_shape(self, rng, num, given_lengths):
         """glm5.3-flash's top-k 2048 over a causal block of 1024 queries: the tuning
-        table's config, rows in registers up to 32K, streamed at 64K."""
+        table's config, rows in registers up to 32K (in the register tile their lengths
+        pick, as the indexer passes them), streamed at 64K."""
         rows = 1024
         scores = rng.standard_normal((rows, num)).astype(np.float32)
         scores[rows // 2:] = np.floor(scores[rows // 2:] * 4)  # ties across the k-th
-        visible = np.arange(num)[None] <= np.linspace(0, num - 1, rows).astype(int)[:, None]
-        scores = np.where(visible, scores, -np.inf)
-        check_selection(scores, self.select(scores, 2048), 2048)
+        lengths = np.linspace(1, num, rows).astype(np.int32)
+        scores = np.where(np.arange(num)[None] < lengths[:, None], scores, -np.inf)
+        got = self.select(scores, 2048, lengths if given_lengths else None)
+        check_selection(scores, got, 2048)
 
 
 @pytest.mark.gpu
