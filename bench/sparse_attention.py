@@ -15,15 +15,19 @@ Per case (one causal span of T tokens, no prefix, bf16, random weights), rows:
   scores as [1024, 32, T] head scores, the sparse attention's reference), with layer-dsa's
   max relative error against it (near-tied index scores may select differently);
 - select: the indexer's selection alone (`MLA.select_keys`: index scores and top-k);
-- top_k-sort / top_k-radix: one [1024, T] block of scores through lax.top_k and through
-  `select_top_k`, times the T / 1024 blocks of a layer;
+- top_k-sort / top_k-radix / top_k-pallas: one causal [1024, T] block of scores (row i
+  sees its first i T / 1024 + 1 keys: every length a layer has) through lax.top_k,
+  `select_top_k`'s jax.numpy radix select ("reference") and its Pallas kernel (interpret
+  mode on a CPU), both given the row lengths as the layer gives them, times the T / 1024
+  blocks of a layer; rows_unlike_sort: rows whose set differs from the sort's (must be 0);
 - index-op: `index_scores` alone on the last block of 1024 queries (it sees every key), and
   that times the T / 1024 blocks (an upper bound: earlier blocks skip their causal tiles);
 - sparse-op: `sparse_attention` alone on [T, 64, 512] absorbed queries with random
   selections of min(top_k, t + 1) distinct keys (`random_selection`) (TFLOP/s: 2 x heads x (512 + 512) per selected
   pair), with its max relative error against the jax.numpy reference;
 - dense-op: `prefill_attention` alone at the layer's shapes (64 heads, qk 256, v 256).
---sweep adds index-op and sparse-op rows for every tiling in INDEX_SWEEP / SPARSE_SWEEP
+--sweep adds index-op, sparse-op and top_k-pallas rows for every tiling in INDEX_SWEEP /
+SPARSE_SWEEP / TOP_K_SWEEP
 (all compile for sm_90: `python -m pallas_kernels.aot`) and select rows for the query
 blocks in QUERY_BLOCK_SWEEP (smaller: the [block, T] scores may stay in L2 over the top-k's
 passes; more loop steps). The bar (issue 18): layer-dsa at
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import platform
@@ -58,6 +63,7 @@ from pallas_kernels.index_scores_pallas import IndexConfig
 from pallas_kernels.sparse_attention import sparse_attention
 from pallas_kernels.sparse_attention_pallas import SparseConfig
 from pallas_kernels.top_k import select_top_k
+from pallas_kernels.top_k_pallas import TopKConfig
 
 RESULTS = Path(__file__).parent / "results"
 CASES = {"8K": 8192, "16K": 16384, "32K": 32768}
@@ -67,6 +73,11 @@ SPARSE_SWEEP = (SparseConfig(64, 32, 8, 2), SparseConfig(64, 32, 8, 3),
                 SparseConfig(64, 16, 8, 2), SparseConfig(32, 32, 4, 2),
                 SparseConfig(32, 32, 8, 2), SparseConfig(16, 32, 4, 2))
 QUERY_BLOCK_SWEEP = (256, 512, 2048)  # queries per selection block (MLA.query_block)
+# (tile, resident, streamed_digit_bits, num_warps): 16 warps hold a 32K row at 64 keys a
+# thread; tile 2048 / 8192: the compaction's step.
+TOP_K_SWEEP = (TopKConfig(4096, 32768, 2, 16), TopKConfig(2048, 32768, 2, 8),
+               TopKConfig(8192, 32768, 2, 16), TopKConfig(4096, 16384, 2, 8),
+               TopKConfig(4096, 16384, 4, 8))
 INDEX_SWEEP = (IndexConfig(128, 128, 8, 2), IndexConfig(128, 128, 8, 3),
                IndexConfig(64, 128, 4, 2), IndexConfig(64, 64, 4, 2), IndexConfig(128, 64, 4, 2))
 
@@ -159,14 +170,32 @@ def run_case(name, tokens, args):
     layer.query_block = default_block
     block = min(1024, tokens)
     scores = normal(block, tokens).astype(jnp.float32)
-    scores = jnp.where(jnp.arange(tokens)[None] <= jnp.arange(block)[:, None] * tokens // block,
-                       scores, -jnp.inf)
+    lengths = jnp.arange(block, dtype=jnp.int32) * tokens // block + 1  # causal rows
+    scores = jnp.where(jnp.arange(tokens)[None] < lengths[:, None], scores, -jnp.inf)
     k = min(top_k, tokens)
-    for row, fn in (("top_k-sort", lambda s: jax.lax.top_k(s, k)[1]),
-                    ("top_k-radix", lambda s: select_top_k(s, k))):
-        timed(row, jax.jit(fn), scores)
-        if "ms" in rows[row]:
-            rows[row]["ms_per_layer"] = rows[row]["ms"] * -(-tokens // block)
+    selections = {
+        "top_k-sort": lambda s: jax.lax.top_k(s, k)[1],
+        "top_k-radix": lambda s: select_top_k(s, k, lengths=lengths,
+                                              implementation="reference"),
+        "top_k-pallas": lambda s: select_top_k(s, k, lengths=lengths, implementation="pallas"),
+    }
+    for config in TOP_K_SWEEP if args.sweep else ():
+        selections[f"top_k-pallas {tiling(config)}"] = functools.partial(
+            lambda s, c: select_top_k(s, k, lengths=lengths, implementation="pallas",
+                                      config=c), c=config)
+    expected = None  # the sort's set of each row
+    for row, fn in selections.items():
+        fn = jax.jit(fn)
+        timed(row, fn, scores)
+        if "ms" not in rows[row]:
+            continue
+        rows[row]["ms_per_layer"] = rows[row]["ms"] * -(-tokens // block)
+        chosen = jnp.sort(fn(scores), axis=1)
+        if row == "top_k-sort":
+            expected = chosen
+        if expected is not None:
+            rows[row]["rows_unlike_sort"] = int(jnp.sum(jnp.any(chosen != expected, axis=1)))
+    del expected
 
     index_q = normal(block, config.dsa_num_heads, config.dsa_head_dim)
     index_w = normal(block, config.dsa_num_heads).astype(jnp.float32)
@@ -235,6 +264,8 @@ def format_table(results) -> str:
                 note = ""
                 if "ms_per_layer" in value:
                     note = f"{value['ms_per_layer']:.2f} ms per layer"
+                if value.get("rows_unlike_sort"):
+                    note += f", {value['rows_unlike_sort']} rows unlike the sort's"
                 if "error_vs_reference" in value:
                     note = f"err {value['error_vs_reference']:.1e}"
                 tflops = f"{value['tflops']:8.1f}" if "tflops" in value else f"{'':>8}"

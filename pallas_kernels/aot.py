@@ -12,7 +12,8 @@ KDA decode kernel likewise, at 1 and 64 rows on a 256-slot pool, with the tiling
 runtime picks for each (`kda_decode_bv*` in the table); the MLA prefill flash attention at
 both presets' heads and head dims (`ATTENTION_SHAPES`) with the tuning table's config; the
 DSA sparse attention at glm5.3-flash's shape (`SPARSE_SHAPES`: 64 heads over 512-wide
-latents, top-k 2048) and its indexer's scores (`INDEX_SHAPES`). So is the routed experts'
+latents, top-k 2048), its indexer's scores (`INDEX_SHAPES`) and its exact top-k selection
+(`TOP_K_SHAPES`: 32K rows held in registers, 64K rows streamed). So is the routed experts'
 grouped GEMM (`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered,
 gathered +
 SwiGLU, down, down + combine) at both presets' real shapes (`pallas_kernels.moe_shapes`)
@@ -65,6 +66,7 @@ from pallas_kernels.sparse_attention_pallas import (
     select_sparse_config,
     sparse_attention_pallas,
 )
+from pallas_kernels.top_k_pallas import TopKConfig, select_top_k_config, select_top_k_pallas
 from pallas_kernels.tuning import (
     KNOWN_DEVICES,
     DecodeConfig,
@@ -91,6 +93,9 @@ SPARSE_SHAPES = ((64, 512, 0, 2048),)
 # DSA index scores (index heads, head dim): glm5.3-flash; 1024 queries (the layer's block).
 INDEX_SHAPES = ((32, 128),)
 INDEX_ROWS = 1024
+# DSA top-k selection (row length, k) over INDEX_ROWS rows: glm5.3-flash at 32K (the row in
+# registers) and 64K (streamed from L2).
+TOP_K_SHAPES = ((32768, 2048), (65536, 2048))
 GMM_TOKENS = (512, 8192)  # the two ends of bench.moe: they get different tilings
 
 
@@ -246,6 +251,22 @@ def lower_index_scores(spec: DeviceSpec, heads: int, dim: int,
     return _triton_modules(scores, args, spec)
 
 
+def lower_top_k(spec: DeviceSpec, num_keys: int, k: int,
+                config: TopKConfig | None = None) -> list[TritonModule]:
+    """The Triton module of the DSA top-k selection for `spec` (INDEX_ROWS rows of
+    `num_keys` fp32 scores and their lengths), by default with the tuning table's config;
+    named `select_top_k_<S / 1024>K`."""
+    config = config or select_top_k_config(spec)
+    args = (jax.ShapeDtypeStruct((INDEX_ROWS, num_keys), jnp.float32),
+            jax.ShapeDtypeStruct((INDEX_ROWS,), jnp.int32))
+
+    def select(scores, lengths):
+        return select_top_k_pallas(scores, lengths, k=k, config=config, interpret=False)
+
+    return [dataclasses.replace(module, name=f"{module.name}_{num_keys // 1024}K")
+            for module in _triton_modules(select, args, spec)]
+
+
 def lower_gmm(spec: DeviceSpec, gemm: GemmSpec,
               config: GmmConfig | None = None) -> tuple[TritonModule, GmmConfig]:
     """The Triton module of one grouped-GEMM launch for `spec` and the tiling it used (by
@@ -389,6 +410,9 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
         for num_heads, dim in INDEX_SHAPES:
             for module in lower_index_scores(spec, num_heads, dim):
                 reports.append(compile_module(module, spec, num_heads))
+        for num_keys, k in TOP_K_SHAPES:
+            for module in lower_top_k(spec, num_keys, k):
+                reports.append(compile_module(module, spec, 0))
     return reports
 
 

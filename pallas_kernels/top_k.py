@@ -1,7 +1,15 @@
 """`select_top_k`: the k largest scores of each row without sorting the row.
 
 `lax.top_k` with a large k (DSA keeps 2048 of up to 32K keys per query) falls back to a full
-sort on the GPU. The selection here needs only a few passes over the scores:
+sort on the GPU. The selection here needs only a few passes over the scores.
+
+Implementations behind the one signature (`IMPLEMENTATIONS`), the same set and order:
+- "reference": jax.numpy, below; the CPU default.
+- "pallas": `pallas_kernels.top_k_pallas`, one program per row, the row's keys (up to its
+  length) in registers over a bit-by-bit search (rows above 32K keys streamed from L2);
+  every GPU's default.
+
+The jax.numpy selection:
 
 1. Threshold: scores map to uint32 keys in the same order (`order_keys`); the k-th largest
    key of each row, tau, is found digit by digit from the top (`RADIX_BITS` bits a pass):
@@ -28,8 +36,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.top_k_pallas import select_top_k_config, select_top_k_pallas
+
+IMPLEMENTATIONS = ("reference", "pallas")
 RADIX_BITS = 4
 CUMSUM_BLOCK = 128
+
+
+def default_implementation(device: jax.Device | None = None) -> str:
+    """The implementation `select_top_k` uses on `device` (default: the first one)."""
+    device = device or jax.devices()[0]
+    return "pallas" if device.platform == "gpu" else "reference"
 
 
 def order_keys(scores: jax.Array) -> jax.Array:
@@ -76,12 +93,20 @@ def row_cumsums(first: jax.Array, second: jax.Array) -> tuple[jax.Array, jax.Arr
     return counts(within % 256), counts(within // 256)
 
 
-def select_top_k(scores: jax.Array, k: int) -> jax.Array:
+def select_top_k(scores: jax.Array, k: int, *, lengths: jax.Array | None = None,
+                 implementation: str | None = None, interpret: bool | None = None,
+                 config=None) -> jax.Array:
     """The indices of each row's k largest scores, exactly lax.top_k's set.
 
     Args:
       scores: fp32 [R, S] (no NaN; -inf allowed).
       k: 1 <= k <= S.
+      lengths: int32 [R] or None (= S): row r's keys from lengths[r] on (clipped to
+        [0, S]) rank as -inf whatever their scores; the kernel does not read them, and a
+        causal row searches only its prefix.
+      implementation: one of `IMPLEMENTATIONS`; None: `default_implementation()`.
+      interpret: Pallas interpret mode (default: on the CPU); "pallas" only.
+      config: a `top_k_pallas.TopKConfig` override; "pallas" only.
     Returns:
       int32 [R, k], ordered as the module docstring says.
     """
@@ -90,6 +115,30 @@ def select_top_k(scores: jax.Array, k: int) -> jax.Array:
     rows, num = scores.shape
     if not 1 <= k <= num:
         raise ValueError(f"k={k} must be in [1, {num}] (the row length)")
+    implementation = implementation or default_implementation()
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
+                         f"{implementation!r}")
+    if lengths is not None and (lengths.shape != (rows,) or lengths.dtype != jnp.int32):
+        raise ValueError(f"lengths must be int32 [R={rows}], got "
+                         f"{lengths.dtype}{list(lengths.shape)}")
+    if implementation == "pallas":
+        if interpret is None:
+            interpret = jax.default_backend() == "cpu"
+        if lengths is None:
+            lengths = jnp.full((rows,), num, jnp.int32)
+        return select_top_k_pallas(scores, lengths, k=k,
+                                   config=config or select_top_k_config(),
+                                   interpret=bool(interpret))
+    if lengths is not None:
+        cols = jnp.arange(num, dtype=jnp.int32)[None]
+        scores = jnp.where(cols < lengths[:, None], scores, -jnp.inf)
+    return select_top_k_reference(scores, k)
+
+
+def select_top_k_reference(scores: jax.Array, k: int) -> jax.Array:
+    """jax.numpy `select_top_k` (arguments checked there)."""
+    rows, num = scores.shape
     with jax.named_scope("select_top_k"):
         keys = order_keys(scores)
         tau = kth_largest_key(keys, k)

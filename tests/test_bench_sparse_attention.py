@@ -12,9 +12,12 @@ def test_quick_run_writes_every_row(tmp_path):
     assert sparse_attention.main(["--quick", "--out", str(out)]) == 0
     (case,) = json.loads(out.read_text())["cases"].values()
     rows = case["rows"]
-    for row in ("layer-dense-reference", "layer-dsa", "layer-dsa-reference", "select", "top_k-sort", "top_k-radix",
-                "sparse-op", "sparse-op-reference", "dense-op-reference"):
+    for row in ("layer-dense-reference", "layer-dsa", "layer-dsa-reference", "select",
+                "top_k-sort", "top_k-radix", "top_k-pallas", "sparse-op",
+                "sparse-op-reference", "dense-op-reference"):
         assert rows[row]["ms"] > 0, row
+    for row in ("top_k-sort", "top_k-radix", "top_k-pallas"):
+        assert rows[row]["rows_unlike_sort"] == 0, row
     assert rows["sparse-op"]["error_vs_reference"] < 1e-5
     assert rows["layer-dsa"]["error_vs_reference"] < 1e-5
     assert rows["ratio-dsa/dense-reference"] > 0

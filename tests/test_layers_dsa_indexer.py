@@ -171,7 +171,8 @@ def test_skipping_the_indexer_equals_selecting(rng):
 @pytest.mark.parametrize("variant", ["glm-like", "kimi-like"])
 def test_dsa_kernels_match_the_reference_path(rng, variant):
     """On a GPU: the prefill's DSA path through the Pallas kernels (`index_scores`,
-    `sparse_attention`) against the jax.numpy ops, fp32, continuing cached prefixes."""
+    `select_top_k`, `sparse_attention`) against the jax.numpy ops, fp32, continuing cached
+    prefixes."""
     changes = {} if variant == "glm-like" else {"qk_rope_head_dim": 32}
     base = dataclasses.replace(dsa_config(top_k=8), **changes)
     layers = {}

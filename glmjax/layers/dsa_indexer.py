@@ -79,14 +79,16 @@ class DSAIndexer(nnx.Module):
         Args:
           q [R, H_I, d_I], weights [R, H_I]: R queries; keys [S, d_I] shared by all.
           key_start, key_end: int32 [R]; query r sees keys [key_start[r], key_end[r]).
-          implementation: `pallas_kernels.index_scores`'s (None: by device).
+          implementation: `pallas_kernels.index_scores`'s and `select_top_k`'s (None: by
+            device).
         Returns:
           as `top_keys`.
         """
         with jax.named_scope("dsa_indexer"):
             scores = index_scores(q, weights, keys, key_start, key_end,
                                   implementation=implementation)  # [R, S], -inf: not seen
-            top = select_top_k(scores, min(self.top_k, scores.shape[-1]))
+            top = select_top_k(scores, min(self.top_k, scores.shape[-1]), lengths=key_end,
+                               implementation=implementation)  # -inf from key_end on
             return top, (top >= key_start[:, None]) & (top < key_end[:, None])
 
     def select(self, q: jax.Array, weights: jax.Array, keys: jax.Array,
