@@ -17,7 +17,8 @@ latents, top-k 2048), its indexer's scores (`INDEX_SHAPES`) and its exact top-k 
 grouped GEMM (`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered,
 gathered +
 SwiGLU, down, down + combine) at both presets' real shapes (`pallas_kernels.moe_shapes`)
-with the `GmmConfig` the runtime picks at 512 and 8192 tokens. Each Triton module the Pallas lowering
+with the `GmmConfig` the runtime picks at 512 and 8192 tokens, and as the weight stream of
+a decode projection (`gmm_stream`, `PROJECTION_SHAPES`). Each Triton module the Pallas lowering
 embeds is then compiled by the official Triton compiler for that target, and ptxas reports
 registers and spills. The table shows shared memory against the
 device's per-block limit; the exit status is non-zero when a kernel fails to compile or
@@ -51,7 +52,7 @@ from pallas_kernels.attention_pallas import (
     flash_attention_pallas,
     select_flash_config,
 )
-from pallas_kernels.gmm_pallas import gmm_pallas
+from pallas_kernels.gmm_pallas import Epilogue, gmm_pallas
 from pallas_kernels.gmm_tuning import GmmConfig, select_gmm_config
 from pallas_kernels.index_scores_pallas import (
     IndexConfig,
@@ -97,6 +98,10 @@ INDEX_ROWS = 1024
 # registers) and 64K (streamed from L2).
 TOP_K_SHAPES = ((32768, 2048), (65536, 2048))
 GMM_TOKENS = (512, 8192)  # the two ends of bench.moe: they get different tilings
+# The decode projections that stream their weight through the grouped GEMM with one group
+# (`glmjax.layers.projection`): kimi-linear-48b's KDA q/k/v and o, at 1 and 64 rows.
+PROJECTION_SHAPES = ((2304, 4096), (4096, 2304))
+PROJECTION_ROWS = (1, 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,6 +440,23 @@ def check_gmm(names: list[str], tokens: tuple[int, ...] = GMM_TOKENS,
     return reports
 
 
+def check_projections(names: list[str]) -> list[KernelReport]:
+    """The weight-stream products of `PROJECTION_SHAPES` at `PROJECTION_ROWS` rows."""
+    reports = []
+    for name in names:
+        spec = KNOWN_DEVICES[name]
+        for k, n in PROJECTION_SHAPES:
+            for rows in PROJECTION_ROWS:
+                gemm = GemmSpec("gmm_stream", jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
+                                (jax.ShapeDtypeStruct((1, k, n), jnp.bfloat16),),
+                                jax.ShapeDtypeStruct((1,), jnp.int32), Epilogue(), rows)
+                module, config = lower_gmm(spec, gemm)
+                label = (f"{k}x{n} rows={rows} {config.block_m}x{config.block_n}"
+                         f"x{config.block_k} w{config.num_warps} s{config.num_stages}")
+                reports.append(compile_module(module, spec, 0, kernel=gemm.name, shape=label))
+    return reports
+
+
 def format_table(reports: list[KernelReport]) -> str:
     lines = [f"{'kernel':16} {'device':12} {'H':>3} {'compiled':8} {'smem B':>8} "
              f"{'limit B':>8} {'margin B':>9} {'regs':>5} {'spill B':>7} {'SASS':>6}  status"]
@@ -457,7 +479,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=[*KNOWN_DEVICES, "all"], default="all")
     args = parser.parse_args(argv)
     names = list(KNOWN_DEVICES) if args.device == "all" else [args.device]
-    reports = check_devices(names) + check_gmm(names)
+    reports = check_devices(names) + check_gmm(names) + check_projections(names)
     print(format_table(reports))
     return 0 if all(r.ok for r in reports) else 1
 

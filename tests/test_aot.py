@@ -104,3 +104,15 @@ def test_grouped_gemm_compiles_within_limits(device):
         assert report.compiled, report.error
         assert report.ok, aot.format_table([report])
         assert report.spill_bytes == 0, aot.format_table([report])
+
+
+@pytest.mark.parametrize("device", ["gb10", "h200"])
+def test_projection_stream_compiles_within_limits(device):
+    """The decode projections' weight stream (the grouped GEMM with one group) at
+    kimi-linear-48b's shapes and 1 and 64 rows."""
+    reports = aot.check_projections([device])
+    assert len(reports) == len(aot.PROJECTION_SHAPES) * len(aot.PROJECTION_ROWS)
+    for report in reports:
+        assert report.compiled, report.error
+        assert report.ok, aot.format_table([report])
+        assert report.spill_bytes == 0, aot.format_table([report])
