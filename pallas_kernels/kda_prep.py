@@ -49,7 +49,7 @@ from pallas_kernels.tuning import KernelConfig
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tile a Triton dot accepts
 
 
-def _invert_by_substitution(l_blk):
+def invert_by_substitution(l_blk):
     """(I + L)^-1 for a strictly lower triangular [16, 16] fp32 L, by forward substitution.
 
     X starts as I; step j subtracts L[:, j] x X[j, :] from every row (rows <= j are
@@ -84,6 +84,28 @@ def _invert_by_products(l_blk):
     return dot(inv, eye + l8, hi)
 
 
+def diagonal_by_columns(q, k, rise):
+    """The diagonal [16, 16] blocks of Aqk (inclusive, before scale) and L (strict, before
+    beta) of one sub-chunk, for any decay: q, k [16, K] fp32, rise [16, K] the cumsum of g
+    from the sub-chunk's start. Formed column by column, every exponent <= 0 (a loop, not
+    unrolled: the code stays small)."""
+    sub_row, cols = iota((SUB_CHUNK, 1), 0), iota((1, SUB_CHUNK), 1)
+
+    def column(j, blocks):
+        a_blk, l_blk = blocks
+        at_j = sub_row == j
+        k_j = jnp.sum(jnp.where(at_j, k, 0.0), axis=0, keepdims=True)  # [1, K]
+        g_j = jnp.sum(jnp.where(at_j, rise, 0.0), axis=0, keepdims=True)
+        k_dec = k_j * jnp.exp(jnp.minimum(rise - g_j, 0.0))  # [16, K]
+        a_col = jnp.sum(q * k_dec, axis=1, keepdims=True)  # [16, 1]
+        l_col = jnp.sum(k * k_dec, axis=1, keepdims=True)
+        return (jnp.where(cols == j, jnp.where(sub_row >= j, a_col, 0.0), a_blk),
+                jnp.where(cols == j, jnp.where(sub_row > j, l_col, 0.0), l_blk))
+
+    zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), jnp.float32)
+    return lax.fori_loop(0, SUB_CHUNK, column, (zeros, zeros))
+
+
 def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, a_ref,
                      inv_ref, *, chunk):
     """One 16-row sub-chunk of one head: its diagonal [16, 16] block of Aqk (inclusive,
@@ -97,7 +119,6 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
     slot = sub // (chunk // SUB_CHUNK)
     first = (sub % (chunk // SUB_CHUNK)) * SUB_CHUNK
     clen = chunk_len_ref[slot]
-    f32 = jnp.float32
 
     @pl.when(first < clen)
     def _():
@@ -109,24 +130,8 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
             return load_rows(ref, rows, h, valid)
 
         q, k = load(q_ref), load(k_ref)
-        g_blk = lax.cumsum(load(g_ref), axis=0)  # G relative to the sub-chunk's start
-        beta = load(beta_ref)                    # [16, 1]
-        cols = iota((1, SUB_CHUNK), 1)
-
-        def column(j, blocks):
-            """Column j of both blocks (a loop, not unrolled: the code stays small)."""
-            a_blk, l_blk = blocks
-            at_j = sub_row == j
-            k_j = jnp.sum(jnp.where(at_j, k, 0.0), axis=0, keepdims=True)  # [1, K]
-            g_j = jnp.sum(jnp.where(at_j, g_blk, 0.0), axis=0, keepdims=True)
-            k_dec = k_j * jnp.exp(jnp.minimum(g_blk - g_j, 0.0))  # [16, K]
-            a_col = jnp.sum(q * k_dec, axis=1, keepdims=True)  # [16, 1]
-            l_col = jnp.sum(k * k_dec, axis=1, keepdims=True)
-            return (jnp.where(cols == j, jnp.where(sub_row >= j, a_col, 0.0), a_blk),
-                    jnp.where(cols == j, jnp.where(sub_row > j, l_col, 0.0), l_blk))
-
-        zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
-        a_blk, l_blk = lax.fori_loop(0, SUB_CHUNK, column, (zeros, zeros))
+        a_blk, l_blk = diagonal_by_columns(q, k, lax.cumsum(load(g_ref), axis=0))
+        beta = load(beta_ref)  # [16, 1]
         plgpu.store(a_ref.at[rows, h, :], a_blk, mask=valid)
         plgpu.store(inv_ref.at[rows, h, :], _invert_by_products(beta * l_blk), mask=valid)
 
@@ -232,7 +237,7 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
             # pass's precision (TF32 products on the fast path, as fla's merge; IEEE when
             # exact). Emulated TF32 left the bf16 errors unchanged to three digits.
             l_row = {c: beta_b * l_blk[b, c] for c in range(b)}
-            t[b, b] = (_invert_by_substitution(jnp.where(col < sub_row, beta_b * l_blk[b, b], 0.0))
+            t[b, b] = (invert_by_substitution(jnp.where(col < sub_row, beta_b * l_blk[b, b], 0.0))
                        if bounded else load(diag_inv_ref, b))
             for c in range(b - 1, -1, -1):
                 coupled = sum(dot(l_row[m], t[m, c], precision) for m in range(c, b))
@@ -408,6 +413,22 @@ def chunk_prep(q, k, v, g, beta, slots: ChunkSlots, *, scale: float,
     decay (`_diagonal_kernel`). The kernels do not depend on b itself.
     """
     flags = dict(config=config, interpret=interpret, exact=exact)
-    matrices = chunk_matrices(q, k, g, beta, slots, scale=scale,
-                              bounded_gates=bounded_gates, **flags)
-    return chunk_w_u(matrices, k, v, beta, slots, **flags)
+    matrices_of, w_u_of = prep_stages(config.prep_design)
+    matrices = matrices_of(q, k, g, beta, slots, scale=scale, bounded_gates=bounded_gates,
+                           **flags)
+    return w_u_of(matrices, k, v, beta, slots, **flags)
+
+
+def prep_stages(design: str):
+    """The two stages of a prep design (`KernelConfig.prep_design`), each callable alone:
+    `chunk_matrices(q, k, g, beta, slots, *, scale, bounded_gates, config, interpret,
+    exact)` and `chunk_w_u(matrices, k, v, beta, slots, *, config, interpret, exact)`,
+    which returns the `ChunkTensors`. "fused": this module's; "split":
+    `pallas_kernels.kda_prep_split`'s."""
+    if design == "split":
+        from pallas_kernels import kda_prep_split  # it imports this module
+
+        return kda_prep_split.chunk_matrices, kda_prep_split.chunk_w_u
+    if design != "fused":
+        raise ValueError(f"prep_design must be 'fused' or 'split', got {design!r}")
+    return chunk_matrices, chunk_w_u

@@ -1,0 +1,248 @@
+"""Pass 1 of the KDA checkpointing scan, split design (`KernelConfig.prep_design="split"`).
+
+The same outputs as `pallas_kernels.kda_prep` (`ChunkTensors`: W, U, Aqk, Qg, Kg, G and
+G_last; DESIGN section 2), from two kernels instead of a per-chunk kernel that loops over
+key slices and a W/U kernel:
+
+1. `_intra_kernel` (`kda_prep_intra`), one program per 16-row sub-chunk b and head, at
+   the whole key width ([16, K] tiles, no key-slice loop and no accumulators carried
+   through one):
+   - row block b of Aqk and of L (beta_b L_bc), its earlier blocks c < b in a loop over c
+     (one [16, K] x [K, 16] product each for Aqk and L). Reference point: G just before
+     block b, so exp(G_i - G_j) = exp(G_i - E) exp(E - G_j) with both factors <= 1, and
+     every exponent comes from block-local cumsums and block totals, as in the fused
+     design;
+   - the diagonal block: bounded gates by two more products with the reference at the
+     block's middle row (factors within exp(8 |b|)); any decay column by column
+     (`kda_prep.diagonal_by_columns`, every exponent <= 0);
+   - T_bb = (I + beta L_bb)^-1 by forward substitution, stored in place of L_bb;
+   - G, Qg, Kg and `kb` = beta k exp(G) (operand dtype: the right-hand side of W, so that
+     the solve reads no fp32 G), and G_last (by sub-chunk 0).
+2. `_solve_kernel` (`kda_prep_solve`), one program per chunk and head: T by 16 x 16 blocks,
+   T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (TF32 products on the fast path, IEEE fp32 when
+   exact, as the fused design), then W = T kb and U = T diag(beta) v by row blocks,
+   W_b = sum_{c <= b} T_bc kb_c: [16, 16] x [16, K] products on the operand dtype (bf16 on
+   the fast path: T rounded as the fused design's W/U rounds it), only the lower blocks.
+
+On the fast path the exponentials are `exp2` of exponents scaled by log2(e) (one multiply
+and one MUFU instruction instead of libdevice's accurate `expf`); when exact, `exp`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.kda_prep import (
+    SUB_CHUNK,
+    ChunkSlots,
+    ChunkTensors,
+    diagonal_by_columns,
+    invert_by_substitution,
+)
+from pallas_kernels.tiles import dot, dot_nt, iota, load_rows, matmul_precision, operand_dtype
+from pallas_kernels.tuning import KernelConfig
+
+LOG2_E = math.log2(math.e)
+
+
+def _exponential(exact):
+    """exp: IEEE `exp` when exact, else `exp2(x log2 e)` (~2 ulp, far below bf16's step)."""
+    return jnp.exp if exact else (lambda x: jnp.exp2(x * LOG2_E))
+
+
+def _row_of(x, row):
+    """Row `row` of a [16, N] tile as [1, N]."""
+    return jnp.sum(jnp.where(iota((x.shape[0], 1), 0) == row, x, 0.0), axis=0, keepdims=True)
+
+
+def _intra_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref,
+                  aqk_ref, m_ref, qg_ref, kg_ref, kb_ref, gcum_ref, glast_ref, *,
+                  scale, chunk, precision, bounded, exact):
+    """Sub-chunk b of one chunk of one head (see the module docstring).
+
+    Refs are whole arrays [T', H, ...]; rows past the chunk's length load as zeros
+    (g = 0 keeps G flat there, k = beta = 0 adds nothing) and are not stored. Stores row
+    block b of Aqk [T', H, C] (operand dtype, scaled, zeros above the diagonal) and of
+    M [T', H, C] (fp32: beta_b L_bc for c < b, T_bb at c = b, nothing above), and the
+    block's rows of Qg, Kg, kb (operand dtype), G (fp32); G_last [S, H, K] (fp32).
+    """
+    sub, h = pl.program_id(0), pl.program_id(1)
+    blocks = chunk // SUB_CHUNK
+    slot, b = sub // blocks, sub % blocks
+    r0, clen = chunk_start_ref[slot], chunk_len_ref[slot]
+    head_k = q_ref.shape[-1]
+    f32 = jnp.float32
+    exp = _exponential(exact)
+    sub_row, col = iota((SUB_CHUNK, 1), 0), iota((1, SUB_CHUNK), 1)
+
+    def rows(c):
+        return pl.ds(r0 + c * SUB_CHUNK, SUB_CHUNK), sub_row + c * SUB_CHUNK < clen
+
+    def load(ref, c):
+        index, valid = rows(c)
+        return load_rows(ref, index, h, valid)
+
+    def store(ref, value, cols=slice(None)):
+        index, valid = rows(b)
+        plgpu.store(ref.at[index, h, cols], value.astype(ref.dtype), mask=valid)
+
+    def block_cols(c):
+        return pl.ds(pl.multiple_of(c * SUB_CHUNK, SUB_CHUNK), SUB_CHUNK)
+
+    @pl.when(b * SUB_CHUNK < clen)
+    def _():
+        q, k, beta = load(q_ref, b), load(k_ref, b), load(beta_ref, b)  # beta [16, 1]
+        rise = lax.cumsum(load(g_ref, b), axis=0)  # G minus G just before block b
+        total = _row_of(rise, SUB_CHUNK - 1)
+        fall = exp(rise)                           # <= 1
+        q_fall, k_fall = q * fall, k * fall
+
+        def earlier(i, between):
+            """Block (b, c), c = b - 1 - i. `between` is the sum of g over blocks
+            c + 1 .. b - 1, so G just before block b minus G_j is between + total_c -
+            rise_c(j): a sum of g over later rows, <= 0."""
+            c = b - 1 - i
+            rise_c = lax.cumsum(load(g_ref, c), axis=0)
+            total_c = _row_of(rise_c, SUB_CHUNK - 1)
+            keys = load(k_ref, c) * exp(between + total_c - rise_c)
+            store(aqk_ref, scale * dot_nt(q_fall, keys, precision), block_cols(c))
+            store(m_ref, beta * dot_nt(k_fall, keys, precision), block_cols(c))
+            return between + total_c
+
+        before = lax.fori_loop(0, b, earlier, jnp.zeros((1, head_k), f32))
+
+        if bounded:
+            # Reference G at the block's middle row: both factors within exp(8 |b|).
+            mid = _row_of(rise, SUB_CHUNK // 2 - 1)
+            centred, keys = exp(rise - mid), k * exp(mid - rise)
+            a_bb = dot_nt(q * centred, keys, precision)
+            l_bb = dot_nt(k * centred, keys, precision)
+        else:
+            a_bb, l_bb = diagonal_by_columns(q, k, rise)
+        store(aqk_ref, scale * jnp.where(col <= sub_row, a_bb, 0.0), block_cols(b))
+        store(m_ref, invert_by_substitution(jnp.where(col < sub_row, beta * l_bb, 0.0)),
+              block_cols(b))
+
+        index, valid = rows(b)
+        above = iota((1, chunk), 1) >= (b + 1) * SUB_CHUNK
+        plgpu.store(aqk_ref.at[index, h, :], jnp.zeros((SUB_CHUNK, chunk), aqk_ref.dtype),
+                    mask=valid & above)
+
+        def later(c, after):
+            return after + jnp.sum(load(g_ref, c), axis=0, keepdims=True)
+
+        after = lax.fori_loop(b + 1, blocks, later, jnp.zeros((1, head_k), f32))
+        g_cum = before + rise
+        decay = exp(g_cum)
+        store(gcum_ref, g_cum)
+        store(qg_ref, scale * q * decay)
+        store(kb_ref, beta * k * decay)
+        store(kg_ref, k * exp(after + total - rise))
+
+        @pl.when(b == 0)
+        def _():
+            glast_ref[pl.ds(slot, 1), h, :] = total + after
+
+
+def _solve_kernel(chunk_start_ref, chunk_len_ref, m_ref, kb_ref, v_ref, beta_ref,
+                  w_ref, u_ref, *, chunk, precision):
+    """One chunk of one head: T by blocks from M, then W = T kb, U = T diag(beta) v
+    ([T', H, K] and [T', H, V], operand dtype), by row blocks."""
+    slot, h = pl.program_id(0), pl.program_id(1)
+    r0, clen = chunk_start_ref[slot], chunk_len_ref[slot]
+    blocks = chunk // SUB_CHUNK
+    sub_row = iota((SUB_CHUNK, 1), 0)
+    op = w_ref.dtype  # bf16 operands on the fast path, fp32 when exact
+
+    def rows(b):
+        return pl.ds(r0 + b * SUB_CHUNK, SUB_CHUNK), sub_row + b * SUB_CHUNK < clen
+
+    def load(ref, b, cols=slice(None)):
+        index, valid = rows(b)
+        return load_rows(ref, index, h, valid, cols)
+
+    def store(ref, b, value):
+        index, valid = rows(b)
+        plgpu.store(ref.at[index, h, :], value.astype(ref.dtype), mask=valid)
+
+    @pl.when(clen > 0)
+    def _():
+        m = {(b, c): load(m_ref, b, pl.ds(c * SUB_CHUNK, SUB_CHUNK))
+             for b in range(blocks) for c in range(b + 1)}
+        t = {}
+        for b in range(blocks):
+            t[b, b] = m[b, b]
+            for c in range(b - 1, -1, -1):
+                coupled = sum(dot(m[b, j], t[j, c], precision) for j in range(c, b))
+                t[b, c] = -dot(t[b, b], coupled, precision)
+        kb = [load(kb_ref, c).astype(op) for c in range(blocks)]
+        bv = [(load(beta_ref, c) * load(v_ref, c)).astype(op) for c in range(blocks)]
+        for b in range(blocks):
+            t_b = [t[b, c].astype(op) for c in range(b + 1)]
+            store(w_ref, b, sum(dot(t_b[c], kb[c], precision) for c in range(b + 1)))
+            store(u_ref, b, sum(dot(t_b[c], bv[c], precision) for c in range(b + 1)))
+
+
+class SplitMatrices(NamedTuple):
+    """What `chunk_matrices` hands `chunk_w_u`, per row and head ([T', H, ...])."""
+
+    aqk: jax.Array     # [T', H, C] operand dtype
+    m: jax.Array       # [T', H, C] fp32: beta L below the diagonal blocks, T_bb on them
+    qg: jax.Array      # [T', H, K] operand dtype
+    kg: jax.Array      # [T', H, K] operand dtype
+    kb: jax.Array      # [T', H, K] operand dtype: beta k exp(G)
+    g_cum: jax.Array   # [T', H, K] fp32
+    g_last: jax.Array  # [S, H, K] fp32
+
+
+def _rows_of(x, width, dtype):
+    return jax.ShapeDtypeStruct((*x.shape[:2], width), dtype)
+
+
+def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float, bounded_gates: bool,
+                   config: KernelConfig, interpret: bool, exact: bool) -> SplitMatrices:
+    """`kda_prep_intra` over [T', H, K] inputs (see `kda_prep.chunk_prep`)."""
+    head_k, chunk = q.shape[-1], config.chunk_size
+    inter, f32 = operand_dtype(exact), jnp.float32
+    num_slots = slots.start.shape[0]
+    intra = pl.pallas_call(
+        functools.partial(_intra_kernel, scale=scale, chunk=chunk,
+                          precision=matmul_precision(exact), bounded=bounded_gates,
+                          exact=exact),
+        out_shape=SplitMatrices(
+            _rows_of(q, chunk, inter), _rows_of(q, chunk, f32), _rows_of(q, head_k, inter),
+            _rows_of(q, head_k, inter), _rows_of(q, head_k, inter), _rows_of(q, head_k, f32),
+            jax.ShapeDtypeStruct((num_slots, q.shape[1], head_k), f32)),
+        grid=(num_slots * (chunk // SUB_CHUNK), q.shape[1]),
+        compiler_params=plgpu.CompilerParams(num_warps=config.intra_num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_prep_intra",
+    )
+    return SplitMatrices(*intra(slots.start, slots.length, q, k, g, beta))
+
+
+def chunk_w_u(matrices: SplitMatrices, k, v, beta, slots: ChunkSlots, *,
+              config: KernelConfig, interpret: bool, exact: bool) -> ChunkTensors:
+    """`kda_prep_solve`: T, then W and U; returns everything the scan needs."""
+    del k  # the split design reads kb = beta k exp(G) instead
+    inter = operand_dtype(exact)
+    solve = pl.pallas_call(
+        functools.partial(_solve_kernel, chunk=config.chunk_size,
+                          precision=matmul_precision(exact)),
+        out_shape=(_rows_of(v, matrices.kb.shape[-1], inter), _rows_of(v, v.shape[-1], inter)),
+        grid=(slots.start.shape[0], v.shape[1]),
+        compiler_params=plgpu.CompilerParams(num_warps=config.solve_num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_prep_solve",
+    )
+    w, u = solve(slots.start, slots.length, matrices.m, matrices.kb, v, beta)
+    m = matrices
+    return ChunkTensors(w, u, m.aqk, m.qg, m.kg, m.g_cum, m.g_last)
