@@ -19,8 +19,8 @@ any-decay path with 4 snapshots; the jitted jax.numpy chunked oracle; fla-core `
 with `safe_gate=True, lower_bound=-5` (its bounded-gate path). `--segments P,...` adds our
 bounded path with 4 snapshots and the scan forced to P segments per sequence (1: the plain
 scan), at each of `--segment-warps`. `--prep-designs` adds, for each prep design other than the
-runtime's (`KernelConfig.prep_design`; `split:8:4` sets the split design's intra and solve
-warps), our bounded path and any-decay path with 4 snapshots on that design, its passes
+runtime's (`KernelConfig.prep_design`; `split:2:4:32` sets the split design's intra and
+solve warps and intra key slice), our bounded path and any-decay path with 4 snapshots on that design, its passes
 alone in every case of `--pass-cases`, and its bytes. Each case prints the bytes the kernel moves per
 token-head by source count (`pallas_kernels.kda_traffic`) and the time they take at GB10's 273 GB/s.
 
@@ -282,15 +282,17 @@ def run_case(name, lens, config, args, bandwidth):
 
 def prep_designs(base: KernelConfig, spec: str):
     """(label, config) for each entry of `--prep-designs`: a design name (`KernelConfig.
-    prep_design`), for "split" optionally with its warps, `split:INTRA:SOLVE`."""
+    prep_design`), for "split" optionally with its tiling, `split:INTRA_WARPS:SOLVE_WARPS`
+    or `split:INTRA_WARPS:SOLVE_WARPS:INTRA_BLOCK_K`."""
     for entry in filter(None, spec.split(",")):
-        name, *warps = entry.split(":")
+        name, *tiling = entry.split(":")
         config = dataclasses.replace(base, prep_design=name)
-        if warps:
-            if name != "split" or len(warps) != 2:
-                raise ValueError(f"--prep-designs: warps are split:INTRA:SOLVE, got {entry!r}")
-            config = dataclasses.replace(config, intra_num_warps=int(warps[0]),
-                                         solve_num_warps=int(warps[1]))
+        if tiling:
+            if name != "split" or len(tiling) not in (2, 3):
+                raise ValueError("--prep-designs: a tiling is split:INTRA_WARPS:SOLVE_WARPS"
+                                 f"[:INTRA_BLOCK_K], got {entry!r}")
+            fields = ("intra_num_warps", "solve_num_warps", "intra_block_k")
+            config = dataclasses.replace(config, **dict(zip(fields, map(int, tiling))))
         yield entry, config
 
 
@@ -361,7 +363,7 @@ def main(argv=None):
     parser.add_argument("--segment-warps", default=str(KernelConfig.segment_num_warps),
                         help="warps of the segment kernels for --segments, e.g. 4,8")
     parser.add_argument("--prep-designs", default="",
-                        help="also time these prep designs, e.g. split or fused,split,split:8:4")
+                        help="also time these prep designs, e.g. split or split,split:2:4:32")
     parser.add_argument("--quick", action="store_true",
                         help="CPU smoke run: the quick case, 2 heads of 32, one sample")
     parser.add_argument("--iters", type=int, default=10)

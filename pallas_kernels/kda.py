@@ -121,9 +121,10 @@ def kda_prefill(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets
     if config.prep_design not in PREP_DESIGNS:
         raise ValueError(f"prep_design must be one of {PREP_DESIGNS}, got "
                          f"{config.prep_design!r}")
-    if head_k % min(config.prep_block_k, head_k):
+    block_k = config.intra_block_k if config.prep_design == "split" else config.prep_block_k
+    if head_k % min(block_k, head_k):
         raise ValueError(f"head dim K={head_k} must be a multiple of the prep pass's key "
-                         f"slice {config.prep_block_k}")
+                         f"slice {block_k}")
     return kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets,
                               scale=scale, bounded_gates=gate_lower_bound is not None,
                               config=config, interpret=bool(interpret), exact=exact)

@@ -4,14 +4,14 @@ The same outputs as `pallas_kernels.kda_prep` (`ChunkTensors`: W, U, Aqk, Qg, Kg
 G_last; DESIGN section 2), from two kernels instead of a per-chunk kernel that loops over
 key slices and a W/U kernel:
 
-1. `_intra_kernel` (`kda_prep_intra`), one program per 16-row sub-chunk b and head, at
-   the whole key width ([16, K] tiles, no key-slice loop and no accumulators carried
-   through one):
-   - row block b of Aqk and of L (beta_b L_bc), its earlier blocks c < b in a loop over c
-     (one [16, K] x [K, 16] product each for Aqk and L). Reference point: G just before
-     block b, so exp(G_i - G_j) = exp(G_i - E) exp(E - G_j) with both factors <= 1, and
-     every exponent comes from block-local cumsums and block totals, as in the fused
-     design;
+1. `_intra_kernel` (`kda_prep_intra`), one program per 16-row sub-chunk b and head (1 warp
+   by default: a [16, 16] product fills one warp, and more warps only repeat it), over
+   slices of `intra_block_k` key columns (a loop carrying 2 x C / 16 [16, 16] sums):
+   - row block b of Aqk and of L (beta_b L_bc): the earlier blocks c < b one
+     [16, BK] x [BK, 16] product each for Aqk and L, under `lax.cond(c < b)`. Reference:
+     G just before block b, so exp(G_i - G_j) = exp(G_i - E) exp(E - G_j) with both
+     factors <= 1, every exponent from block-local cumsums and block totals, as in the
+     fused design;
    - the diagonal block: bounded gates by two more products with the reference at the
      block's middle row (factors within exp(8 |b|)); any decay column by column
      (`kda_prep.diagonal_by_columns`, every exponent <= 0);
@@ -65,7 +65,7 @@ def _row_of(x, row):
 
 def _intra_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref,
                   aqk_ref, m_ref, qg_ref, kg_ref, kb_ref, gcum_ref, glast_ref, *,
-                  scale, chunk, precision, bounded, exact):
+                  scale, chunk, block_k, precision, bounded, exact):
     """Sub-chunk b of one chunk of one head (see the module docstring).
 
     Refs are whole arrays [T', H, ...]; rows past the chunk's length load as zeros
@@ -78,47 +78,53 @@ def _intra_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref,
     blocks = chunk // SUB_CHUNK
     slot, b = sub // blocks, sub % blocks
     r0, clen = chunk_start_ref[slot], chunk_len_ref[slot]
-    head_k = q_ref.shape[-1]
     f32 = jnp.float32
     exp = _exponential(exact)
     sub_row, col = iota((SUB_CHUNK, 1), 0), iota((1, SUB_CHUNK), 1)
+    zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
 
     def rows(c):
         return pl.ds(r0 + c * SUB_CHUNK, SUB_CHUNK), sub_row + c * SUB_CHUNK < clen
 
-    def load(ref, c):
+    def load(ref, c, cols=slice(None)):
         index, valid = rows(c)
-        return load_rows(ref, index, h, valid)
+        return load_rows(ref, index, h, valid, cols)
 
     def store(ref, value, cols=slice(None)):
         index, valid = rows(b)
         plgpu.store(ref.at[index, h, cols], value.astype(ref.dtype), mask=valid)
 
     def block_cols(c):
-        return pl.ds(pl.multiple_of(c * SUB_CHUNK, SUB_CHUNK), SUB_CHUNK)
+        start = c * SUB_CHUNK if isinstance(c, int) else pl.multiple_of(c * SUB_CHUNK, SUB_CHUNK)
+        return pl.ds(start, SUB_CHUNK)
 
-    @pl.when(b * SUB_CHUNK < clen)
-    def _():
-        q, k, beta = load(q_ref, b), load(k_ref, b), load(beta_ref, b)  # beta [16, 1]
-        rise = lax.cumsum(load(g_ref, b), axis=0)  # G minus G just before block b
+    def key_slice(index, sums):
+        """One slice of `block_k` key columns: G, Qg, Kg, kb stored, its part of the
+        blocks (b, c) of Aqk and L added to `sums` (Aqk's, L's: one [16, 16] per earlier
+        block c < blocks - 1, then the diagonal block). A loop, not unrolled."""
+        a_sums, l_sums = list(sums[0]), list(sums[1])
+        cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+        q, k = load(q_ref, b, cols), load(k_ref, b, cols)
+        rise = lax.cumsum(load(g_ref, b, cols), axis=0)  # G minus G just before block b
         total = _row_of(rise, SUB_CHUNK - 1)
-        fall = exp(rise)                           # <= 1
+        fall = exp(rise)                                  # <= 1
         q_fall, k_fall = q * fall, k * fall
 
-        def earlier(i, between):
-            """Block (b, c), c = b - 1 - i. `between` is the sum of g over blocks
-            c + 1 .. b - 1, so G just before block b minus G_j is between + total_c -
-            rise_c(j): a sum of g over later rows, <= 0."""
-            c = b - 1 - i
-            rise_c = lax.cumsum(load(g_ref, c), axis=0)
+        def pair(c, between):
+            """Block (b, c); `between` is the sum of g over blocks c + 1 .. b - 1, so G just
+            before block b minus G_j is between + total_c - rise_c(j) <= 0."""
+            rise_c = lax.cumsum(load(g_ref, c, cols), axis=0)
             total_c = _row_of(rise_c, SUB_CHUNK - 1)
-            keys = load(k_ref, c) * exp(between + total_c - rise_c)
-            store(aqk_ref, scale * dot_nt(q_fall, keys, precision), block_cols(c))
-            store(m_ref, beta * dot_nt(k_fall, keys, precision), block_cols(c))
-            return between + total_c
+            keys = load(k_ref, c, cols) * exp(between + total_c - rise_c)
+            return (dot_nt(q_fall, keys, precision), dot_nt(k_fall, keys, precision),
+                    between + total_c)
 
-        before = lax.fori_loop(0, b, earlier, jnp.zeros((1, head_k), f32))
-
+        between = jnp.zeros_like(total)
+        for c in range(blocks - 2, -1, -1):  # only c < b contribute
+            a_bc, l_bc, between = lax.cond(c < b, functools.partial(pair, c),
+                                           lambda x: (zeros, zeros, x), between)
+            a_sums[c] += a_bc
+            l_sums[c] += l_bc
         if bounded:
             # Reference G at the block's middle row: both factors within exp(8 |b|).
             mid = _row_of(rise, SUB_CHUNK // 2 - 1)
@@ -127,29 +133,45 @@ def _intra_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref,
             l_bb = dot_nt(k * centred, keys, precision)
         else:
             a_bb, l_bb = diagonal_by_columns(q, k, rise)
-        store(aqk_ref, scale * jnp.where(col <= sub_row, a_bb, 0.0), block_cols(b))
-        store(m_ref, invert_by_substitution(jnp.where(col < sub_row, beta * l_bb, 0.0)),
-              block_cols(b))
+        a_sums[-1] += a_bb
+        l_sums[-1] += l_bb
 
+        after = jnp.zeros_like(total)  # the sum of g over blocks after b
+        for c in range(1, blocks):
+            after = lax.cond(
+                c > b, lambda x, c=c: x + jnp.sum(load(g_ref, c, cols), axis=0, keepdims=True),
+                lambda x: x, after)
+        g_cum = between + rise  # `between` now sums all blocks before b
+        decay = exp(g_cum)
+        store(gcum_ref, g_cum, cols)
+        store(qg_ref, scale * q * decay, cols)
+        store(kb_ref, load(beta_ref, b) * k * decay, cols)
+        store(kg_ref, k * exp(after + total - rise), cols)
+
+        @pl.when(b == 0)
+        def _():
+            glast_ref[pl.ds(slot, 1), h, cols] = total + after
+
+        return tuple(a_sums), tuple(l_sums)
+
+    @pl.when(b * SUB_CHUNK < clen)
+    def _():
+        no_sums = (zeros,) * blocks
+        a_sums, l_sums = lax.fori_loop(0, q_ref.shape[-1] // block_k, key_slice,
+                                       (no_sums, no_sums))
+        beta = load(beta_ref, b)  # [16, 1]
+        for c in range(blocks - 1):
+            @pl.when(c < b)
+            def _(c=c):
+                store(aqk_ref, scale * a_sums[c], block_cols(c))
+                store(m_ref, beta * l_sums[c], block_cols(c))
+        store(aqk_ref, scale * jnp.where(col <= sub_row, a_sums[-1], 0.0), block_cols(b))
+        store(m_ref, invert_by_substitution(jnp.where(col < sub_row, beta * l_sums[-1], 0.0)),
+              block_cols(b))
         index, valid = rows(b)
         above = iota((1, chunk), 1) >= (b + 1) * SUB_CHUNK
         plgpu.store(aqk_ref.at[index, h, :], jnp.zeros((SUB_CHUNK, chunk), aqk_ref.dtype),
                     mask=valid & above)
-
-        def later(c, after):
-            return after + jnp.sum(load(g_ref, c), axis=0, keepdims=True)
-
-        after = lax.fori_loop(b + 1, blocks, later, jnp.zeros((1, head_k), f32))
-        g_cum = before + rise
-        decay = exp(g_cum)
-        store(gcum_ref, g_cum)
-        store(qg_ref, scale * q * decay)
-        store(kb_ref, beta * k * decay)
-        store(kg_ref, k * exp(after + total - rise))
-
-        @pl.when(b == 0)
-        def _():
-            glast_ref[pl.ds(slot, 1), h, :] = total + after
 
 
 def _solve_kernel(chunk_start_ref, chunk_len_ref, m_ref, kb_ref, v_ref, beta_ref,
@@ -215,6 +237,7 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float, bounded_ga
     num_slots = slots.start.shape[0]
     intra = pl.pallas_call(
         functools.partial(_intra_kernel, scale=scale, chunk=chunk,
+                          block_k=min(config.intra_block_k, head_k),
                           precision=matmul_precision(exact), bounded=bounded_gates,
                           exact=exact),
         out_shape=SplitMatrices(

@@ -212,7 +212,7 @@ class KdaKernelCases:
         assert o.dtype == jnp.bfloat16
 
     @pytest.mark.parametrize(("lens", "bound", "dtype", "options"), [
-        ([1, 63, 64], None, jnp.float32, {"head_k": 64}),
+        ([1, 63, 64], None, jnp.float32, {"head_k": 64, "intra_block_k": 32}),
         ([65, 0, 200, 3, 129], -5.0, jnp.float32, {}),
         ([300], -5.0, jnp.float32, {"saturated": True}),
         ([257, 64, 31], None, jnp.bfloat16, {}),
@@ -223,12 +223,13 @@ class KdaKernelCases:
         """`prep_design="split"` (kda_prep_split) on a subset of the cases above: both gate
         paths, packed sequences with empty ones and padding rows, snapshots at chunk
         boundaries and mid-chunk (`awkward_offsets`), initial states, fp32 and bf16,
-        decays saturated at the bound, chunks of 32."""
+        decays saturated at the bound, chunks of 32, one and two key slices."""
         inputs = make_inputs(rng, lens, padding=20, head_k=options.get("head_k", 32),
                              dtype=dtype)
         if options.get("saturated"):
             inputs["g"] = jnp.full_like(inputs["g"], -5.0)
-        config = KernelConfig(block_v=32, prep_design="split")
+        config = KernelConfig(block_v=32, prep_design="split",
+                              intra_block_k=options.get("intra_block_k", 16))
         o, _, _ = self.check_against_recurrence(
             inputs, 1e-5 if dtype == jnp.float32 else 5e-3, config=config,
             gate_lower_bound=bound, chunk_size=options.get("chunk_size", 64))
@@ -304,6 +305,9 @@ def test_config_rejects_mismatched_blocks(rng):
         kda_prefill(**inputs, config=KernelConfig(block_v=64))
     with pytest.raises(ValueError, match="K=32 .* key slice 24"):  # 8 columns would be lost
         kda_prefill(**inputs, config=KernelConfig(block_v=32, prep_block_k=24))
+    with pytest.raises(ValueError, match="K=32 .* key slice 24"):
+        kda_prefill(**inputs, config=KernelConfig(block_v=32, prep_design="split",
+                                                  intra_block_k=24))
     with pytest.raises(ValueError, match="prep_design.*'tiled'"):
         kda_prefill(**inputs, config=KernelConfig(block_v=32, prep_design="tiled"))
 
