@@ -1,6 +1,7 @@
 """`python -m bench.kda_kernel --quick` on the CPU (interpret mode): the plain and the
-segment-parallel scan are timed and checked against the jax.numpy oracle, and the bytes
-per token-head are reported; the byte count itself against a hand count."""
+segment-parallel scan and the split prep design are timed and checked against the
+jax.numpy oracle, and the bytes per token-head are reported; the byte count itself
+against a hand count."""
 
 import json
 
@@ -11,14 +12,17 @@ from pallas_kernels.kda_traffic import GB10_BANDWIDTH, traffic_summary
 from pallas_kernels.tuning import KernelConfig
 
 
-@pytest.mark.slow  # ~40 s of CPU (2-3 min on busy cores), compiling five kernel variants
+@pytest.mark.slow  # ~60 s of CPU (3-4 min on busy cores), compiling seven kernel variants
 def test_quick_run_times_segment_counts_and_writes_json(tmp_path):
     path = tmp_path / "kda_kernel.json"
-    main(["--quick", "--segments", "1,3", "--out", str(path)])
+    main(["--quick", "--segments", "1,3", "--prep-designs", "split", "--out", str(path)])
     (result,) = json.loads(path.read_text())["results"]
-    assert {"pallas 1 seg, 4 snap", "pallas 3 seg w4, 4 snap"} <= set(result["ms"])
+    assert {"pallas 1 seg, 4 snap", "pallas 3 seg w4, 4 snap", "pallas split prep, 4 snap",
+            "pallas split prep any decay, 4 snap"} <= set(result["ms"])
     assert all(ms > 0 for ms in result["ms"].values())
-    for row in ("bounded", "pallas 3 seg w4, 4 snap"):
+    assert result["prep_designs"]["split"]["config"]["prep_design"] == "split"
+    for row in ("bounded", "pallas 3 seg w4, 4 snap", "pallas split prep, 4 snap",
+                "pallas split prep any decay, 4 snap"):
         for name in ("o", "final_states", "snapshots"):
             assert result["relative_error_vs_reference"][f"{row} {name}"] < 1e-2, (row, name)
     traffic = result["traffic"]
