@@ -13,8 +13,8 @@ key slices and a W/U kernel:
      factors <= 1, every exponent from block-local cumsums and block totals, as in the
      fused design;
    - the diagonal block: bounded gates by two more products with the reference at the
-     block's middle row (factors within exp(8 |b|)); any decay column by column
-     (`kda_prep.diagonal_by_columns`, every exponent <= 0);
+     block's middle row (factors within exp(8 |b|)); any decay by halving segments
+     (`_diagonal_by_levels`: four levels of masked products, every exponent <= 0);
    - T_bb = (I + beta L_bb)^-1 by forward substitution, stored in place of L_bb;
    - G, Qg, Kg and `kb` = beta k exp(G) (operand dtype: the right-hand side of W, so that
      the solve reads no fp32 G), and G_last (by sub-chunk 0).
@@ -44,7 +44,6 @@ from pallas_kernels.kda_prep import (
     SUB_CHUNK,
     ChunkSlots,
     ChunkTensors,
-    diagonal_by_columns,
     invert_by_substitution,
 )
 from pallas_kernels.tiles import dot, dot_nt, iota, load_rows, matmul_precision, operand_dtype
@@ -61,6 +60,40 @@ def _exponential(exact):
 def _row_of(x, row):
     """Row `row` of a [16, N] tile as [1, N]."""
     return jnp.sum(jnp.where(iota((x.shape[0], 1), 0) == row, x, 0.0), axis=0, keepdims=True)
+
+
+def _diagonal_by_levels(q, k, g, rise, precision, exp):
+    """The diagonal [16, 16] blocks of Aqk (inclusive, before scale) and L (strict, before
+    beta) of one sub-chunk for any decay, on [16, BK] slices: q, k fp32, g the gates, rise
+    their cumsum from the sub-chunk's start.
+
+    Every pair i > j is in one segment of 2h rows (h = 8, 4, 2, 1) with i in its upper
+    half and j in its lower half; its factor is exp(G_i - E) exp(E - G_j), E = G at the
+    lower half's last row, both exponents <= 0 (any decay). So four levels of two masked
+    [16, BK] x [BK, 16] products (Aqk's, L's) and q . k on the diagonal replace a 16-step
+    column loop. At h = 1, E is row i - 1: the q-side exponent is g_i itself.
+    """
+    rows, cols = iota((SUB_CHUNK, 1), 0), iota((1, SUB_CHUNK), 1)
+    a_blk = jnp.where(cols == rows, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
+    l_blk = jnp.zeros_like(a_blk)
+    half = SUB_CHUNK // 2
+    while half:
+        segment = 2 * half
+        upper = rows % segment >= half  # [16, 1]
+        if half == 1:
+            q_side, k_side = jnp.where(upper, exp(g), 0.0), jnp.where(upper, 0.0, k)
+        else:
+            ref = jnp.zeros_like(rise)  # E, row by row
+            for start in range(0, SUB_CHUNK, segment):
+                inside = (rows >= start) & (rows < start + segment)
+                ref = jnp.where(inside, _row_of(rise, start + half - 1), ref)
+            q_side = jnp.where(upper, exp(jnp.minimum(rise - ref, 0.0)), 0.0)
+            k_side = jnp.where(upper, 0.0, k * exp(jnp.minimum(ref - rise, 0.0)))
+        same = rows // segment == cols // segment
+        a_blk += jnp.where(same, dot_nt(q * q_side, k_side, precision), 0.0)
+        l_blk += jnp.where(same, dot_nt(k * q_side, k_side, precision), 0.0)
+        half //= 2
+    return a_blk, l_blk
 
 
 def _intra_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref,
@@ -104,8 +137,8 @@ def _intra_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref,
         block c < blocks - 1, then the diagonal block). A loop, not unrolled."""
         a_sums, l_sums = list(sums[0]), list(sums[1])
         cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-        q, k = load(q_ref, b, cols), load(k_ref, b, cols)
-        rise = lax.cumsum(load(g_ref, b, cols), axis=0)  # G minus G just before block b
+        q, k, g = load(q_ref, b, cols), load(k_ref, b, cols), load(g_ref, b, cols)
+        rise = lax.cumsum(g, axis=0)  # G minus G just before block b
         total = _row_of(rise, SUB_CHUNK - 1)
         fall = exp(rise)                                  # <= 1
         q_fall, k_fall = q * fall, k * fall
@@ -132,7 +165,7 @@ def _intra_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref,
             a_bb = dot_nt(q * centred, keys, precision)
             l_bb = dot_nt(k * centred, keys, precision)
         else:
-            a_bb, l_bb = diagonal_by_columns(q, k, rise)
+            a_bb, l_bb = _diagonal_by_levels(q, k, g, rise, precision, exp)
         a_sums[-1] += a_bb
         l_sums[-1] += l_bb
 

@@ -212,7 +212,7 @@ class KdaKernelCases:
         assert o.dtype == jnp.bfloat16
 
     @pytest.mark.parametrize(("lens", "bound", "dtype", "options"), [
-        ([1, 63, 64], None, jnp.float32, {"head_k": 64, "intra_block_k": 32}),
+        ([1, 63, 64], None, jnp.float32, {"head_k": 64, "intra_block_k": 32, "min_decay": -40}),
         ([65, 0, 200, 3, 129], -5.0, jnp.float32, {}),
         ([300], -5.0, jnp.float32, {"saturated": True}),
         ([257, 64, 31], None, jnp.bfloat16, {}),
@@ -223,9 +223,10 @@ class KdaKernelCases:
         """`prep_design="split"` (kda_prep_split) on a subset of the cases above: both gate
         paths, packed sequences with empty ones and padding rows, snapshots at chunk
         boundaries and mid-chunk (`awkward_offsets`), initial states, fp32 and bf16,
-        decays saturated at the bound, chunks of 32, one and two key slices."""
+        decays saturated at the bound and (any decay) down to -40 per token, chunks of 32,
+        one and two key slices."""
         inputs = make_inputs(rng, lens, padding=20, head_k=options.get("head_k", 32),
-                             dtype=dtype)
+                             dtype=dtype, min_decay=options.get("min_decay", -5.0))
         if options.get("saturated"):
             inputs["g"] = jnp.full_like(inputs["g"], -5.0)
         config = KernelConfig(block_v=32, prep_design="split",
