@@ -305,7 +305,9 @@ class ChunkTensors(NamedTuple):
     """What the prep pass hands the scan, per row and head ([T', H, ...]).
 
     W, U, Aqk, Qg, Kg are stored in the operand dtype (bf16 on the fast path, fp32 when
-    exact); G and G_last stay fp32.
+    exact); G and G_last stay fp32. The split prep design (`KernelConfig.prep_design`)
+    stores no G: its g_cum is the gates g as given, which the scan sums over the chunk
+    where it takes a snapshot.
     """
 
     w: jax.Array      # [T', H, K]
@@ -313,7 +315,7 @@ class ChunkTensors(NamedTuple):
     aqk: jax.Array    # [T', H, C]
     qg: jax.Array     # [T', H, K]
     kg: jax.Array     # [T', H, K]
-    g_cum: jax.Array  # [T', H, K] fp32
+    g_cum: jax.Array  # [T', H, K] fp32 G (split design: g)
     g_last: jax.Array  # [S, H, K] fp32: G at each chunk slot's last row
 
 

@@ -16,8 +16,9 @@ key slices and a W/U kernel:
      block's middle row (factors within exp(8 |b|)); any decay by halving segments
      (`_diagonal_by_levels`: four levels of masked products, every exponent <= 0);
    - T_bb = (I + beta L_bb)^-1 by forward substitution, stored in place of L_bb;
-   - G, Qg, Kg and `kb` = beta k exp(G) (operand dtype: the right-hand side of W, so that
-     the solve reads no fp32 G), and G_last (by sub-chunk 0).
+   - Qg, Kg and `kb` = beta k exp(G) (operand dtype: the right-hand side of W, so that
+     the solve reads no fp32 G), and G_last (by sub-chunk 0). G itself is not stored:
+     `ChunkTensors.g_cum` is g, which the scan sums over a chunk where it takes a snapshot.
 2. `_solve_kernel` (`kda_prep_solve`), one program per chunk and head: T by 16 x 16 blocks,
    T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (TF32 products on the fast path, IEEE fp32 when
    exact, as the fused design), then W = T kb and U = T diag(beta) v by row blocks,
@@ -97,7 +98,7 @@ def _diagonal_by_levels(q, k, g, rise, precision, exp):
 
 
 def _intra_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref,
-                  aqk_ref, m_ref, qg_ref, kg_ref, kb_ref, gcum_ref, glast_ref, *,
+                  aqk_ref, m_ref, qg_ref, kg_ref, kb_ref, glast_ref, *,
                   scale, chunk, block_k, precision, bounded, exact):
     """Sub-chunk b of one chunk of one head (see the module docstring).
 
@@ -105,7 +106,8 @@ def _intra_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref,
     (g = 0 keeps G flat there, k = beta = 0 adds nothing) and are not stored. Stores row
     block b of Aqk [T', H, C] (operand dtype, scaled, zeros above the diagonal) and of
     M [T', H, C] (fp32: beta_b L_bc for c < b, T_bb at c = b, nothing above), and the
-    block's rows of Qg, Kg, kb (operand dtype), G (fp32); G_last [S, H, K] (fp32).
+    block's rows of Qg, Kg, kb (operand dtype); G_last [S, H, K] (fp32). G itself is not
+    stored: the scan sums g over the chunk where it takes a snapshot.
     """
     sub, h = pl.program_id(0), pl.program_id(1)
     blocks = chunk // SUB_CHUNK
@@ -174,9 +176,7 @@ def _intra_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref,
             after = lax.cond(
                 c > b, lambda x, c=c: x + jnp.sum(load(g_ref, c, cols), axis=0, keepdims=True),
                 lambda x: x, after)
-        g_cum = between + rise  # `between` now sums all blocks before b
-        decay = exp(g_cum)
-        store(gcum_ref, g_cum, cols)
+        decay = exp(between + rise)  # G; `between` now sums all blocks before b
         store(qg_ref, scale * q * decay, cols)
         store(kb_ref, load(beta_ref, b) * k * decay, cols)
         store(kg_ref, k * exp(after + total - rise), cols)
@@ -254,8 +254,8 @@ class SplitMatrices(NamedTuple):
     qg: jax.Array      # [T', H, K] operand dtype
     kg: jax.Array      # [T', H, K] operand dtype
     kb: jax.Array      # [T', H, K] operand dtype: beta k exp(G)
-    g_cum: jax.Array   # [T', H, K] fp32
     g_last: jax.Array  # [S, H, K] fp32
+    g: jax.Array       # [T', H, K]: the gates as given (for the scan's snapshots)
 
 
 def _rows_of(x, width, dtype):
@@ -273,16 +273,16 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float, bounded_ga
                           block_k=min(config.intra_block_k, head_k),
                           precision=matmul_precision(exact), bounded=bounded_gates,
                           exact=exact),
-        out_shape=SplitMatrices(
+        out_shape=(
             _rows_of(q, chunk, inter), _rows_of(q, chunk, f32), _rows_of(q, head_k, inter),
-            _rows_of(q, head_k, inter), _rows_of(q, head_k, inter), _rows_of(q, head_k, f32),
+            _rows_of(q, head_k, inter), _rows_of(q, head_k, inter),
             jax.ShapeDtypeStruct((num_slots, q.shape[1], head_k), f32)),
         grid=(num_slots * (chunk // SUB_CHUNK), q.shape[1]),
         compiler_params=plgpu.CompilerParams(num_warps=config.intra_num_warps, num_stages=1),
         interpret=interpret,
         name="kda_prep_intra",
     )
-    return SplitMatrices(*intra(slots.start, slots.length, q, k, g, beta))
+    return SplitMatrices(*intra(slots.start, slots.length, q, k, g, beta), g=g)
 
 
 def chunk_w_u(matrices: SplitMatrices, k, v, beta, slots: ChunkSlots, *,
@@ -301,4 +301,4 @@ def chunk_w_u(matrices: SplitMatrices, k, v, beta, slots: ChunkSlots, *,
     )
     w, u = solve(slots.start, slots.length, matrices.m, matrices.kb, v, beta)
     m = matrices
-    return ChunkTensors(w, u, m.aqk, m.qg, m.kg, m.g_cum, m.g_last)
+    return ChunkTensors(w, u, m.aqk, m.qg, m.kg, m.g, m.g_last)

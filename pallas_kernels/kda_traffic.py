@@ -30,10 +30,10 @@ def bytes_per_token_head(config: KernelConfig, head_k: int, head_v: int, *,
     passes = {}
     if config.prep_design == "split":
         # Intra: inputs in (the earlier and later sub-chunks' k and g that a program
-        # re-reads come from L2); Aqk, M (fp32), Qg, Kg, kb, G (fp32), G_last out. Solve:
-        # M, kb, v, beta in; W, U out. Both gate paths alike.
-        passes["intra"] = (inputs + BF16 * c + FP32 * c + 3 * BF16 * k + FP32 * k
-                           + FP32 * k / c)
+        # re-reads come from L2); Aqk, M (fp32), Qg, Kg, kb, G_last out (no G: the scan
+        # reads g where it takes a snapshot, as it reads G otherwise). Solve: M, kb, v,
+        # beta in; W, U out. Both gate paths alike.
+        passes["intra"] = inputs + BF16 * c + FP32 * c + 3 * BF16 * k + FP32 * k / c
         passes["solve"] = FP32 * c + BF16 * (k + v) + BF16 + BF16 * (k + v)
     else:
         if not bounded:  # reads the inputs, writes Aqk's diagonal blocks and their inverses
