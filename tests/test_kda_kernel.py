@@ -218,18 +218,24 @@ class KdaKernelCases:
         ([257, 64, 31], None, jnp.bfloat16, {}),
         ([190, 1, 66], -5.0, jnp.bfloat16, {}),
         ([100, 33], -5.0, jnp.float32, {"chunk_size": 32}),
+        ([581, 0, 1, 130], None, jnp.float32, {"segments": 3}),
     ])
     def test_split_prep_design(self, rng, lens, bound, dtype, options):
         """`prep_design="split"` (kda_prep_split) on a subset of the cases above: both gate
         paths, packed sequences with empty ones and padding rows, snapshots at chunk
         boundaries and mid-chunk (`awkward_offsets`), initial states, fp32 and bf16,
         decays saturated at the bound and (any decay) down to -40 per token, chunks of 32,
-        one and two key slices."""
-        inputs = make_inputs(rng, lens, padding=20, head_k=options.get("head_k", 32),
-                             dtype=dtype, min_decay=options.get("min_decay", -5.0))
+        one and two key slices, the segment-parallel scan (snapshots either side of each
+        segment boundary, weak decays)."""
+        segments = options.get("segments", 1)
+        if segments > 1:
+            inputs = segment_batch(rng, lens, segments, heads=1, padding=20, min_decay=-0.02)
+        else:
+            inputs = make_inputs(rng, lens, padding=20, head_k=options.get("head_k", 32),
+                                 dtype=dtype, min_decay=options.get("min_decay", -5.0))
         if options.get("saturated"):
             inputs["g"] = jnp.full_like(inputs["g"], -5.0)
-        config = KernelConfig(block_v=32, prep_design="split",
+        config = KernelConfig(block_v=32, prep_design="split", scan_segments=segments,
                               intra_block_k=options.get("intra_block_k", 16))
         o, _, _ = self.check_against_recurrence(
             inputs, 1e-5 if dtype == jnp.float32 else 5e-3, config=config,
