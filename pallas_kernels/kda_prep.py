@@ -84,28 +84,6 @@ def _invert_by_products(l_blk):
     return dot(inv, eye + l8, hi)
 
 
-def diagonal_by_columns(q, k, rise):
-    """The diagonal [16, 16] blocks of Aqk (inclusive, before scale) and L (strict, before
-    beta) of one sub-chunk, for any decay: q, k [16, K] fp32, rise [16, K] the cumsum of g
-    from the sub-chunk's start. Formed column by column, every exponent <= 0 (a loop, not
-    unrolled: the code stays small)."""
-    sub_row, cols = iota((SUB_CHUNK, 1), 0), iota((1, SUB_CHUNK), 1)
-
-    def column(j, blocks):
-        a_blk, l_blk = blocks
-        at_j = sub_row == j
-        k_j = jnp.sum(jnp.where(at_j, k, 0.0), axis=0, keepdims=True)  # [1, K]
-        g_j = jnp.sum(jnp.where(at_j, rise, 0.0), axis=0, keepdims=True)
-        k_dec = k_j * jnp.exp(jnp.minimum(rise - g_j, 0.0))  # [16, K]
-        a_col = jnp.sum(q * k_dec, axis=1, keepdims=True)  # [16, 1]
-        l_col = jnp.sum(k * k_dec, axis=1, keepdims=True)
-        return (jnp.where(cols == j, jnp.where(sub_row >= j, a_col, 0.0), a_blk),
-                jnp.where(cols == j, jnp.where(sub_row > j, l_col, 0.0), l_blk))
-
-    zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), jnp.float32)
-    return lax.fori_loop(0, SUB_CHUNK, column, (zeros, zeros))
-
-
 def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, a_ref,
                      inv_ref, *, chunk):
     """One 16-row sub-chunk of one head: its diagonal [16, 16] block of Aqk (inclusive,
@@ -119,6 +97,7 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
     slot = sub // (chunk // SUB_CHUNK)
     first = (sub % (chunk // SUB_CHUNK)) * SUB_CHUNK
     clen = chunk_len_ref[slot]
+    f32 = jnp.float32
 
     @pl.when(first < clen)
     def _():
@@ -130,8 +109,24 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
             return load_rows(ref, rows, h, valid)
 
         q, k = load(q_ref), load(k_ref)
-        a_blk, l_blk = diagonal_by_columns(q, k, lax.cumsum(load(g_ref), axis=0))
-        beta = load(beta_ref)  # [16, 1]
+        g_blk = lax.cumsum(load(g_ref), axis=0)  # G relative to the sub-chunk's start
+        beta = load(beta_ref)                    # [16, 1]
+        cols = iota((1, SUB_CHUNK), 1)
+
+        def column(j, blocks):
+            """Column j of both blocks (a loop, not unrolled: the code stays small)."""
+            a_blk, l_blk = blocks
+            at_j = sub_row == j
+            k_j = jnp.sum(jnp.where(at_j, k, 0.0), axis=0, keepdims=True)  # [1, K]
+            g_j = jnp.sum(jnp.where(at_j, g_blk, 0.0), axis=0, keepdims=True)
+            k_dec = k_j * jnp.exp(jnp.minimum(g_blk - g_j, 0.0))  # [16, K]
+            a_col = jnp.sum(q * k_dec, axis=1, keepdims=True)  # [16, 1]
+            l_col = jnp.sum(k * k_dec, axis=1, keepdims=True)
+            return (jnp.where(cols == j, jnp.where(sub_row >= j, a_col, 0.0), a_blk),
+                    jnp.where(cols == j, jnp.where(sub_row > j, l_col, 0.0), l_blk))
+
+        zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
+        a_blk, l_blk = lax.fori_loop(0, SUB_CHUNK, column, (zeros, zeros))
         plgpu.store(a_ref.at[rows, h, :], a_blk, mask=valid)
         plgpu.store(inv_ref.at[rows, h, :], _invert_by_products(beta * l_blk), mask=valid)
 
