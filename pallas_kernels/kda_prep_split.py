@@ -1,8 +1,8 @@
 """Pass 1 of the KDA checkpointing scan, split design (`KernelConfig.prep_design="split"`).
 
-The same outputs as `pallas_kernels.kda_prep` (`ChunkTensors`: W, U, Aqk, Qg, Kg, G and
-G_last; DESIGN section 2), from two kernels instead of a per-chunk kernel that loops over
-key slices and a W/U kernel:
+What `pallas_kernels.kda_prep` hands the scan (`ChunkTensors`: W, U, Aqk, Qg, Kg, G_last;
+DESIGN section 2; g in place of G, below), from two kernels instead of a per-chunk kernel
+that loops over key slices and a W/U kernel:
 
 1. `_intra_kernel` (`kda_prep_intra`), one program per 16-row sub-chunk b and head (1 warp
    by default: a [16, 16] product fills one warp, and more warps only repeat it), over
@@ -134,7 +134,7 @@ def _intra_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref,
         return pl.ds(start, SUB_CHUNK)
 
     def key_slice(index, sums):
-        """One slice of `block_k` key columns: G, Qg, Kg, kb stored, its part of the
+        """One slice of `block_k` key columns: Qg, Kg, kb stored, its part of the
         blocks (b, c) of Aqk and L added to `sums` (Aqk's, L's: one [16, 16] per earlier
         block c < blocks - 1, then the diagonal block). A loop, not unrolled."""
         a_sums, l_sums = list(sums[0]), list(sums[1])
