@@ -30,8 +30,11 @@ $(STAMP): pyproject.toml constraints.txt | $(PYTHON)
 lint: venv
 	$(VENV)/bin/ruff check .
 
+# Two pytest workers (pytest-xdist): most tests compile or run on one core, so one worker
+# left the CI's second core idle about half the time. --dist loadfile keeps each file in one
+# worker, so its module-scoped fixtures (servers, engines) are built once.
 test: lint
-	$(PYTHON) -m pytest -q -m "not gpu"
+	$(PYTHON) -m pytest -q -m "not gpu" -n 2 --dist loadfile
 
 serve: venv
 	$(PYTHON) -m serving.server $(SERVE_ARGS)

@@ -8,9 +8,12 @@
 - ``serving.prefix_cache``: longest-prefix lookup over both.
 - ``serving.request``: a request's tokens, status and the resources it holds.
 - ``serving.scheduler``: per-step decodes and prefill spans, admission, preemption, and
-  registering what each step retained; ``serving.step``: what a scheduled step holds.
+  registering what each step retained (``serving.step_planner`` fills each step);
+  ``serving.step``: what a scheduled step holds.
 - ``serving.batch_builder``: a scheduled step packed into the model's bucketed batches.
 - ``serving.sampling``: greedy / temperature / top-k / top-p sampling with per-request seeds.
-- ``serving.engine``: the step loop over scheduler, model and sampler;
+- ``serving.engine``: the step loop over scheduler, model and sampler
+  (``serving.engine_config``: its knobs; ``serving.step_failures``: a failed step);
   ``serving.outputs``: the request outputs and metrics it reports.
+- ``serving.server``: the HTTP server (``serving.server_args``: its command line).
 """

@@ -41,7 +41,6 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -51,90 +50,24 @@ from glmjax.sharding import ModelSteps, single_device_steps
 from serving.batch_builder import BatchBuckets, BatchBuilder
 from serving.block_allocator import BlockAllocator
 from serving.dispatch import InFlight, StepDispatch, StepRefusedError
-from serving.outputs import EngineMetrics, FinishReason, RequestOutput
+from serving.engine_config import EngineConfig
+from serving.outputs import EngineMetrics, FinishReason, RequestOutput, TrackedRequest
 from serving.prefix_cache import PrefixCache
-from serving.request import Request, SamplingParams
+from serving.request import SamplingParams
 from serving.sampling import SEED_LIMIT
 from serving.scheduler import Scheduler
 from serving.speculative import COUNTERS as SPECULATIVE_COUNTERS
 from serving.speculative import SpeculativeInFlight, SpeculativeRunner, trim_draws
 from serving.state_slots import StateSlotAllocator
-from serving.step import ScheduledStep, SchedulerConfig
+from serving.step import ScheduledStep
+from serving.step_failures import DeviceLostError, StepFailures
 
 __all__ = ["DeviceLostError", "Engine", "EngineConfig", "StepRefusedError"]
 
 logger = logging.getLogger(__name__)
 
 
-class DeviceLostError(RuntimeError):
-    """The device stopped answering after a failed step; the engine cannot go on."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineConfig(SchedulerConfig):
-    """Memory and scheduling of one engine (see ``SchedulerConfig`` for the knobs it shares).
-
-    Attributes:
-      num_kv_blocks: MLA KV block ids (each P * dcp tokens).
-      num_state_slots: KDA state slots (running requests and retained states).
-      eos_token_id: finishes a request unless its ``ignore_eos`` (None: no such token).
-      single_bucket: pad every batch to the largest bucket, so each entry point compiles
-        once; good for small models and tests, wasteful for long budgets.
-      speculative_tokens (from ``SchedulerConfig``): N > 0 drafts N tokens per request
-        with the model's MTP head and verifies them in the next step
-        (``serving.speculative``; greedy requests, one device). It turns
-        ``async_scheduling`` off (logged) and refuses ``mixed_steps``.
-      seed: draws the seed of every request that brings none.
-      async_scheduling: schedule and dispatch step n + 1 before fetching step n (on by
-        default in the engine, off in a bare ``SchedulerConfig``).
-      mixed_steps: run a step's prefill spans and decode rows in one forward
-        (``glmjax.mixed``: the weights read once) rather than two; needs steps with a
-        ``mixed`` entry point (one device).
-    """
-
-    num_kv_blocks: int
-    num_state_slots: int
-    eos_token_id: int | None = None
-    single_bucket: bool = False
-    seed: int = 0
-    async_scheduling: bool = True
-    mixed_steps: bool = False
-
-    def __post_init__(self):
-        if self.speculative_tokens and self.mixed_steps:
-            raise ValueError(f"--speculative-tokens {self.speculative_tokens} cannot run with "
-                             "--mixed-steps (a mixed step has no verify rows)")
-        if self.speculative_tokens and self.async_scheduling:
-            logger.info("speculative_tokens=%d: asynchronous scheduling off (a verified "
-                        "decode's length is known only after its step's fetch)",
-                        self.speculative_tokens)
-            object.__setattr__(self, "async_scheduling", False)
-        super().__post_init__()
-
-    def scheduler_config(self) -> SchedulerConfig:
-        """The scheduling knobs alone."""
-        names = (field.name for field in dataclasses.fields(SchedulerConfig))
-        return SchedulerConfig(**{name: getattr(self, name) for name in names})
-
-
-@dataclasses.dataclass(eq=False)
-class _Tracked:
-    """What the engine keeps about a live request beside the scheduler's ``Request``."""
-
-    request: Request
-    seed: int
-    stop_token_ids: frozenset[int]
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
-    cached_counted: bool = False
-
-    @property
-    def tokens(self) -> list[int]:
-        """The tokens emitted so far (the request's later ones are still being sampled)."""
-        return self.request.output_token_ids[: len(self.logprobs)]
-
-
-class Engine(StepDispatch):
+class Engine(StepDispatch, StepFailures):
     """Runs requests to completion on one model and one set of caches."""
 
     def __init__(
@@ -201,7 +134,7 @@ class Engine(StepDispatch):
         )
         self._rows = buckets.seqs[-1]  # copies and sampled rows per step are at most this
         self._seeds = np.random.default_rng(engine_config.seed)
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, TrackedRequest] = {}
         self._aborted: list[RequestOutput] = []
         self._idle = False  # the last step scheduled nothing, preempted no one, none in flight
         self._counts = dict(
@@ -278,7 +211,7 @@ class Engine(StepDispatch):
         scheduled = dataclasses.replace(sampling, stop_token_ids=tuple(sorted(stops)))
         request = self.scheduler.add_request(request_id, prompt_token_ids, scheduled)
         seed = sampling.seed if sampling.seed is not None else int(self._seeds.integers(SEED_LIMIT))
-        self._tracked[request_id] = _Tracked(request, seed, frozenset(stops))
+        self._tracked[request_id] = TrackedRequest(request, seed, frozenset(stops))
         self._counts["requests_added"] += 1
         self._counts["prompt_tokens"] += len(request.prompt_token_ids)
 
@@ -289,7 +222,7 @@ class Engine(StepDispatch):
             return False
         tracked = self._tracked.pop(request_id)
         # No text: nobody reads an aborted request's, and detokenizing could raise here.
-        self._aborted.append(self._output(tracked, FinishReason.ABORT, None, with_text=False))
+        self._aborted.append(tracked.output(FinishReason.ABORT, None, None))
         self._counts["requests_aborted"] += 1
         return True
 
@@ -322,7 +255,7 @@ class Engine(StepDispatch):
         previous = self._in_flight[-1] if self._in_flight else None
         try:
             owners = {i: self._tracked[i] for i in step.sampling_request_ids}
-            sampling = {i: self._sampling_row(owners[i], position)
+            sampling = {i: owners[i].sampling_row(position)
                         for i, position in _sampled_positions(step).items()}
             if self._speculative is None:
                 flight = self.dispatch(step, owners, sampling, previous)
@@ -374,58 +307,6 @@ class Engine(StepDispatch):
                 outputs += self._fail_requests([request_id])
         return outputs
 
-    def _fail_step(self, step: ScheduledStep, error: Exception) -> list[RequestOutput]:
-        """Fails the step's requests (or, with the caches gone, every live request)."""
-        self._counts["step_failures"] += 1
-        if not self._caches_lost():
-            self.scheduler.abort_step(step)
-            self._in_flight = collections.deque(f for f in self._in_flight if f.step is not step)
-            # Live requests of another step in flight that bear one of these ids stay.
-            failed = [i for i in step.request_ids
-                      if i in self._tracked and self.scheduler.get_request(i) is None]
-            logger.error("step %d failed; failing its requests %s", step.step_id, failed,
-                         exc_info=error)
-            return self._fail_requests(failed)
-        self._check_device(error)
-        failed = list(self._tracked)
-        logger.error("step %d failed after its caches were donated; failing every live request "
-                     "%s and starting from empty pools", step.step_id, failed, exc_info=error)
-        self._make_pools()
-        self._counts["engine_resets"] += 1
-        return self._fail_requests(failed)
-
-    def _caches_lost(self) -> bool:
-        """Whether the caches can no longer be used: a failed call consumed them (donated
-        buffers deleted) or they hold an error the device reported after the call."""
-        try:
-            jax.block_until_ready(self.caches)
-        except Exception:
-            return True
-        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches))
-
-    def _fail_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
-        """Drops the requests (aborting those still live) and reports each finished with
-        ``FinishReason.ERROR``."""
-        outputs = []
-        for request_id in request_ids:
-            self.scheduler.abort(request_id)
-            tracked = self._tracked.pop(request_id, None)
-            if tracked is not None:
-                self._counts["requests_failed"] += 1
-                outputs.append(self._output(tracked, FinishReason.ERROR, None, with_text=False))
-        return outputs
-
-    def _check_device(self, error: Exception) -> None:
-        """Raises ``DeviceLostError`` unless every device of the steps runs a tiny program."""
-        devices = jax.devices() if self.steps.mesh is None else self.steps.mesh.devices.flat
-        try:
-            for device in devices:
-                jax.block_until_ready(jax.device_put(np.zeros((), np.int32), device) + 1)
-        except Exception as probe_error:
-            raise DeviceLostError(f"the device failed after a step failed: {error!r}") from (
-                probe_error
-            )
-
     def run_until_done(self) -> dict[str, RequestOutput]:
         """Steps until no request is left; returns each request's final output.
 
@@ -462,13 +343,6 @@ class Engine(StepDispatch):
             state_slots_retained=slots.cached,
         )
 
-    def _sampling_row(self, tracked: _Tracked, position: int) -> tuple[float, int, float, int, int]:
-        """(temperature, top_k, top_p, seed, output token index) of the draw of the
-        request's token at sequence ``position``."""
-        s = tracked.request.sampling
-        index = position - len(tracked.request.prompt_token_ids)
-        return s.temperature, s.top_k, s.top_p, tracked.seed, index
-
     def _count_cached_tokens(self, step: ScheduledStep) -> None:
         for scheduled in step.prefills:
             tracked = self._tracked.get(scheduled.request_id)
@@ -476,12 +350,12 @@ class Engine(StepDispatch):
                 tracked.cached_counted = True
                 self._counts["cached_prompt_tokens"] += tracked.request.num_cached_tokens or 0
 
-    def _after_token(self, tracked: _Tracked, finished: bool) -> RequestOutput:
+    def _after_token(self, tracked: TrackedRequest, finished: bool) -> RequestOutput:
         """The output after a new token; finishes the request on a stop string."""
         request = tracked.request
         last = tracked.tokens[-1]
         reason, stop_reason = None, None
-        stop_string = self._stop_string(tracked)
+        stop_string = tracked.first_stop_string(self._detokenize)
         if finished and last in tracked.stop_token_ids:
             reason, stop_reason = FinishReason.STOP, last
         elif stop_string is not None:
@@ -490,49 +364,11 @@ class Engine(StepDispatch):
                 self.scheduler.abort(request.request_id)
         elif finished:
             reason = FinishReason.LENGTH
-        output = self._output(tracked, reason, stop_reason)  # may raise: still tracked then
+        output = tracked.output(reason, stop_reason, self._detokenize)  # may raise: still tracked then
         if reason is not None:
             del self._tracked[request.request_id]
             self._counts["requests_finished"] += 1
         return output
-
-    def _stop_string(self, tracked: _Tracked) -> str | None:
-        """The stop string that occurs first in the output text, or None."""
-        if not tracked.request.sampling.stop:
-            return None
-        text = self._detokenize(tracked.tokens)
-        found = [(text.find(s), s) for s in tracked.request.sampling.stop if s in text]
-        return min(found)[1] if found else None
-
-    def _output(
-        self,
-        tracked: _Tracked,
-        reason: FinishReason | None,
-        stop_reason: int | str | None,
-        *,
-        with_text: bool = True,
-    ) -> RequestOutput:
-        """``with_text=False`` leaves the text out (a failed request's output may be what
-        failed to detokenize)."""
-        request = tracked.request
-        text = None
-        if with_text and self._detokenize is not None:
-            text = self._detokenize(tracked.tokens)
-            if isinstance(stop_reason, str):
-                text = text[: text.find(stop_reason)]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=tuple(tracked.tokens),
-            logprobs=tuple(tracked.logprobs),
-            top_logprobs=tuple(tracked.top_logprobs),
-            text=text,
-            finish_reason=reason,
-            stop_reason=stop_reason,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_cached_tokens=request.num_cached_tokens or 0,
-            num_preemptions=request.num_preemptions,
-        )
 
 
 def _sampled_positions(step: ScheduledStep) -> dict[str, int]:

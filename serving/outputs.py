@@ -1,8 +1,12 @@
 """What the engine reports: a request's output after each step, and the engine's metrics
-(plain data, read by ``serving.async_engine``, the HTTP handlers and the benchmarks)."""
+(plain data, read by ``serving.async_engine``, the HTTP handlers and the benchmarks); and
+``TrackedRequest``, what the engine keeps of a live request to build its outputs."""
 
 import dataclasses
 import enum
+from collections.abc import Callable, Sequence
+
+from serving.request import Request
 
 
 class FinishReason(enum.Enum):
@@ -99,3 +103,63 @@ class EngineMetrics:
         0 before any)."""
         decodes = self.spec_verified_decodes
         return (decodes + self.spec_accepted_tokens) / decodes if decodes else 0.0
+
+
+@dataclasses.dataclass(eq=False)
+class TrackedRequest:
+    """What the engine keeps about a live request beside the scheduler's ``Request``."""
+
+    request: Request
+    seed: int
+    stop_token_ids: frozenset[int]
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
+    cached_counted: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens emitted so far (the request's later ones are still being sampled)."""
+        return self.request.output_token_ids[: len(self.logprobs)]
+
+    def sampling_row(self, position: int) -> tuple[float, int, float, int, int]:
+        """(temperature, top_k, top_p, seed, output token index) of the draw of the
+        request's token at sequence ``position``."""
+        s = self.request.sampling
+        index = position - len(self.request.prompt_token_ids)
+        return s.temperature, s.top_k, s.top_p, self.seed, index
+
+    def first_stop_string(self, detokenize: Callable[[Sequence[int]], str]) -> str | None:
+        """The stop string that occurs first in the output text, or None."""
+        if not self.request.sampling.stop:
+            return None
+        text = detokenize(self.tokens)
+        found = [(text.find(s), s) for s in self.request.sampling.stop if s in text]
+        return min(found)[1] if found else None
+
+    def output(
+        self,
+        reason: FinishReason | None,
+        stop_reason: int | str | None,
+        detokenize: Callable[[Sequence[int]], str] | None,
+    ) -> RequestOutput:
+        """The output so far; ``detokenize`` None leaves the text out (no detokenizer, or
+        a failed request, whose output may be what failed to detokenize)."""
+        request = self.request
+        text = None
+        if detokenize is not None:
+            text = detokenize(self.tokens)
+            if isinstance(stop_reason, str):
+                text = text[: text.find(stop_reason)]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=tuple(self.tokens),
+            logprobs=tuple(self.logprobs),
+            top_logprobs=tuple(self.top_logprobs),
+            text=text,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=request.num_cached_tokens or 0,
+            num_preemptions=request.num_preemptions,
+        )

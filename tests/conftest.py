@@ -12,6 +12,31 @@ from glmjax.sharding import request_cpu_devices
 NUM_CPU_DEVICES = 8
 request_cpu_devices(NUM_CPU_DEVICES)
 
+# `make test` runs two workers (pytest-xdist, --dist loadfile), each taking whole files.
+# These files run the programs another file compiles (the same jitted functions and
+# shapes, cached by JAX within a process), so they go to that file's worker: elsewhere
+# they would compile everything again.
+SAME_WORKER = {
+    "tests/test_engine_faults.py": "tests/test_engine.py",
+    "tests/test_speculative.py": "tests/test_engine.py",
+    "tests/test_mixed.py": "tests/test_model.py",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with the files of SAME_WORKER in one work unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedCompiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SAME_WORKER.get(path, path)
+
+    return SharedCompiles(config, log)
+
 
 @pytest.fixture
 def rng(request) -> np.random.Generator:
