@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 import jax
 
 from bench.flops import MEASURED_MATMUL_BF16, PEAK_BF16, by_category, device_peak
+from glmjax.xla_options import STEP_OPTIONS
 
 # (category, scope names): a kernel whose op path has one of the names as a component
 # belongs to the category; rules are tried in order (the indexer runs inside attention).
@@ -211,9 +212,12 @@ TRACE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 
 
 def traceable(fn: Callable, **jit_kwargs) -> Callable:
-    """``jax.jit(fn, **jit_kwargs)`` whose GPU kernels keep their op annotations in a trace
-    (compiled without command buffers on a GPU; a plain jit elsewhere)."""
-    options = TRACE_COMPILER_OPTIONS if jax.default_backend() == "gpu" else None
+    """``jax.jit(fn, **jit_kwargs)`` of a model step whose GPU kernels keep their op
+    annotations in a trace: the step's own compile options (`STEP_OPTIONS`) with command
+    buffers off on a GPU, unchanged elsewhere (so a CPU trace reuses the step's program)."""
+    options = dict(STEP_OPTIONS)
+    if jax.default_backend() == "gpu":
+        options.update(TRACE_COMPILER_OPTIONS)
     return jax.jit(fn, compiler_options=options, **jit_kwargs)
 
 
