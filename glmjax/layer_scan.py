@@ -14,7 +14,7 @@ The caches keep their per-layer layout (`glmjax.caches.Caches`): the scan carrie
 residual only. Its inputs are each layer's small per-sequence KDA states and each MLA
 layer's cached prefix (read before the scan, as an unrolled MLA layer reads it before it
 writes); its outputs are the KDA states and snapshots and the MLA layers' new latents,
-written into each layer's cache after the scan (`glmjax.layers.mla.write_prefill`).
+written into each layer's cache after the scan (`glmjax.layers.mla_cache.write_prefill`).
 
 Checkpoints hold one tensor per layer: `stack_params` / `unstack_params` convert the
 parameters of the unrolled model (``layers.{i}....``) to the scanned one's and back.
@@ -32,7 +32,7 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.layers.block import DecoderBlock, LayerCache
-from glmjax.layers.mla import read_prefix, write_prefill
+from glmjax.layers.mla_cache import read_prefix, write_prefill
 from glmjax.layers.packing import PackedBatch
 from glmjax.layers.paged_cache import MLACache
 

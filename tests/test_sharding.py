@@ -35,7 +35,11 @@ from test_layers_oracles import f64, moe_oracle, random_module
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from glmjax.config import ModelConfig
 from glmjax.layers.kda import KDA, KDAState
-from glmjax.layers.mla import latent_attention, merge_partial_attention, owned_top_k_mask
+from glmjax.layers.latent_attention import (
+    latent_attention,
+    merge_partial_attention,
+    owned_top_k_mask,
+)
 from glmjax.layers.moe import MoE
 from glmjax.layers.paged_cache import DCPLayout, MLACache
 from glmjax.model import HybridModel

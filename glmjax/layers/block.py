@@ -12,7 +12,8 @@ from flax import nnx
 from glmjax.config import LayerType, ModelConfig
 from glmjax.layers.kda import KDA, KDAState
 from glmjax.layers.mhc import HyperConnection
-from glmjax.layers.mla import MLA, NewLatents
+from glmjax.layers.mla import MLA
+from glmjax.layers.mla_cache import NewLatents
 from glmjax.layers.moe import MLP, MoE
 from glmjax.layers.norms import RMSNorm
 from glmjax.layers.packing import PackedBatch
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from glmjax.sharding import ShardingPlan
 
 # A KDA layer's states; an MLA layer's cache, or (in the layer scan) its cached prefix,
-# returned as the new tokens' latents (`glmjax.layers.mla.NewLatents`).
+# returned as the new tokens' latents (`glmjax.layers.mla_cache.NewLatents`).
 LayerCache = KDAState | MLACache | CachedPrefix | NewLatents | None
 
 

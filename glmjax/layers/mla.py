@@ -23,13 +23,14 @@ ranks (`DCPLayout`). Prefill all-gathers the cached prefix over dcp and attends 
 device, heads split over all tp devices; each rank writes only the tokens it owns. Decode
 gathers the queries over dcp (each rank then holds the heads of its tpo group), attends to
 its own shard returning output and log-sum-exp, and merges the ranks' partial results with
-LSE weights, scattered back to each rank's own heads (`merge_partial_attention`).
+LSE weights, scattered back to each rank's own heads
+(`glmjax.layers.latent_attention.merge_partial_attention`).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -38,12 +39,17 @@ from jax import lax
 
 from glmjax.config import ModelConfig
 from glmjax.layers.dsa_indexer import DSAIndexer
+from glmjax.layers.latent_attention import (
+    in_query_blocks,
+    latent_attention,
+    merge_partial_attention,
+    owned_top_k_mask,
+)
+from glmjax.layers.mla_cache import NewLatents, read_prefix, write_latents, write_prefill
 from glmjax.layers.norms import RMSNorm
 from glmjax.layers.packing import sequence_ids
 from glmjax.layers.paged_cache import (
-    DCPLayout,
     MLACache,
-    gather_paged,
     read_paged,
     write_paged,
     write_paged_local,
@@ -58,140 +64,6 @@ if TYPE_CHECKING:
 
 PREFILL_QUERY_BLOCK = 1024  # queries per block of the DSA indexer's [block, S] scores
 
-
-def softmax_with_lse(scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Softmax over the last axis restricted to `mask`, and its log-sum-exp (the last axis
-    dropped). Fully masked rows give zeros and an LSE of -inf."""
-    scores = jnp.where(mask, scores, -jnp.inf)
-    peak = jnp.max(scores, axis=-1, keepdims=True)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0)
-    weights = jnp.exp(scores - peak)
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    lse = jnp.where(total > 0, peak + jnp.log(jnp.where(total > 0, total, 1)), -jnp.inf)
-    return weights / jnp.where(total > 0, total, 1), lse[..., 0]
-
-
-def latent_attention(q_abs: jax.Array, q_pe: jax.Array | None, latent: jax.Array,
-                     mask: jax.Array, *, kv_lora: int, scale: float
-                     ) -> tuple[jax.Array, jax.Array]:
-    """Absorbed attention over latents: q_abs [N, H, C] (q_nope W_uk), q_pe [N, H, R] (None
-    when R = 0), latent [N, S, C + R], mask [N, S] -> output latent fp32 [N, H, C] (before
-    W_uv) and its log-sum-exp fp32 [N, H] (-inf where no key is visible)."""
-    c_kv = latent[..., :kv_lora].astype(q_abs.dtype)
-    scores = jnp.einsum("nhc,nsc->nhs", q_abs, c_kv, preferred_element_type=jnp.float32)
-    if q_pe is not None:
-        k_pe = latent[..., kv_lora:].astype(q_pe.dtype)
-        scores = scores + jnp.einsum("nhr,nsr->nhs", q_pe, k_pe,
-                                     preferred_element_type=jnp.float32)
-    probs, lse = softmax_with_lse(scores * scale, mask[:, None])
-    out = jnp.einsum("nhs,nsc->nhc", probs.astype(c_kv.dtype), c_kv,
-                     preferred_element_type=jnp.float32)
-    return out, lse
-
-
-def merge_partial_attention(out: jax.Array, lse: jax.Array, axis_name: str) -> jax.Array:
-    """Inside a shard_map: exact attention from each rank's attention over its own keys.
-
-    Args:
-      out: fp32 [N, H, C], this rank's softmax-weighted output over its keys.
-      lse: fp32 [N, H], their log-sum-exp (-inf: no visible key on this rank).
-    Returns:
-      fp32 [N, H / ranks, C]: sum_r exp(lse_r) out_r / sum_r exp(lse_r) for this rank's
-      slice of the heads (reduce-scattered over `axis_name`).
-    """
-    peak = lax.pmax(lse, axis_name)
-    weight = jnp.exp(lse - jnp.where(jnp.isfinite(peak), peak, 0))  # 0 where lse = -inf
-    num = lax.psum_scatter(out * weight[..., None], axis_name, scatter_dimension=1, tiled=True)
-    den = lax.psum_scatter(weight, axis_name, scatter_dimension=1, tiled=True)
-    return num / jnp.where(den > 0, den, 1)[..., None]
-
-
-def owned_top_k_mask(top: jax.Array, keep: jax.Array, *, layout: DCPLayout, rank: jax.Array,
-                     local_len: int) -> jax.Array:
-    """The DSA selection as this rank sees it: bool [R, local_len], True at the local
-    position of every selected global position `top` [R, k] that `keep` and the rank owns.
-    Positions owned by other ranks are dropped, never read as local rows."""
-    mine = keep & (top >= 0) & (layout.owner(top) == rank)
-    local = jnp.where(mine, layout.local_position(top), local_len)  # local_len: dropped
-    rows = jnp.arange(top.shape[0])[:, None]
-    return jnp.zeros((top.shape[0], local_len), bool).at[rows, local].set(True, mode="drop")
-
-
-def _in_query_blocks(fn, block: int, *rows):
-    """``fn(*rows)`` over the leading (query) axis of every array in `rows`, `block` rows at
-    a time (rows padded with zeros past the end; fn must treat them as invalid)."""
-    num = jax.tree.leaves(rows)[0].shape[0]
-    if num <= block:
-        return fn(*rows)
-    pad = -num % block
-
-    def blocks(x):  # explicit sizes: x may have a zero-width axis (no rope part)
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-        return x.reshape(x.shape[0] // block, block, *x.shape[1:])
-
-    out = lax.map(lambda args: fn(*args), jax.tree.map(blocks, rows))
-    return out.reshape(out.shape[0] * block, *out.shape[2:])[:num]
-
-
-class NewLatents(NamedTuple):
-    """What an MLA prefill writes to its cache: the new tokens' rows."""
-
-    latent: jax.Array  # [T, kv_lora + qk_rope]
-    index_keys: jax.Array | None  # [T, dsa_head_dim] (DSA only)
-
-
-def read_prefix(cache: MLACache, block_table: jax.Array, plan: ShardingPlan | None
-                ) -> CachedPrefix:
-    """Every sequence's cached blocks in position order (valid or not), [N, M * P, ...];
-    on a mesh the latents are all-gathered over dcp (replicated result)."""
-    if plan is None:
-        latent = read_paged(cache.latent, block_table)  # [N, M * P, L]
-    else:
-        gather = functools.partial(gather_paged, layout=plan.layout, axis_name=plan.dcp_axis)
-        # check_vma off: lax.all_gather types its result as varying, though every rank
-        # ends with the same whole prefix.
-        latent = jax.shard_map(
-            gather, mesh=plan.mesh,
-            in_specs=(plan.specs.mla_latent, plan.specs.replicated),
-            out_specs=plan.specs.replicated, check_vma=False,
-        )(cache.latent, block_table)
-    index = (None if cache.index_keys is None
-             else read_paged(cache.index_keys, block_table))
-    return CachedPrefix(latent, index)
-
-
-def write_prefill(cache: MLACache, block_table: jax.Array, cu_seqlens: jax.Array,
-                  prefix_lens: jax.Array | None, new: NewLatents, plan: ShardingPlan | None
-                  ) -> MLACache:
-    """A prefill's new latents (`MLA.attend`) into the cache: span n's token i at position
-    prefix_lens[n] + i (prefix_lens None: 0) of its blocks block_table[n] (int32 [N, M])."""
-    tokens = new.latent.shape[0]
-    if prefix_lens is None:
-        prefix_lens = jnp.zeros((cu_seqlens.shape[0] - 1,), jnp.int32)
-    seq, valid = sequence_ids(cu_seqlens, tokens)
-    pos = prefix_lens[seq] + jnp.arange(tokens, dtype=jnp.int32) - cu_seqlens[seq]
-    return _write(cache, block_table, seq, pos, valid, new, plan)
-
-
-def _write(cache, block_table, seq, pos, valid, new: NewLatents, plan) -> MLACache:
-    """New latents (and index keys) into the cache; on a mesh each dcp rank writes the
-    latents it owns into its shard, and the replicated index keys go everywhere."""
-    index = (None if new.index_keys is None
-             else write_paged(cache.index_keys, block_table, seq, pos, new.index_keys, valid))
-    if plan is None:
-        return MLACache(write_paged(cache.latent, block_table, seq, pos, new.latent, valid),
-                        index)
-
-    def on_rank(pages, block_table, seq, pos, latent, valid):
-        return write_paged_local(pages, block_table, seq, pos, latent, valid,
-                                 layout=plan.layout, rank=lax.axis_index(plan.dcp_axis))
-
-    specs = plan.specs
-    pages = jax.shard_map(
-        on_rank, mesh=plan.mesh,
-        in_specs=(specs.mla_latent, *[specs.replicated] * 5), out_specs=specs.mla_latent,
-    )(cache.latent, block_table, seq, pos, new.latent, valid)
-    return MLACache(pages, index)
 
 
 class MLA(nnx.Module):
@@ -298,7 +170,7 @@ class MLA(nnx.Module):
                 return self._decode_dcp(x, q_nope, q_pe, q_latent, latent, cache, block_table,
                                         context_lens, plan)
             new = NewLatents(latent, self._index_keys(x))
-            cache = _write(cache, block_table, jnp.arange(num_seqs, dtype=jnp.int32),
+            cache = write_latents(cache, block_table, jnp.arange(num_seqs, dtype=jnp.int32),
                            context_lens, context_lens >= 0, new, None)
             latent = read_paged(cache.latent, block_table)  # [N, S, L]
             mask = jnp.arange(latent.shape[1])[None] <= context_lens[:, None]  # [N, S]
@@ -444,7 +316,7 @@ class MLA(nnx.Module):
             top, keep = top_keys(index_q, index_w, keys.index, first, last)
             return jnp.where(keep, top, -1)
 
-        return _in_query_blocks(select, self.query_block, *index_queries, first, last)
+        return in_query_blocks(select, self.query_block, *index_queries, first, last)
 
     def _attend_selected(self, q_nope, q_pe, index_queries, keys: PackedKeys, cu_keys, seq,
                          pos, valid, plan):
