@@ -24,16 +24,14 @@ default bench/results/attention.json) rewritten after every case.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.common import relative_error, time_calls, write_json
 from pallas_kernels.attention import prefill_attention
 from pallas_kernels.attention_cudnn import cudnn_available
 from pallas_kernels.attention_pallas import FlashConfig, select_flash_config
@@ -72,24 +70,6 @@ def causal_flops(heads, head_qk, head_v, lens, prefixes):
     return 2 * heads * (head_qk + head_v) * pairs
 
 
-def time_calls(call, *, iters, samples):
-    """Median milliseconds per call over `samples` batches of `iters` queued calls."""
-    jax.block_until_ready(call())
-    times = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = call()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) * 1e3 / iters)
-    return statistics.median(times)
-
-
-def relative_error(ours, reference):
-    ours, reference = (np.asarray(x, np.float32) for x in (ours, reference))
-    return float(np.abs(ours - reference).max() / np.abs(reference).max())
-
-
 def run_case(name, shape, lens, prefixes, impls, args):
     heads, head_qk, head_v = shape
     inputs = make_inputs(heads, head_qk, head_v, lens, prefixes)
@@ -103,7 +83,7 @@ def run_case(name, shape, lens, prefixes, impls, args):
         fn = jax.jit(lambda i, impl=impl, config=config: prefill_attention(
             **i, implementation=impl, config=config)[0])
         try:
-            ms = time_calls(lambda fn=fn: fn(inputs), iters=args.iters, samples=args.samples)
+            ms, _ = time_calls(lambda fn=fn: fn(inputs), iters=args.iters, samples=args.samples)
         except Exception as error:  # out of memory, a shape refused: the row says so
             rows[row] = {"error": f"{type(error).__name__}: {error}"[:300]}
             print(f"{name} {row}: {rows[row]['error']}", flush=True)
@@ -173,10 +153,9 @@ def main(argv=None) -> int:
     record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "host": platform.node(), "args": {k: str(v) for k, v in vars(args).items()},
               "cases": {}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     for name, (shape, lens, prefixes) in cases.items():
         record["cases"][name] = run_case(name, shape, lens, prefixes, impls, args)
-        args.out.write_text(json.dumps(record, indent=1))
+        write_json(record, args.out)
     print(format_table(record["cases"]))
     print(f"wrote {args.out}")
     return 0

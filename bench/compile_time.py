@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import tempfile
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
+from bench.common import write_json
 from glmjax import compile_cache
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
@@ -118,8 +118,7 @@ def main():
               "device": jax.devices()[0].device_kind, "host": platform.node(),
               "jax": jax.__version__, "runs": runs}
     out = args.out or RESULTS / f"compile_time_{args.preset}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(result, out)
     print(f"wrote {out}")
 
 

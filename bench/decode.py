@@ -50,8 +50,9 @@ import numpy as np
 from flax import nnx
 
 from bench.buckets import DryRun, log, precompile, step_functions
+from bench.common import write_json
 from bench.decode_floor import decode_sizes, decode_step_bytes, floor_seconds
-from bench.prefill import RESULTS, model_config, write_json
+from bench.prefill import RESULTS, model_config
 from bench.prefill_cases import Session
 from bench.profile import print_profile, profile_call, traceable
 from glmjax import compile_cache

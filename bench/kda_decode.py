@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import platform
 from pathlib import Path
 
@@ -37,7 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.kda_kernel import measure_copy_bandwidth, relative_error, time_calls
+from bench.common import relative_error, time_calls, write_json
+from bench.kda_kernel import measure_copy_bandwidth
 from glmjax.layers.conv import conv_decode
 from pallas_kernels import kda_decode, kda_prefill
 from pallas_kernels.tuning import DecodeConfig, device_spec, select_decode_config
@@ -209,8 +209,7 @@ def write_results(path, args, bandwidth, shape, results, sweep_results):
         timing="median of samples; each sample = iters queued calls / one sync; pool donated",
         results=results, sweep=sweep_results,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2))
+    write_json(payload, path)
 
 
 def main(argv=None):

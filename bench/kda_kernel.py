@@ -33,16 +33,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.common import relative_error, time_calls, write_json
 from pallas_kernels import kda_pallas, kda_prefill, kda_prep, kda_segments
 from pallas_kernels.kda_traffic import traffic_summary
 from pallas_kernels.tuning import PREP_DESIGNS, KernelConfig, device_spec, select_config
@@ -83,19 +81,6 @@ def snapshot_offsets(lens, capacity):
         return jnp.full((len(lens), 1), -1, jnp.int32)
     rows = [[n // 4 + 7, n // 2 - 3, 3 * n // 4 + 1, n] for n in lens]
     return jnp.asarray(rows, jnp.int32)
-
-
-def time_calls(call, sync, *, iters, samples):
-    """Median milliseconds per call over `samples` batches of `iters` queued calls."""
-    sync(call())
-    times = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = call()
-        sync(out)
-        times.append((time.perf_counter() - start) * 1e3 / iters)
-    return statistics.median(times), times
 
 
 def floor_bytes(lens, capacity):
@@ -147,12 +132,6 @@ def fla_runner(inputs, lens, **options):
                              cu_seqlens=cu, **options)
 
     return call, lambda out: torch.cuda.synchronize()
-
-
-def relative_error(ours, reference):
-    """max |ours - reference| / max |reference|, in fp32."""
-    ours, reference = (np.asarray(x, np.float32) for x in (ours, reference))
-    return float(np.abs(ours - reference).max() / np.abs(reference).max())
 
 
 def time_passes(inputs, lens, config, timing):
@@ -349,8 +328,7 @@ def write_results(path, args, device, bandwidth, results, sweep):
         timing="median of samples; each sample = iters queued calls / one sync",
         results=results, sweep=sweep,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2))
+    write_json(payload, path)
 
 
 def main(argv=None):

@@ -10,7 +10,7 @@ One prefill span of `--prefill-tokens` tokens (cold, one snapshot) beside N deco
 (each of `--decode-rows`), every row at position `--context` of its own request (its KV
 blocks and state slot hold whatever the pools hold: the time does not depend on values).
 Random weights. Timed, each a jitted call continuing from the caches the previous call
-returned (`bench.kda_kernel.time_calls`: `--samples` samples of `--iters` queued calls,
+returned (`bench.common.time_calls`: `--samples` samples of `--iters` queued calls,
 the median reported), in ms:
 
 - `prefill`: `glmjax.model.prefill` alone (the span).
@@ -25,14 +25,13 @@ the prefill when they ride along. The JSON is rewritten after every case.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 
-from bench.kda_kernel import time_calls
+from bench.common import time_calls, write_json
 from glmjax import compile_cache
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from glmjax.caches import Caches
@@ -153,12 +152,11 @@ def main(argv=None):
         device=jax.devices()[0].device_kind, prefill_tokens=args.prefill_tokens,
         context=args.context, results=[])
     out = args.out or RESULTS / f"mixed_step_{args.preset}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     print(f"{args.preset} ({payload['num_layers']} layers, {config.num_experts} experts) on "
           f"{payload['device']}: {args.prefill_tokens} prefill tokens", flush=True)
     for rows in (int(r) for r in args.decode_rows.split(",")):
         payload["results"].append(run_case(model_state, config, rng, args, rows))
-        out.write_text(json.dumps(payload, indent=2))
+        write_json(payload, out)
     print(f"wrote {out}")
     return payload
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import tempfile
 import time
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bench.common import write_json
 from bench.flops import Span, step_flops
 from bench.profile import print_profile, profile_call, traceable
 from glmjax import compile_cache
@@ -140,8 +140,7 @@ def main():
             device_kind=result["device"], hlo_texts=[hlo], step_s=median)
         print_profile(result["profile"], f"one cold prefill of {args.tokens} tokens")
     out_path = args.out or RESULTS / f"model_prefill_{args.preset}_{args.tokens}.json"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2))
+    write_json(result, out_path)
     print(f"wrote {out_path}")
 
 

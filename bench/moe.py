@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import json
 import platform
 import statistics
 import time
@@ -38,6 +37,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from bench.common import write_json
 from pallas_kernels import gmm_tokamax, moe_experts
 from pallas_kernels.gmm import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.gmm_tuning import GmmConfig, estimate_shared_memory, select_gmm_config
@@ -266,8 +266,7 @@ def main(argv=None) -> int:
     def record(row):
         results["rows"].append(row)
         print(format_row(row), flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1))
+        write_json(results, args.out)
 
     for shape in shapes:
         for tokens in args.tokens:

@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import json
 import math
 import platform
 import tempfile
@@ -61,6 +60,7 @@ import numpy as np
 from flax import nnx
 
 from bench.buckets import DryRun, log, precompile, step_functions
+from bench.common import write_json
 from bench.prefill_cases import CASES, MODES, Run, Session, compare_greedy, profile_case
 from bench.profile import print_profile
 from glmjax import compile_cache
@@ -260,11 +260,6 @@ def _summary(kind: str, entry: dict) -> str:
         return "tokens/s " + ", ".join(
             f"{m} {entry[m]['median_tokens_per_s']:.1f}" for m in MODES)
     return "TTFT " + ", ".join(f"{m} {entry[m]['median_ttft_s'] * 1e3:.0f} ms" for m in MODES)
-
-
-def write_json(result: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, default=str))
 
 
 def _fmt(value, spec: str, scale: float = 1) -> str:

@@ -43,7 +43,6 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import json
 import platform
 from pathlib import Path
 
@@ -52,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.attention import relative_error, time_calls
+from bench.common import relative_error, time_calls, write_json
 from glmjax.config import ModelConfig
 from glmjax.layers.mla import MLA
 from glmjax.layers.prefill_keys import sequence_keys
@@ -123,7 +122,7 @@ def run_case(name, tokens, args):
 
     def timed(row, fn, *inputs, flops=None):
         try:
-            ms = time_calls(lambda: fn(*inputs), iters=args.iters, samples=args.samples)
+            ms, _ = time_calls(lambda: fn(*inputs), iters=args.iters, samples=args.samples)
         except Exception as error:  # out of memory, a shape refused: the row says so
             rows[row] = {"error": f"{type(error).__name__}: {error}"[:300]}
             print(f"{name} {row}: {rows[row]['error']}", flush=True)
@@ -296,10 +295,9 @@ def main(argv=None) -> int:
     record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "host": platform.node(), "args": {k: str(v) for k, v in vars(args).items()},
               "cases": {}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     for name, tokens in cases.items():
         record["cases"][name] = run_case(name, tokens, args)
-        args.out.write_text(json.dumps(record, indent=1))
+        write_json(record, args.out)
     print(format_table(record["cases"]))
     print(f"wrote {args.out}")
     return 0

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.common import write_json
 from glmjax import compile_cache
 from glmjax.config import ModelConfig
 from glmjax.random_weights import random_model
@@ -174,8 +174,7 @@ def main(argv=None) -> dict:
     print(f"  greedy outputs identical: {not mismatched}"
           + (f" ({len(mismatched)} differ; prompt: first differing token {mismatched})"
              if mismatched else ""))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(result, args.out)
     return result
 
 

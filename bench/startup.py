@@ -43,8 +43,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.common import write_json
 from bench.local_server import LocalServer
-from bench.prefill import RESULTS, write_json
+from bench.prefill import RESULTS
 
 RUNS = ("cold", "warm", "lazy")
 QUICK_SERVER_ARGS = ("--preset tiny --block-size 64 --max-num-batched-tokens 128 "
