@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from glmjax.config import ModelConfig
-from glmjax.layers.projection import Projection, default_implementation, matmul, projection
+from glmjax.layers.projection import Projection, default_implementation, projection, stream_matmul
 from pallas_kernels.gmm_tuning import STREAM_ROWS
 
 # name -> (leading shape of x, K, N): one row, a few rows over two leading axes, tile-sized
@@ -28,7 +28,7 @@ DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 def check(rng, lead, k, n, dtype, interpret):
     x = jnp.asarray(rng.standard_normal((*lead, k)), dtype)
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
-    out = matmul(x, w, implementation="stream", interpret=interpret)
+    out = stream_matmul(x, w, interpret=interpret)
     assert out.shape == (*lead, n) and out.dtype == dtype
     expected = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     if dtype == jnp.float32:  # GPU: tensor-core products round operands to TF32
@@ -73,8 +73,3 @@ def test_layer_dispatch_and_output(rng):
     assert default_implementation(STREAM_ROWS + 1, 32, 48) == "xla"
     assert default_implementation(1, 30, 48) == "xla"
     assert default_implementation(1, 4096, 8192) == "xla"  # cuBLAS's: not a reduction
-
-
-def test_rejects_unknown_implementation():
-    with pytest.raises(ValueError, match="implementation"):
-        matmul(jnp.ones((1, 16)), jnp.ones((16, 16)), implementation="cublas")

@@ -23,9 +23,6 @@ from glmjax.config import ModelConfig
 from pallas_kernels.gmm import grouped_matmul
 from pallas_kernels.gmm_tuning import STREAM_ROWS
 
-IMPLEMENTATIONS = ("xla", "stream")
-
-
 # XLA's GPU compiler turns a product into a reduction when its operands hold fewer elements
 # than this (`IsMatrixMultiplicationTooSmallForRewriting`'s threshold in its algebraic
 # simplifier); larger ones go to cuBLAS or its Triton GEMMs, which stream well.
@@ -44,17 +41,10 @@ def default_implementation(rows: int, d_in: int, d_out: int) -> str:
     return "xla"
 
 
-def matmul(x: jax.Array, kernel: jax.Array, *, implementation: str,
-           interpret: bool | None = None) -> jax.Array:
-    """x [..., K] @ kernel [K, N] -> [..., N] in x.dtype, accumulated in fp32.
-
-    "xla": `jnp.dot`; "stream": the grouped GEMM with one group (interpret mode on the CPU
-    unless `interpret` says otherwise)."""
-    if implementation == "xla":
-        return jnp.dot(x, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
-    if implementation != "stream":
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
-                         f"{implementation!r}")
+def stream_matmul(x: jax.Array, kernel: jax.Array, *, interpret: bool | None = None
+                  ) -> jax.Array:
+    """x [..., K] @ kernel [K, N] -> [..., N] in x.dtype, accumulated in fp32, as the grouped
+    GEMM with one group (interpret mode on the CPU unless `interpret` says otherwise)."""
     rows = math.prod(x.shape[:-1])
     out = grouped_matmul(x.reshape(rows, x.shape[-1]), kernel[None],
                          jnp.full((1,), rows, jnp.int32), implementation="pallas",
@@ -72,7 +62,7 @@ class Projection(nnx.Linear):
                 or default_implementation(rows, self.in_features, self.out_features) == "xla"):
             return super().__call__(inputs, out_sharding)
         x, kernel = inputs.astype(self.dtype), self.kernel[...].astype(self.dtype)
-        return matmul(x, kernel, implementation="stream")
+        return stream_matmul(x, kernel)
 
 
 def projection(config: ModelConfig, d_in: int, d_out: int, *, rngs: nnx.Rngs,
