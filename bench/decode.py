@@ -27,9 +27,9 @@ weights are drawn (`bench.buckets`), and `compiles_during_timing` counts any com
 timed step (the sampler and copies compile in the untimed steps).
 
 Profile (`--profile`, the default on a GPU without `--quick`): after the cases, one more
-decode step at the largest batch traced with `jax.profiler` (`bench.profile`: device time
-by op category). Writes JSON to bench/results/decode_<preset>.json (`--json`) after every
-case.
+decode step at `--profile-batch` (the largest by default) traced with `jax.profiler`
+(`bench.profile`: device time by op category). Writes JSON to
+bench/results/decode_<preset>.json (`--json`) after every case.
 """
 
 from __future__ import annotations
@@ -208,9 +208,9 @@ def run_benchmark(args) -> dict:
             _update_totals(result, compile_log, start)
             write_json(result, args.json)
         if args.profile:
-            largest = result["cases"][-1]
-            result["profile"] = profile_step(session, args, largest["batch"], rng, config,
-                                             result["device"], largest["median_step_s"])
+            traced = next(c for c in result["cases"] if c["batch"] == args.profile_batch)
+            result["profile"] = profile_step(session, args, traced["batch"], rng, config,
+                                             result["device"], traced["median_step_s"])
         _update_totals(result, compile_log, start)
     result["complete"] = True
     write_json(result, args.json)
@@ -274,7 +274,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--prefix-caching", action="store_true", help="turn the prefix cache on")
     add("--compile-workers", type=int, help="threads compiling buckets ahead (8)")
     add("--profile", action=argparse.BooleanOptionalAction,
-        help="trace one decode step at the largest batch (default: on a GPU, off with --quick)")
+        help="trace one decode step (default: on a GPU, off with --quick)")
+    add("--profile-batch", type=int, help="the batch traced (the largest of --batches)")
     add("--trace-dir", type=Path, help="where the trace goes (a new temp dir)")
     add("--seed", type=int, default=0)
     add("--json", type=Path, help="output (bench/results/decode_<preset>.json)")
@@ -286,6 +287,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.batch_sizes = sorted({int(x) for x in str(args.batches).split(",") if x})
     if not args.batch_sizes or args.batch_sizes[0] < 1:
         parser.error(f"--batches {args.batches!r}: give one or more sizes >= 1")
+    args.profile_batch = args.profile_batch or args.batch_sizes[-1]
+    if args.profile_batch not in args.batch_sizes:
+        parser.error(f"--profile-batch {args.profile_batch}: not one of --batches {args.batches}")
     args.dcp = 1  # one device (bench.prefill.model_config reads it)
     args.json = args.json or RESULTS / f"decode_{args.preset}.json"
     return args
