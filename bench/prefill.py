@@ -71,6 +71,7 @@ from glmjax.sharding import ModelSteps, ShardingPlan, make_mesh, request_cpu_dev
 from serving.batch_builder import BatchBuckets
 from serving.compiles import CompileLog
 from serving.engine import Engine, EngineConfig
+from serving.request import MAX_TOP_LOGPROBS
 
 RESULTS = Path(__file__).parent / "results"
 FULL = dict(
@@ -183,7 +184,8 @@ def run_benchmark(args) -> dict:
         def fresh_sessions():
             return {mode: Session(Engine(config, model_state, engine_config(args, on),
                                          steps=steps_on_devices),
-                                  outputs[mode]) for mode, on in MODES.items()}
+                                  outputs[mode], top_logprobs=MAX_TOP_LOGPROBS)
+                    for mode, on in MODES.items()}
 
         outputs = {mode: {} for mode in MODES}
         run = Run(fresh_sessions(), args, config.vocab_size, compile_log,

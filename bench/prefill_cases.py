@@ -30,11 +30,15 @@ MAX_STEPS = 100_000  # per request: a scheduler that stops making progress is a 
 
 
 class Session:
-    """One engine (or `DryRun`); the latest output of each of its requests in `outputs`."""
+    """One engine (or `DryRun`); the latest output of each of its requests in `outputs`.
+    Its greedy requests ask for `top_logprobs` alternatives per token (bench.prefill
+    reads them to tell near ties; a decode benchmark times the plain request)."""
 
-    def __init__(self, engine: Engine | DryRun, outputs: dict[str, Output]):
+    def __init__(self, engine: Engine | DryRun, outputs: dict[str, Output], *,
+                 top_logprobs: int = 0):
         self.engine = engine
         self.outputs = outputs
+        self.sampling = SamplingParams(top_logprobs=top_logprobs)
 
     def step(self) -> None:
         for out in self.engine.step():
@@ -45,7 +49,8 @@ class Session:
     def add(self, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
         """Adds a greedy request, steps until its first token: (seconds, steps) since added."""
         start = time.perf_counter()
-        self.engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens))
+        self.engine.add_request(request_id, prompt,
+                                dataclasses.replace(self.sampling, max_tokens=max_tokens))
         for steps in range(1, MAX_STEPS):
             self.step()
             if request_id in self.outputs:

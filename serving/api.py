@@ -26,7 +26,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serving.outputs import RequestOutput
-from serving.sampling import MAX_TOP_LOGPROBS
+from serving.request import MAX_TOP_LOGPROBS
 from serving.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16

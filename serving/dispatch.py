@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.state_pool import PoolStatus
+from glmjax.xla_options import STEP_OPTIONS
 from serving.request import PLACEHOLDER
 from serving.sampling import Sampled, SamplingTensors, sample
 from serving.step import ScheduledStep
@@ -36,9 +37,10 @@ class Draw(NamedTuple):
     top: tuple[tuple[int, float], ...]
 
     @classmethod
-    def from_row(cls, sampled: Sampled, k: int) -> Draw:
-        """Row k of a fetched ``Sampled`` (host arrays)."""
-        top = zip(sampled.top_ids[k].tolist(), sampled.top_logprobs[k].tolist(), strict=True)
+    def from_row(cls, sampled: Sampled, k: int, num_top: int) -> Draw:
+        """Row k of a fetched ``Sampled`` (host arrays), with its ``num_top`` alternatives."""
+        top = zip(sampled.top_ids[k, :num_top].tolist(),
+                  sampled.top_logprobs[k, :num_top].tolist(), strict=True)
         return cls(int(sampled.tokens[k]), float(sampled.logprobs[k]), tuple(top))
 
 
@@ -73,7 +75,9 @@ def gather_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
     return logits[rows]
 
 
-sample_gathered = jax.jit(sample)
+# The sampler's conds go in its CUDA graph (`STEP_OPTIONS`): a conditional outside one
+# copies its predicate to the host and waits for it, stalling the dispatch of the next step.
+sample_gathered = jax.jit(sample, compiler_options=STEP_OPTIONS)
 
 
 def sample_rows(logits: jax.Array, rows: jax.Array, params: SamplingTensors) -> Sampled:
@@ -131,7 +135,7 @@ class StepDispatch:
         Args:
           owners: what the engine tracks for each request the step samples.
           sampling: per request the step samples, (temperature, top_k, top_p, seed,
-            output token index) of its draw.
+            output token index, alternatives reported) of its draw.
           previous: the step in flight before this one, whose sampled tokens feed this
             step's placeholder decode tokens.
         """
@@ -202,7 +206,8 @@ class StepDispatch:
         draws = {}
         for sampled, request_ids in zip(drawn, flight.rows):
             for k, request_id in enumerate(request_ids):
-                draws[request_id] = Draw.from_row(sampled, k)
+                num_top = flight.owners[request_id].request.sampling.top_logprobs
+                draws[request_id] = Draw.from_row(sampled, k, num_top)
         return draws
 
     def _fed(self, step: ScheduledStep, batch, previous: InFlight | None):

@@ -154,7 +154,8 @@ class Handlers:
             )
         return ids
 
-    def _sampling(self, body, prompt: list[int], max_tokens: int | None) -> SamplingParams:
+    def _sampling(self, body, prompt: list[int], max_tokens: int | None,
+                  top_logprobs: int | None) -> SamplingParams:
         room = self.max_model_len - len(prompt)
         if room < 1:
             raise api.APIError(
@@ -193,6 +194,7 @@ class Handlers:
             seed=body.seed,
             stop=body.stop_strings(),
             ignore_eos=body.ignore_eos,
+            top_logprobs=top_logprobs or 0,
         )
 
     async def _generate(
@@ -209,7 +211,7 @@ class Handlers:
         deadline = loop.time() + self.request_timeout_s
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
-            sampling = self._sampling(body, prompt, max_tokens)
+            sampling = self._sampling(body, prompt, max_tokens, top_logprobs)
         except api.APIError as error:
             return error.response()
         job = _Job(

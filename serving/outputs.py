@@ -121,12 +121,12 @@ class TrackedRequest:
         """The tokens emitted so far (the request's later ones are still being sampled)."""
         return self.request.output_token_ids[: len(self.logprobs)]
 
-    def sampling_row(self, position: int) -> tuple[float, int, float, int, int]:
-        """(temperature, top_k, top_p, seed, output token index) of the draw of the
-        request's token at sequence ``position``."""
+    def sampling_row(self, position: int) -> tuple[float, int, float, int, int, int]:
+        """(temperature, top_k, top_p, seed, output token index, alternatives reported) of
+        the draw of the request's token at sequence ``position``."""
         s = self.request.sampling
         index = position - len(self.request.prompt_token_ids)
-        return s.temperature, s.top_k, s.top_p, self.seed, index
+        return s.temperature, s.top_k, s.top_p, self.seed, index, s.top_logprobs
 
     def first_stop_string(self, detokenize: Callable[[Sequence[int]], str]) -> str | None:
         """The stop string that occurs first in the output text, or None."""

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 INT32_LIMIT = 2**31  # token counts and top_k reach the device as int32
+MAX_TOP_LOGPROBS = 20  # alternatives returned per token (OpenAI allows up to 20)
 # An output token a step in flight samples, not fetched yet (``serving.scheduler``).
 PLACEHOLDER = -1
 
@@ -49,6 +50,9 @@ class SamplingParams:
       stop: strings that finish the request when the detokenized output contains one;
         the output text is cut before it (the tokens are kept).
       ignore_eos: keep generating past the model's end-of-sequence token.
+      top_logprobs: most likely alternatives reported with each generated token, at most
+        ``MAX_TOP_LOGPROBS`` (0: none; the sampler finds them only for a step with a row
+        that asks).
     """
 
     max_tokens: int = 16
@@ -59,9 +63,10 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self):
-        for name in ("max_tokens", "top_k"):
+        for name in ("max_tokens", "top_k", "top_logprobs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -69,6 +74,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.top_k < INT32_LIMIT:
             raise ValueError(f"top_k must be in [0, 2**31) (0: all tokens), got {self.top_k}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if not self.max_tokens < INT32_LIMIT:
             raise ValueError(f"max_tokens must be < 2**31, got {self.max_tokens}")
         if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):

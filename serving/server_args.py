@@ -14,7 +14,7 @@ from serving.batch_builder import BatchBuckets
 from serving.http_guard import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT_S, HTTPOptions
 from serving.json_body import MAX_JSON_DEPTH
 from serving.precompile import reachable_programs
-from serving.sampling import MAX_TOP_LOGPROBS
+from serving.request import MAX_TOP_LOGPROBS
 from serving.step import SchedulerConfig
 
 DESCRIPTION = "OpenAI-compatible HTTP server: ``python -m serving.server``."

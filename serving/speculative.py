@@ -153,7 +153,8 @@ class SpeculativeRunner:
         draws = {}
         for (sampled, (drafts, accepted)), (_, _, request_ids) in zip(fetched, flight.parts):
             for r, request_id in enumerate(request_ids):
-                draws[request_id] = [Draw.from_row(sampled[j], r)
+                num_top = flight.owners[request_id].request.sampling.top_logprobs
+                draws[request_id] = [Draw.from_row(sampled[j], r, num_top)
                                      for j in range(int(accepted[r]) + 1)]
                 self.drafts[request_id] = tuple(int(t) for t in drafts[r])
         counts = engine._counts
@@ -210,7 +211,7 @@ class SpeculativeRunner:
         for j in range(chain):
             index = np.zeros(engine.sampler_rows, np.int32)
             index[:width] = j * width + np.arange(width)
-            params = [(*row[:4], row[4] + j) for row in rows]
+            params = [(*row[:4], row[4] + j, row[5]) for row in rows]
             sampled.append(sample_rows(out.logits, index,
                                        SamplingTensors.host(params, engine.sampler_rows)))
         drafted = accept_and_draft(engine.model_state, engine.caches, batch,

@@ -95,7 +95,8 @@ def test_samples_follow_the_masked_tempered_distribution(rng):
     keep = mask_oracle(scaled[None], [top_k], [top_p])[0]
     want = np.where(keep, np.exp(scaled - scaled.max()), 0)
     want /= want.sum()
-    params = SamplingTensors.host([(temperature, top_k, top_p, 11, i) for i in range(draws)], draws)
+    params = SamplingTensors.host([(temperature, top_k, top_p, 11, i, 20) for i in range(draws)],
+                                  draws)
     tokens, logprobs, top_ids, top_logprobs = jax.jit(sample)(np.tile(logits, (draws, 1)), params)
     freq = np.bincount(np.asarray(tokens), minlength=vocab) / draws
     assert np.all(freq[~keep] == 0)
@@ -110,7 +111,8 @@ def test_samples_follow_the_masked_tempered_distribution(rng):
 
 def test_greedy_rows_take_the_argmax_and_seeds_reproduce(rng):
     logits = rng.normal(size=(4, 100)).astype(np.float32)
-    rows = [(0.0, 0, 1.0, 5, 0), (1.0, 0, 1.0, 5, 0), (1.0, 0, 1.0, 5, 0), (1.0, 0, 1.0, 6, 0)]
+    rows = [(0.0, 0, 1.0, 5, 0, 0), (1.0, 0, 1.0, 5, 0, 0), (1.0, 0, 1.0, 5, 0, 0),
+            (1.0, 0, 1.0, 6, 0, 0)]
     sample_jit = jax.jit(sample)
     tokens = sample_jit(logits, SamplingTensors.host(rows, 4)).tokens
     assert int(tokens[0]) == int(np.argmax(logits[0]))
@@ -119,10 +121,37 @@ def test_greedy_rows_take_the_argmax_and_seeds_reproduce(rng):
     # Same (seed, index) on the same logits: same token. Across 64 indices a seed's stream
     # differs from another seed's.
     flat = np.tile(logits[1], (64, 1))
-    seed5 = sample_jit(flat, SamplingTensors.host([(1.0, 0, 1.0, 5, i) for i in range(64)], 64))
-    seed6 = sample_jit(flat, SamplingTensors.host([(1.0, 0, 1.0, 6, i) for i in range(64)], 64))
+    seed5 = sample_jit(flat, SamplingTensors.host([(1.0, 0, 1.0, 5, i, 0) for i in range(64)], 64))
+    seed6 = sample_jit(flat, SamplingTensors.host([(1.0, 0, 1.0, 6, i, 0) for i in range(64)], 64))
     assert int(seed5[0][0]) == int(tokens[1])
     assert not np.array_equal(seed5[0], seed6[0])
+
+
+def test_each_costly_part_runs_only_for_a_batch_that_needs_it(rng):
+    """The sort (top-k / top-p), the draw and the alternatives each sit behind a cond on
+    the batch: a row's result must not depend on which other rows share its batch."""
+    logits = rng.normal(size=(6, 40)).astype(np.float32) * 2
+    greedy, plain, filtered = (0.0, 0, 1.0, 3, 7, 0), (0.8, 0, 1.0, 3, 7, 0), (0.8, 4, 0.9, 3, 7, 0)
+    sample_jit = jax.jit(sample)
+    alone = {}
+    for name, row in {"greedy": greedy, "plain": plain, "filtered": filtered}.items():
+        alone[name] = sample_jit(logits, SamplingTensors.host([row] * 6, 6))
+    np.testing.assert_array_equal(alone["greedy"].tokens, np.argmax(logits, axis=-1))
+    assert not np.asarray(alone["greedy"].top_ids).any()  # nobody asked: not computed
+    scaled = logits / 0.8
+    keep = mask_oracle(scaled, [4] * 6, [0.9] * 6)
+    assert keep[np.arange(6), np.asarray(alone["filtered"].tokens)].all()
+    together = sample_jit(logits, SamplingTensors.host(
+        [greedy, plain, filtered, (0.0, 0, 1.0, 3, 7, 5), plain, filtered], 6))
+    want = [alone["greedy"], alone["plain"], alone["filtered"], alone["greedy"],
+            alone["plain"], alone["filtered"]]
+    np.testing.assert_array_equal(together.tokens, [int(w.tokens[k]) for k, w in enumerate(want)])
+    np.testing.assert_allclose(together.logprobs, [float(w.logprobs[k]) for k, w in enumerate(want)],
+                               rtol=1e-6)
+    raw = logits - logits.max(-1, keepdims=True)
+    raw -= np.log(np.exp(raw).sum(-1, keepdims=True))
+    want_top = np.argsort(-raw, axis=-1, kind="stable")[:, :20]
+    np.testing.assert_array_equal(together.top_ids, want_top)
 
 
 def test_copy_kv_blocks_copies_every_mla_layer_and_skips_padding():
