@@ -35,6 +35,7 @@ bench/results/decode_<preset>.json (`--json`) after every case.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import platform
@@ -54,13 +55,22 @@ from bench.common import write_json
 from bench.decode_floor import decode_sizes, decode_step_bytes, floor_seconds
 from bench.prefill import RESULTS, model_config
 from bench.prefill_cases import Session
-from bench.profile import print_profile, profile_call, traceable
+from bench.profile import (
+    kernel_events,
+    load_trace,
+    print_profile,
+    profile_call,
+    record_trace,
+    summarize,
+    traceable,
+)
 from glmjax import compile_cache
 from glmjax.model import HybridModel, decode_step
 from glmjax.random_weights import random_model
 from serving.compiles import CompileLog
 from serving.engine import Engine, EngineConfig
 
+ENGINE_STEPS = 4  # steps of the engine's own programs traced after the twin step
 FULL = dict(preset="kimi-linear-48b", num_layers=None, num_experts=None, context=8192,
             batches="1,16,64", block_size=512, budget=8192, decode_room=512, steps=16,
             warmup=2, compile_workers=8)  # fmt: skip
@@ -152,15 +162,32 @@ def dry_run_buckets(args, buckets, config) -> dict:
 
 def profile_step(session: Session, args, batch: int, rng, config, device_kind, step_s):
     """One decode step of `batch` fresh requests traced, once they all decode: a twin of the
-    decode step whose kernels keep their op names, compiled in an untraced step first."""
+    decode step whose kernels keep their op names, compiled in an untraced step first.
+    Then `ENGINE_STEPS` steps of the engine's own programs (CUDA graphs) traced under
+    ``engine_programs``: their device busy time against their span says how much of a step
+    the device waits for the host."""
     engine, timed = session.engine, session.engine.steps
     case = Case(session, args, batch, rng, config.vocab_size, name="profile")
+    trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="decode_trace_"))
     try:
         engine.steps = timed._replace(decode=traceable(decode_step, donate_argnums=1))
         case.step()
-        trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="decode_trace_"))
-        return profile_call(lambda: (case.step(), engine.caches)[1], trace_dir, flops=None,
-                            device_kind=device_kind, step_s=step_s) | {"batch": batch}
+        summary = profile_call(lambda: (case.step(), engine.caches)[1], trace_dir / "twin",
+                               flops=None, device_kind=device_kind, step_s=step_s)
+        engine.steps = timed
+        case.step()
+        path = record_trace(lambda: ([case.step() for _ in range(ENGINE_STEPS)],
+                                     engine.caches)[1], trace_dir / "engine")
+        events = kernel_events(load_trace(path))
+        own = summarize(events, device_kind=device_kind)
+        modules = collections.Counter()
+        for e in events:
+            modules[e.hlo_module or "(unnamed)"] += e.duration_us / 1e3 / ENGINE_STEPS
+        own = dict(steps=ENGINE_STEPS, trace=str(path), kernels=own["kernels"],
+                   busy_ms_per_step=own["busy_ms"] / ENGINE_STEPS,
+                   span_ms_per_step=own["span_ms"] / ENGINE_STEPS,
+                   by_module_ms_per_step=dict(modules.most_common()))
+        return summary | {"batch": batch, "engine_programs": own}
     finally:
         engine.steps = timed
         case.close()
@@ -247,6 +274,11 @@ def print_table(result: dict) -> None:
               f"{gb['kv']:>6.2f}")
     if "profile" in result:
         print_profile(result["profile"], f"one decode step of {result['profile']['batch']} rows")
+        own = result["profile"]["engine_programs"]
+        print(f"engine's own programs, {own['steps']} steps: device busy "
+              f"{own['busy_ms_per_step']:.2f} ms of a {own['span_ms_per_step']:.2f} ms span "
+              "per step; " + ", ".join(f"{m} {ms:.2f}"
+                                       for m, ms in own["by_module_ms_per_step"].items()))
     peak = result["peak_bytes_in_use"]
     print(f"\n{len(result['buckets'])} buckets compiled ahead in "
           f"{result['setup_s']['precompile']:.0f} s; {result['compiles_during_timing']} "
