@@ -21,7 +21,7 @@ import numpy as np
 from glmjax.state_pool import PoolStatus
 from glmjax.xla_options import STEP_OPTIONS
 from serving.request import PLACEHOLDER
-from serving.sampling import Sampled, SamplingTensors, sample
+from serving.sampling import Sampled, SamplerVariant, SamplingTensors, sample
 from serving.step import ScheduledStep
 
 
@@ -75,16 +75,15 @@ def gather_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
     return logits[rows]
 
 
-# The sampler's conds go in its CUDA graph (`STEP_OPTIONS`): a conditional outside one
-# copies its predicate to the host and waits for it, stalling the dispatch of the next step.
-sample_gathered = jax.jit(sample, compiler_options=STEP_OPTIONS)
+sample_gathered = jax.jit(sample, static_argnames="variant", compiler_options=STEP_OPTIONS)
 
 
 def sample_rows(logits: jax.Array, rows: jax.Array, params: SamplingTensors) -> Sampled:
     """Samples rows ``rows`` (int32 [R]) of one batch's logits (fp32 [N, V]): a gather
-    compiled per N (a copy of R rows), then the sampler, compiled once for [R, V]. The
-    sort over the vocabulary, the costly compile, is in the sampler alone."""
-    return sample_gathered(gather_rows(logits, rows), params)
+    compiled per N (a copy of R rows), then the sampler for [R, V], compiled once per
+    ``SamplerVariant``, the one host ``params`` need. The sort over the vocabulary, the
+    costly compile, is in the sampler alone."""
+    return sample_gathered(gather_rows(logits, rows), params, variant=SamplerVariant.of(params))
 
 
 @jax.jit
@@ -118,7 +117,7 @@ class StepDispatch:
     @property
     def sampler(self):
         """The jitted sampler, one compiled shape: (logits fp32 [R, V], SamplingTensors of
-        R rows), R = ``sampler_rows``."""
+        R rows, static ``variant``), R = ``sampler_rows``."""
         return sample_gathered
 
     @property

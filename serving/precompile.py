@@ -3,7 +3,8 @@
 An engine pads each batch to a bucket (``serving.batch_builder.BatchBuckets``): prefill
 batches to (tokens T, sequences N, block-table width M), decode batches to (N, M). Every
 bucket it can reach is one compiled prefill or decode program; the KV-block and state-slot
-copies and the sampler have one shape each, the gather of the sampled rows one per
+copies and the sampler have one shape each (the sampler one program per
+``serving.sampling.SamplerVariant``), the gather of the sampled rows one per
 sequence bucket, with asynchronous scheduling the feed of placeholder decode tokens one per
 sequence bucket, and with mixed steps the one forward over both kinds of rows one per
 (T, N, M). ``reachable_programs``
@@ -34,7 +35,7 @@ from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from serving import speculative
 from serving.batch_builder import BatchBuckets
 from serving.dispatch import feed_tokens
-from serving.sampling import SamplingTensors
+from serving.sampling import SAMPLER_VARIANTS, SamplerVariant, SamplingTensors
 
 SPECULATIVE_KINDS = ("spec_prefill", "verify", "draft_prefill", "draft_verify")
 
@@ -52,7 +53,7 @@ class Program:
     kind: str  # "prefill", "decode", "mixed", "copy_kv_blocks", "copy_state_slots",
     #            "gather_rows", "sample", "feed", or one of SPECULATIVE_KINDS
     shape: tuple[int, ...]  # prefill, mixed (T, N, M), decode (N, M), gather_rows, feed (N,),
-    #                         others ()
+    #                         sample a SamplerVariant, others ()
 
 
 def reachable_programs(buckets: BatchBuckets, *, feed: bool = False, mixed: bool = False,
@@ -78,7 +79,8 @@ def reachable_programs(buckets: BatchBuckets, *, feed: bool = False, mixed: bool
     decode = [Program("decode", (n, m)) for n in buckets.seqs for m in buckets.block_table_widths]
     gathers = [Program("gather_rows", (n,)) for n in buckets.seqs]
     fed = [Program("feed", (n,)) for n in buckets.seqs] if feed else []
-    small = [Program("copy_kv_blocks", ()), Program("copy_state_slots", ()), Program("sample", ())]
+    small = [Program("copy_kv_blocks", ()), Program("copy_state_slots", ()),
+             *(Program("sample", variant) for variant in SAMPLER_VARIANTS)]
     both = [Program("mixed", (t, n, m)) for t in buckets.tokens for n in buckets.seqs
             for m in buckets.block_table_widths] if mixed else []
     if speculative_tokens:
@@ -149,7 +151,8 @@ def _lower(engine, program: Program, shardings: dict | None = None):
         return engine.row_gather.lower(logits, np.zeros(rows, np.int32))
     if program.kind == "sample":
         logits = jax.device_put(np.zeros((rows, vocab), np.float32), shardings.get("gathered"))
-        return engine.sampler.lower(logits, SamplingTensors.host([], rows))
+        return engine.sampler.lower(logits, SamplingTensors.host([], rows),
+                                    variant=SamplerVariant(*program.shape))
     pairs = np.full(rows, -1, np.int32)
     return getattr(steps, program.kind).lower(engine.caches, pairs, pairs)
 

@@ -11,10 +11,12 @@ then keep the smallest set of those whose probability (after top-k) reaches ``to
 then draw. The logprob returned is of the chosen token under the model's own distribution
 (``log_softmax`` of the raw logits), whatever the sampling parameters.
 
-What costs is paid only by a batch with a row that needs it, each behind a ``lax.cond``:
-the sort over the vocabulary (a random row with top-k or top-p), the draw (a random row)
-and the most likely alternatives (a row that asks for them; ``lax.top_k`` of 20 sorts
-whole rows on a GPU). A greedy batch is an argmax and a log-softmax. On the H200, kimi's
+What costs is paid only by a batch with a row that needs it: the sort over the vocabulary
+(a random row with top-k or top-p) and the most likely alternatives (a row that asks for
+them; ``lax.top_k`` of 20 sorts whole rows on a GPU) are parts of the static
+``SamplerVariant`` the host picks from the rows it sends, one compiled program each (a
+device-side ``lax.cond`` would copy its predicate to the host and wait for it, as XLA
+leaves a conditional around a sort out of the step's CUDA graph). On the H200, kimi's
 163,840-token vocabulary at 64 sampler rows: the sort, the scatter of its mask and the top
 20 took 3.6 ms of a 13.4 ms batch-1 decode step (`bench/results/decode_kimi-linear-48b.json`).
 """
@@ -61,6 +63,24 @@ class SamplingTensors(NamedTuple):
         )
 
 
+class SamplerVariant(NamedTuple):
+    """The costly parts a batch needs (static: one compiled sampler each)."""
+
+    filter: bool = True  # a random row with top_k or top_p: a sort over the vocabulary
+    top: bool = True  # a row that reports alternatives: lax.top_k(20), a sort on a GPU
+
+    @classmethod
+    def of(cls, params: SamplingTensors) -> SamplerVariant:
+        """What the rows of host ``params`` (NumPy arrays) need."""
+        random = np.asarray(params.temperature) > 0
+        limited = (np.asarray(params.top_k) > 0) | (np.asarray(params.top_p) < 1)
+        return cls(bool(np.any(random & limited)), bool(np.any(np.asarray(params.num_top) > 0)))
+
+
+SAMPLER_VARIANTS = tuple(SamplerVariant(f, t) for f in (False, True) for t in (False, True))
+EVERY_PART = SamplerVariant(filter=True, top=True)
+
+
 def top_k_top_p_mask(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Which tokens each row may sample: bool [N, V].
 
@@ -99,35 +119,31 @@ class Sampled(NamedTuple):
     top_logprobs: jax.Array  # fp32 [N, min(MAX_TOP_LOGPROBS, V)]
 
 
-def sample(logits: jax.Array, params: SamplingTensors) -> Sampled:
+def sample(logits: jax.Array, params: SamplingTensors,
+           variant: SamplerVariant = EVERY_PART) -> Sampled:
     """One token per row.
 
     Args:
       logits: fp32 [N, V] raw model logits.
       params: per-row parameters (see ``SamplingTensors``).
+      variant: what the rows need (``SamplerVariant.of(params)``; the default, everything,
+        serves any rows).
     """
     logits = logits.astype(jnp.float32)
     num_rows, vocab = logits.shape
     greedy = params.temperature <= 0
-    filtered = ~greedy & ((params.top_k > 0) | (params.top_p < 1))
     scaled = logits / jnp.where(greedy, 1.0, params.temperature)[:, None]
-
-    def draw():
-        mask = jax.lax.cond(
-            jnp.any(filtered),
-            lambda: top_k_top_p_mask(scaled, params.top_k, params.top_p),
-            lambda: jnp.ones((num_rows, vocab), bool))
-        keys = jax.vmap(row_key)(params.seeds, params.token_index)
-        return jax.vmap(jax.random.categorical)(keys, jnp.where(mask, scaled, -jnp.inf))
-
-    drawn = jax.lax.cond(jnp.any(~greedy), draw, lambda: jnp.zeros(num_rows, jnp.int32))
+    if variant.filter:
+        scaled = jnp.where(top_k_top_p_mask(scaled, params.top_k, params.top_p), scaled, -jnp.inf)
+    keys = jax.vmap(row_key)(params.seeds, params.token_index)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     logprobs = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
     num_top = min(MAX_TOP_LOGPROBS, vocab)
-    top_logprobs, top_ids = jax.lax.cond(
-        jnp.any(params.num_top > 0),
-        lambda: tuple(jax.lax.top_k(log_probs, num_top)),
-        lambda: (jnp.zeros((num_rows, num_top), jnp.float32),
-                 jnp.zeros((num_rows, num_top), jnp.int32)))
+    if variant.top:
+        top_logprobs, top_ids = jax.lax.top_k(log_probs, num_top)
+    else:
+        top_logprobs = jnp.zeros((num_rows, num_top), jnp.float32)
+        top_ids = jnp.zeros((num_rows, num_top), jnp.int32)
     return Sampled(tokens, logprobs, top_ids.astype(jnp.int32), top_logprobs)

@@ -26,7 +26,7 @@ from serving.block_hash import chained_block_hashes
 from serving.engine import Engine, EngineConfig
 from serving.outputs import FinishReason
 from serving.request import SamplingParams
-from serving.sampling import SamplingTensors, sample, top_k_top_p_mask
+from serving.sampling import SamplerVariant, SamplingTensors, sample, top_k_top_p_mask
 from serving.state_slots import StateKey
 
 P = 64
@@ -127,31 +127,39 @@ def test_greedy_rows_take_the_argmax_and_seeds_reproduce(rng):
     assert not np.array_equal(seed5[0], seed6[0])
 
 
-def test_each_costly_part_runs_only_for_a_batch_that_needs_it(rng):
-    """The sort (top-k / top-p), the draw and the alternatives each sit behind a cond on
-    the batch: a row's result must not depend on which other rows share its batch."""
+def test_each_sampler_variant_gives_the_rows_it_serves_what_the_full_sampler_gives(rng):
+    """The sort (top-k / top-p) and the alternatives are static parts of the sampler
+    (`SamplerVariant`): the variant the host picks for a batch must give each of its rows
+    what the sampler with every part gives, whichever rows share the batch."""
     logits = rng.normal(size=(6, 40)).astype(np.float32) * 2
     greedy, plain, filtered = (0.0, 0, 1.0, 3, 7, 0), (0.8, 0, 1.0, 3, 7, 0), (0.8, 4, 0.9, 3, 7, 0)
-    sample_jit = jax.jit(sample)
-    alone = {}
-    for name, row in {"greedy": greedy, "plain": plain, "filtered": filtered}.items():
-        alone[name] = sample_jit(logits, SamplingTensors.host([row] * 6, 6))
-    np.testing.assert_array_equal(alone["greedy"].tokens, np.argmax(logits, axis=-1))
-    assert not np.asarray(alone["greedy"].top_ids).any()  # nobody asked: not computed
-    scaled = logits / 0.8
-    keep = mask_oracle(scaled, [4] * 6, [0.9] * 6)
-    assert keep[np.arange(6), np.asarray(alone["filtered"].tokens)].all()
-    together = sample_jit(logits, SamplingTensors.host(
-        [greedy, plain, filtered, (0.0, 0, 1.0, 3, 7, 5), plain, filtered], 6))
-    want = [alone["greedy"], alone["plain"], alone["filtered"], alone["greedy"],
-            alone["plain"], alone["filtered"]]
-    np.testing.assert_array_equal(together.tokens, [int(w.tokens[k]) for k, w in enumerate(want)])
-    np.testing.assert_allclose(together.logprobs, [float(w.logprobs[k]) for k, w in enumerate(want)],
-                               rtol=1e-6)
+    batches = {
+        SamplerVariant(False, False): [greedy] * 3 + [plain] * 3,
+        SamplerVariant(True, False): [greedy, plain, filtered] * 2,
+        SamplerVariant(False, True): [greedy, plain, (0.0, 0, 1.0, 3, 7, 5)] * 2,
+        SamplerVariant(True, True): [filtered, (0.8, 4, 0.9, 3, 7, 2), plain] * 2,
+    }
+    sample_jit = jax.jit(sample, static_argnames="variant")
     raw = logits - logits.max(-1, keepdims=True)
     raw -= np.log(np.exp(raw).sum(-1, keepdims=True))
-    want_top = np.argsort(-raw, axis=-1, kind="stable")[:, :20]
-    np.testing.assert_array_equal(together.top_ids, want_top)
+    for variant, rows in batches.items():
+        params = SamplingTensors.host(rows, 6)
+        assert SamplerVariant.of(params) == variant
+        got, full = sample_jit(logits, params, variant=variant), sample_jit(logits, params)
+        np.testing.assert_array_equal(got.tokens, full.tokens)
+        np.testing.assert_allclose(got.logprobs, raw[np.arange(6), np.asarray(got.tokens)],
+                                   atol=1e-5)
+        if variant.top:
+            np.testing.assert_array_equal(got.top_ids, full.top_ids)
+            np.testing.assert_array_equal(got.top_ids,
+                                          np.argsort(-raw, axis=-1, kind="stable")[:, :20])
+        else:
+            assert not np.asarray(got.top_ids).any()  # nobody asked: not computed
+        greedy_rows = [k for k, row in enumerate(rows) if row[0] == 0]
+        np.testing.assert_array_equal(np.asarray(got.tokens)[greedy_rows],
+                                      np.argmax(logits[greedy_rows], axis=-1))
+        keep = mask_oracle(logits / 0.8, [r[1] for r in rows], [r[2] for r in rows])
+        assert all(keep[k, int(got.tokens[k])] for k, row in enumerate(rows) if row[0] > 0)
 
 
 def test_copy_kv_blocks_copies_every_mla_layer_and_skips_padding():

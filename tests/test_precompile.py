@@ -18,6 +18,7 @@ from serving.compiles import CompileLog
 from serving.engine import Engine, EngineConfig
 from serving.precompile import precompile, reachable_programs
 from serving.request import SamplingParams
+from serving.sampling import SAMPLER_VARIANTS
 from serving.step import SchedulerConfig
 
 
@@ -50,7 +51,8 @@ def test_every_reachable_shape_is_listed_and_nothing_else(config, single, feed):
         reached |= {("decode", (n, m)) for m in widths} | {("gather_rows", (n,))}
         if feed:  # placeholder tokens of a decode batch fed from the step in flight
             reached.add(("feed", (n,)))
-    reached |= {("copy_kv_blocks", ()), ("copy_state_slots", ()), ("sample", ())}
+    reached |= {("copy_kv_blocks", ()), ("copy_state_slots", ())}
+    reached |= {("sample", variant) for variant in SAMPLER_VARIANTS}
     assert listed == reached
     assert {kind for kind, _ in mixed - listed} == {"mixed"}
     if config.budget * config.max_num_seqs > 1024:
@@ -115,9 +117,10 @@ def mixed_workload(engine: Engine, rng, requests: int = 10) -> None:
     engine.run_until_done()
 
 
-def test_the_sampler_compiles_once_across_sequence_buckets(rng):
+def test_the_sampler_compiles_once_per_variant_across_sequence_buckets(rng):
     """An engine whose batches reach several sequence buckets (prefill and decode, one to
-    four requests) compiles the sampler once; only the row gather compiles per bucket."""
+    four requests) compiles the sampler once per `SamplerVariant` its batches need (greedy
+    with sampled, top-k or not: two here); only the row gather compiles per bucket."""
     engine = fake_engine(max_model_len=64, budget=32, max_num_seqs=4, num_kv_blocks=32,
                          num_state_slots=16)
     serving.dispatch.sample_gathered.clear_cache()  # whatever other tests compiled before
@@ -128,7 +131,7 @@ def test_the_sampler_compiles_once_across_sequence_buckets(rng):
 
     rows_seen = engine.steps.prefill.rows_seen | engine.steps.decode.rows_seen
     assert len(rows_seen) >= 3  # several sequence buckets were sampled from
-    assert compiles["jit(sample)"]["count"] == 1
+    assert compiles["jit(sample)"]["count"] == 2
     assert compiles["jit(gather_rows)"]["count"] == len(rows_seen)
 
 
