@@ -66,6 +66,7 @@ from glmjax.model import (
     decode_step,
     prefill,
     prefill_step,
+    pure_state,
 )
 from glmjax.state_pool import StatePool
 from glmjax.xla_options import STEP_OPTIONS
@@ -257,7 +258,7 @@ def single_device_steps(config: ModelConfig) -> ModelSteps:
     """The steps of `glmjax.model` on JAX's default device."""
     return ModelSteps(prefill, decode, copy_state_slots, copy_kv_blocks,
                       lambda slots, blocks: Caches.init(config, slots, blocks),
-                      lambda model_state: model_state, None, DCPLayout(), mixed)
+                      pure_state, None, DCPLayout(), mixed)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -371,14 +372,16 @@ class ShardingPlan:
         return jax.tree.map(self.sharding, cache_specs(caches, self.specs))
 
     def place(self, model_state: ModelState) -> ModelState:
-        """``nnx.split(model)`` with its parameters sharded over the mesh. Abstract
-        parameters (``jax.ShapeDtypeStruct``, for ahead-of-time compiles) get their
-        shardings attached instead."""
+        """``nnx.split(model)`` with its parameters sharded over the mesh, as
+        ``glmjax.model.pure_state`` (dicts of arrays). Abstract parameters
+        (``jax.ShapeDtypeStruct``, for ahead-of-time compiles) get their shardings attached
+        instead."""
         graphdef, params = model_state
         shardings = self.param_shardings(params)
         if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
-            return graphdef, jax.tree.map(lambda x, s: x.update(sharding=s), params, shardings)
-        return graphdef, put(params, shardings)
+            return pure_state((graphdef, jax.tree.map(lambda x, s: x.update(sharding=s),
+                                                      params, shardings)))
+        return pure_state((graphdef, put(params, shardings)))
 
     def init_caches(self, num_state_slots: int, num_kv_blocks: int) -> Caches:
         """Zeroed caches, made in place on the mesh (no device holds them whole)."""
@@ -392,7 +395,7 @@ class ShardingPlan:
         caches donated. Batches may be host arrays; they are replicated."""
         graphdef, params = nnx.split(nnx.eval_shape(lambda: HybridModel(self.config,
                                                                          nnx.Rngs(0))))
-        state_sh = (graphdef, self.param_shardings(params))
+        state_sh = pure_state((graphdef, self.param_shardings(params)))
         rep = self.sharding(self.specs.replicated)
         shapes = jax.eval_shape(lambda: Caches.init(self.config, 1, 1))
         caches_sh = self.cache_shardings(shapes)
