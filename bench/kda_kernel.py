@@ -5,8 +5,6 @@
     python -m bench.kda_kernel --pass-cases 32K     # time the passes alone at 32K only
     python -m bench.kda_kernel --heads 16 --cases 32K --segments 1,3,4,8
                                                     # the segment-parallel scan (issue 20)
-    python -m bench.kda_kernel --cases 32K --prep-designs fused,split
-                                                    # the prep pass's designs side by side
     python -m bench.kda_kernel --quick              # CPU smoke run: tiny shapes, interpret mode
 
 Cases (H = 32 unless `--heads`, K = V = 128, bf16 q/k/v/beta, fp32 decay): one sequence
@@ -18,10 +16,7 @@ any-decay path with 4 snapshots; the jitted jax.numpy chunked oracle; fla-core `
 `torch.inference_mode`) on identical inputs when fla imports, by default (any decay) and
 with `safe_gate=True, lower_bound=-5` (its bounded-gate path). `--segments P,...` adds our
 bounded path with 4 snapshots and the scan forced to P segments per sequence (1: the plain
-scan), at each of `--segment-warps`. `--prep-designs` adds, for each prep design other than the
-runtime's (`KernelConfig.prep_design`; `split:2:4:32` sets the split design's intra and
-solve warps and intra key slice), our bounded path and any-decay path with 4 snapshots on that design, its passes
-alone in every case of `--pass-cases`, and its bytes. Each case prints the bytes the kernel moves per
+scan), at each of `--segment-warps`. Each case prints the bytes the kernel moves per
 token-head by source count (`pallas_kernels.kda_traffic`) and the time they take at GB10's 273 GB/s.
 
 Timing: warm-up, then `--samples` samples of `--iters` back-to-back launches closed by one
@@ -43,7 +38,7 @@ import numpy as np
 from bench.common import relative_error, time_calls, write_json
 from pallas_kernels import kda_pallas, kda_prefill, kda_prep, kda_segments
 from pallas_kernels.kda_traffic import traffic_summary
-from pallas_kernels.tuning import PREP_DESIGNS, KernelConfig, device_spec, select_config
+from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 
 HEADS, HEAD_K, HEAD_V = 32, 128, 128
 QUICK_HEADS, QUICK_HEAD_DIM = 2, 32  # --quick: interpret mode on the CPU
@@ -135,8 +130,7 @@ def fla_runner(inputs, lens, **options):
 
 
 def time_passes(inputs, lens, config, timing):
-    """Milliseconds of each pass alone: prep (its two kernels, then both: for the split
-    design intra as "prep matrices", solve as "prep w_u"), with P > 1 scan
+    """Milliseconds of each pass alone: prep (its two kernels, then both), with P > 1 scan
     segments their transitions and their combine, the scan with 4 snapshots, the output
     pass. On the CPU (interpret mode, inputs padded by a chunk of rows) as a smoke test."""
     chunk, segments = config.chunk_size, config.scan_segments
@@ -147,10 +141,9 @@ def time_passes(inputs, lens, config, timing):
     q, k, v, g, beta = (kda_prep.pad_rows(inputs[n], chunk) if interpret else inputs[n]
                         for n in ("q", "k", "v", "g", "beta"))
     offsets = snapshot_offsets(lens, 4)
-    chunk_matrices_of, chunk_w_u_of = kda_prep.prep_stages(config.prep_design)
-    matrices = jax.jit(lambda s: chunk_matrices_of(
+    matrices = jax.jit(lambda s: kda_prep.chunk_matrices(
         q, k, g, beta, s, scale=HEAD_K ** -0.5, bounded_gates=True, **flags))
-    w_u = jax.jit(lambda m, s: chunk_w_u_of(m, k, v, beta, s, **flags))
+    w_u = jax.jit(lambda m, s: kda_prep.chunk_w_u(m, k, v, beta, s, **flags))
     prep = jax.jit(lambda s: kda_prep.chunk_prep(
         q, k, v, g, beta, s, scale=HEAD_K ** -0.5, bounded_gates=True, **flags))
     transitions = jax.jit(lambda t, s: kda_segments.segment_transitions(t, s, cu, init,
@@ -210,13 +203,6 @@ def run_case(name, lens, config, args, bandwidth):
             row = f"pallas {segments} seg{f' w{warps}' if segments > 1 else ''}, 4 snap"
             checked[row] = ours(4, config=forced)
             measure(row, checked[row], **timing)
-    designs = {label: design for label, design in prep_designs(config, args.prep_designs)
-               if design != config}
-    for label, design in designs.items():
-        for path, bound in (("", GATE_LOWER_BOUND), (" any decay", None)):
-            row = f"pallas {label} prep{path}, 4 snap"
-            checked[row] = ours(4, bound, config=design)
-            measure(row, checked[row], **timing)
     ref = jax.jit(lambda i, off: kda_prefill(**i, checkpoint_offsets=off, backend="reference"))
     offsets4 = snapshot_offsets(lens, 4)
     measure("jax.numpy reference", lambda: ref(inputs, offsets4), iters=2,
@@ -241,13 +227,6 @@ def run_case(name, lens, config, args, bandwidth):
                                 heads=HEADS),
         pass_ms=(time_passes(inputs, lens, config, timing)
                  if name in args.pass_cases.split(",") else None),
-        prep_designs={label: dict(
-            config=dataclasses.asdict(design),
-            traffic=traffic_summary(design, HEAD_K, HEAD_V, bounded=True, tokens=sum(lens),
-                                    heads=HEADS),
-            pass_ms=(time_passes(inputs, lens, design, timing)
-                     if name in args.pass_cases.split(",") else None))
-            for label, design in designs.items()},
         snapshot_overhead=ours4 / rows["pallas, 0 snapshots"] - 1.0,
         speedup_vs_reference=rows["jax.numpy reference"] / ours4,
         speedup_vs_fla=(rows["fla chunk_kda"] / ours4) if "fla chunk_kda" in rows else None,
@@ -257,22 +236,6 @@ def run_case(name, lens, config, args, bandwidth):
         achieved_bandwidth_gbs=floor_bytes(lens, 4) / (ours4 * 1e-3) / 1e9,
         achieved_tflops=chunked_flops(lens) / (ours4 * 1e-3) / 1e12,
     )
-
-
-def prep_designs(base: KernelConfig, spec: str):
-    """(label, config) for each entry of `--prep-designs`: a design name (`KernelConfig.
-    prep_design`), for "split" optionally with its tiling, `split:INTRA_WARPS:SOLVE_WARPS`
-    or `split:INTRA_WARPS:SOLVE_WARPS:INTRA_BLOCK_K`."""
-    for entry in filter(None, spec.split(",")):
-        name, *tiling = entry.split(":")
-        config = dataclasses.replace(base, prep_design=name)
-        if tiling:
-            if name != "split" or len(tiling) not in (2, 3):
-                raise ValueError("--prep-designs: a tiling is split:INTRA_WARPS:SOLVE_WARPS"
-                                 f"[:INTRA_BLOCK_K], got {entry!r}")
-            fields = ("intra_num_warps", "solve_num_warps", "intra_block_k")
-            config = dataclasses.replace(config, **dict(zip(fields, map(int, tiling))))
-        yield entry, config
 
 
 def sweep_configs(base: KernelConfig):
@@ -302,14 +265,6 @@ def print_table(results):
         if result["pass_ms"]:
             passes = ", ".join(f"{k} {v:.3f}" for k, v in result["pass_ms"].items())
             print(f"{'':6} passes alone (ms): {passes}")
-        for label, design in result["prep_designs"].items():
-            traffic = design["traffic"]
-            print(f"{'':6} {label} prep: bytes per token-head "
-                  f"{traffic['total_bytes_per_token_head']:.0f}", end="")
-            if design["pass_ms"]:
-                print("; passes alone (ms): " + ", ".join(
-                    f"{k} {v:.3f}" for k, v in design["pass_ms"].items()), end="")
-            print()
         errors = ", ".join(f"{k} {v:.1e}" for k, v in
                            result["relative_error_vs_reference"].items())
         print(f"{'':6} relative error vs the reference: {errors}")
@@ -340,8 +295,6 @@ def main(argv=None):
                         help="also time the scan forced to these segment counts, e.g. 1,3,8")
     parser.add_argument("--segment-warps", default=str(KernelConfig.segment_num_warps),
                         help="warps of the segment kernels for --segments, e.g. 4,8")
-    parser.add_argument("--prep-designs", default="",
-                        help="also time these prep designs, e.g. split or split,split:2:4:32")
     parser.add_argument("--quick", action="store_true",
                         help="CPU smoke run: the quick case, 2 heads of 32, one sample")
     parser.add_argument("--iters", type=int, default=10)
@@ -359,13 +312,6 @@ def main(argv=None):
         args.pass_cases = "quick" if args.pass_cases == "quick" else ""
     for name in {*args.cases.split(","), *filter(None, args.pass_cases.split(","))} - set(CASES):
         parser.error(f"unknown case {name!r}: the cases are {', '.join(CASES)}")
-    try:
-        for entry, design in prep_designs(KernelConfig(), args.prep_designs):
-            if design.prep_design not in PREP_DESIGNS:
-                parser.error(f"unknown prep design {entry!r}: the designs are "
-                             f"{', '.join(PREP_DESIGNS)}")
-    except ValueError as error:
-        parser.error(str(error))
 
     device = jax.devices()[0]
     spec = device_spec(device)

@@ -7,8 +7,7 @@ device kind is that GPU, with exactly the `KernelConfig` the runtime picks for i
 real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs), on both gate paths
 (bounded, as GLM's gate, and any decay, as Kimi's), and the segment-parallel scan's two
 kernels (`kda_segment_*`) at 16 heads and one 32K-token prompt with the config the runtime
-picks there (`segment_config`; 4 segments where it keeps the plain scan, as on GB10), and
-the split prep design's kernels (`kda_prep_*`, `split_prep_config`) at H = 32; the
+picks there (`segment_config`; 4 segments where it keeps the plain scan, as on GB10); the
 KDA decode kernel likewise, at 1 and 64 rows on a 256-slot pool, with the tiling the
 runtime picks for each (`kda_decode_bv*` in the table); the MLA prefill flash attention at
 both presets' heads and head dims (`ATTENTION_SHAPES`) with the tuning table's config; the
@@ -180,15 +179,6 @@ def segment_config(spec: DeviceSpec) -> KernelConfig:
     config = select_config(spec, num_seqs=1, num_heads=SEGMENT_HEADS, head_k=HEAD_DIM,
                            head_v=HEAD_DIM, num_tokens=SEGMENT_TOKENS)
     return config if config.scan_segments > 1 else dataclasses.replace(config, scan_segments=4)
-
-
-def split_prep_config(spec: DeviceSpec) -> KernelConfig:
-    """The runtime's config for `spec` with the split prep design (`kda_prep_split`), which
-    `check_devices` compiles beside the default design: `kda_prep_intra` on both gate paths
-    (`_any`: any decay) and `kda_prep_solve`, the same on both."""
-    config = select_config(spec, num_seqs=1, num_heads=HEAD_COUNTS[0], head_k=HEAD_DIM,
-                           head_v=HEAD_DIM)
-    return dataclasses.replace(config, prep_design="split")
 
 
 def lower_kda_decode(spec: DeviceSpec, heads: int, config: DecodeConfig | None = None,
@@ -411,14 +401,6 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
             for rows in DECODE_ROWS:
                 for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)
-            if num_heads == heads[0]:  # the split prep design's kernels (any head count)
-                for bounded in (True, False):
-                    for module in lower_kda_prefill(spec, num_heads, split_prep_config(spec),
-                                                    bounded_gates=bounded):
-                        if module.name.startswith("kda_prep"):  # solve: same on both
-                            name = module.name + ("_any" if module.name.endswith("intra")
-                                                  and not bounded else "")
-                            modules.setdefault(name, dataclasses.replace(module, name=name))
             reports.extend(compile_module(module, spec, num_heads) for module in modules.values())
         for module in lower_kda_prefill(spec, SEGMENT_HEADS, segment_config(spec),
                                         bounded_gates=True):

@@ -10,13 +10,7 @@ import jax.numpy as jnp
 from pallas_kernels.kda_pallas import kda_prefill_pallas
 from pallas_kernels.kda_prep import SUB_CHUNK
 from pallas_kernels.reference import kda_chunked_reference
-from pallas_kernels.tuning import (
-    MAX_SEGMENTS,
-    PREP_DESIGNS,
-    KernelConfig,
-    device_spec,
-    select_config,
-)
+from pallas_kernels.tuning import MAX_SEGMENTS, KernelConfig, device_spec, select_config
 
 BACKENDS = ("pallas", "reference")
 CAPACITIES = (1, 2, 4)
@@ -118,13 +112,9 @@ def kda_prefill(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets
     if not 1 <= config.scan_segments <= MAX_SEGMENTS:
         raise ValueError(f"scan_segments must be in [1, {MAX_SEGMENTS}], got "
                          f"{config.scan_segments}")
-    if config.prep_design not in PREP_DESIGNS:
-        raise ValueError(f"prep_design must be one of {PREP_DESIGNS}, got "
-                         f"{config.prep_design!r}")
-    block_k = config.intra_block_k if config.prep_design == "split" else config.prep_block_k
-    if head_k % min(block_k, head_k):
+    if head_k % min(config.prep_block_k, head_k):
         raise ValueError(f"head dim K={head_k} must be a multiple of the prep pass's key "
-                         f"slice {block_k}")
+                         f"slice {config.prep_block_k}")
     return kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets,
                               scale=scale, bounded_gates=gate_lower_bound is not None,
                               config=config, interpret=bool(interpret), exact=exact)

@@ -42,7 +42,7 @@ from pallas_kernels.tuning import KernelConfig
 def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_ref, u_ref,
                        kg_ref, gcum_ref, glast_ref,
                        states_ref, vnew_ref, final_ref, snap_ref, *, chunk, block_v, capacity,
-                       segments, precision, cumulative):
+                       segments, precision):
     """One segment x head x value block: the chunk-to-chunk scan with snapshots.
 
     Program axis 0 is sequence n's segment s at n * segments + s; init_ref [N segments,
@@ -51,7 +51,6 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_r
     the chunk's rows; only the two matmuls the recurrence depends on run here. Each
     snapshot is stored by the one segment holding its offset, zeros by segment 0 when the
     offset is inactive; the final state by the sequence's last non-empty segment.
-    cumulative: gcum_ref holds G; otherwise g, summed over the chunk here (split prep).
     """
     index, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n, s = index // segments, index % segments
@@ -90,9 +89,7 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_r
 
             @pl.when((local >= 1) & (local <= n_valid))
             def _(c=c, local=local):
-                g_cum = load(gcum_ref, slice(None)).astype(jnp.float32)
-                if not cumulative:  # G from g (rows past the chunk load as 0)
-                    g_cum = lax.cumsum(g_cum, axis=0)
+                g_cum = load(gcum_ref, slice(None))
                 k = load(k_ref, slice(None)).astype(jnp.float32)
                 g_at = jnp.sum(jnp.where(rows_c == local - 1, g_cum, 0.0), axis=0)  # [K]
                 before = rows_c < local
@@ -155,8 +152,7 @@ def chunk_scan(tensors: ChunkTensors, k, slots: ChunkSlots, cu_seqlens, segment_
     scan = pl.pallas_call(
         functools.partial(_recurrence_kernel, chunk=config.chunk_size, block_v=block_v,
                           capacity=capacity, segments=segments,
-                          precision=matmul_precision(exact),
-                          cumulative=config.prep_design != "split"),
+                          precision=matmul_precision(exact)),
         out_shape=(
             jax.ShapeDtypeStruct((slots.start.shape[0], num_heads, head_k, head_v), inter),
             jax.ShapeDtypeStruct((rows, num_heads, head_v), inter),

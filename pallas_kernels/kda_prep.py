@@ -49,7 +49,7 @@ from pallas_kernels.tuning import KernelConfig
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tile a Triton dot accepts
 
 
-def invert_by_substitution(l_blk):
+def _invert_by_substitution(l_blk):
     """(I + L)^-1 for a strictly lower triangular [16, 16] fp32 L, by forward substitution.
 
     X starts as I; step j subtracts L[:, j] x X[j, :] from every row (rows <= j are
@@ -232,7 +232,7 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
             # pass's precision (TF32 products on the fast path, as fla's merge; IEEE when
             # exact). Emulated TF32 left the bf16 errors unchanged to three digits.
             l_row = {c: beta_b * l_blk[b, c] for c in range(b)}
-            t[b, b] = (invert_by_substitution(jnp.where(col < sub_row, beta_b * l_blk[b, b], 0.0))
+            t[b, b] = (_invert_by_substitution(jnp.where(col < sub_row, beta_b * l_blk[b, b], 0.0))
                        if bounded else load(diag_inv_ref, b))
             for c in range(b - 1, -1, -1):
                 coupled = sum(dot(l_row[m], t[m, c], precision) for m in range(c, b))
@@ -300,9 +300,7 @@ class ChunkTensors(NamedTuple):
     """What the prep pass hands the scan, per row and head ([T', H, ...]).
 
     W, U, Aqk, Qg, Kg are stored in the operand dtype (bf16 on the fast path, fp32 when
-    exact); G and G_last stay fp32. The split prep design (`KernelConfig.prep_design`)
-    stores no G: its g_cum is the gates g as given, which the scan sums over the chunk
-    where it takes a snapshot.
+    exact); G and G_last stay fp32.
     """
 
     w: jax.Array      # [T', H, K]
@@ -310,7 +308,7 @@ class ChunkTensors(NamedTuple):
     aqk: jax.Array    # [T', H, C]
     qg: jax.Array     # [T', H, K]
     kg: jax.Array     # [T', H, K]
-    g_cum: jax.Array  # [T', H, K] fp32 G (split design: g)
+    g_cum: jax.Array  # [T', H, K] fp32
     g_last: jax.Array  # [S, H, K] fp32: G at each chunk slot's last row
 
 
@@ -410,22 +408,6 @@ def chunk_prep(q, k, v, g, beta, slots: ChunkSlots, *, scale: float,
     decay (`_diagonal_kernel`). The kernels do not depend on b itself.
     """
     flags = dict(config=config, interpret=interpret, exact=exact)
-    matrices_of, w_u_of = prep_stages(config.prep_design)
-    matrices = matrices_of(q, k, g, beta, slots, scale=scale, bounded_gates=bounded_gates,
-                           **flags)
-    return w_u_of(matrices, k, v, beta, slots, **flags)
-
-
-def prep_stages(design: str):
-    """The two stages of a prep design (`KernelConfig.prep_design`), each callable alone:
-    `chunk_matrices(q, k, g, beta, slots, *, scale, bounded_gates, config, interpret,
-    exact)` and `chunk_w_u(matrices, k, v, beta, slots, *, config, interpret, exact)`,
-    which returns the `ChunkTensors`. "fused": this module's; "split":
-    `pallas_kernels.kda_prep_split`'s."""
-    if design == "split":
-        from pallas_kernels import kda_prep_split  # it imports this module
-
-        return kda_prep_split.chunk_matrices, kda_prep_split.chunk_w_u
-    if design != "fused":
-        raise ValueError(f"prep_design must be 'fused' or 'split', got {design!r}")
-    return chunk_matrices, chunk_w_u
+    matrices = chunk_matrices(q, k, g, beta, slots, scale=scale,
+                              bounded_gates=bounded_gates, **flags)
+    return chunk_w_u(matrices, k, v, beta, slots, **flags)

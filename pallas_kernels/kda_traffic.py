@@ -3,11 +3,11 @@
 Each pass's reads and writes of per-row tensors, every tensor counted once per pass (the
 value-block programs of one head that load the same W or Kg tile are assumed to share it
 through L2), on the fast path: bf16 q, k, v, beta and matmul operands, fp32 g, G and T
-(see `pallas_kernels.kda_prep`, and `kda_prep_split` for the split prep design). Per-chunk
-tensors (G_last, the entry states) count 1/C of their size per token; per-sequence ones
-(states, snapshots, segment transitions) are left out: they do not grow with the tokens.
-GB10's 273 GB/s turns the total into the time a bandwidth-bound kernel cannot beat there.
-`tuning.select_segments` uses the scan's share; `bench.kda_kernel` prints it all.
+(see `pallas_kernels.kda_prep`). Per-chunk tensors (G_last, the entry states) count 1/C
+of their size per token; per-sequence ones (states, snapshots, segment transitions) are
+left out: they do not grow with the tokens. GB10's 273 GB/s turns the total into the
+time a bandwidth-bound kernel cannot beat there. `tuning.select_segments` uses the scan's
+share; `bench.kda_kernel` prints it all.
 """
 
 from __future__ import annotations
@@ -22,25 +22,16 @@ BF16, FP32 = 2, 4
 def bytes_per_token_head(config: KernelConfig, head_k: int, head_v: int, *,
                          bounded: bool) -> dict[str, float]:
     """Bytes per token and head of each pass (bounded: the gate path without
-    `kda_chunk_diagonal`; the prep passes of `config.prep_design`); the segment
-    transitions (`scan_segments` P > 1) read W, U, Kg and G_last of the first P - 1
-    segments, (P - 1) / P of the tokens."""
+    `kda_chunk_diagonal`); the segment transitions (`scan_segments` P > 1) read W, U, Kg
+    and G_last of the first P - 1 segments, (P - 1) / P of the tokens."""
     k, v, c = head_k, head_v, config.chunk_size
     inputs = 2 * BF16 * k + FP32 * k + BF16  # q, k, g, beta
     passes = {}
-    if config.prep_design == "split":
-        # Intra: inputs in (the earlier and later sub-chunks' k and g that a program
-        # re-reads come from L2); Aqk, M (fp32), Qg, Kg, kb, G_last out (no G: the scan
-        # reads g where it takes a snapshot, as it reads G otherwise). Solve: M, kb, v,
-        # beta in; W, U out. Both gate paths alike.
-        passes["intra"] = inputs + BF16 * c + FP32 * c + 3 * BF16 * k + FP32 * k / c
-        passes["solve"] = FP32 * c + BF16 * (k + v) + BF16 + BF16 * (k + v)
-    else:
-        if not bounded:  # reads the inputs, writes Aqk's diagonal blocks and their inverses
-            passes["diagonal"] = inputs + 2 * FP32 * SUB_CHUNK
-        passes["prep"] = (inputs + (0 if bounded else 2 * FP32 * SUB_CHUNK)
-                          + BF16 * c + FP32 * c + 2 * BF16 * k + FP32 * k + FP32 * k / c)
-        passes["w_u"] = BF16 * (k + v) + BF16 + FP32 * k + FP32 * c + BF16 * (k + v)
+    if not bounded:  # reads the inputs, writes Aqk's diagonal blocks and their inverses
+        passes["diagonal"] = inputs + 2 * FP32 * SUB_CHUNK
+    passes["prep"] = (inputs + (0 if bounded else 2 * FP32 * SUB_CHUNK)
+                      + BF16 * c + FP32 * c + 2 * BF16 * k + FP32 * k + FP32 * k / c)
+    passes["w_u"] = BF16 * (k + v) + BF16 + FP32 * k + FP32 * c + BF16 * (k + v)
     recurrence_reads = BF16 * (2 * k + v) + FP32 * k / c  # W, Kg, U, G_last
     segments = config.scan_segments
     if segments > 1:

@@ -15,7 +15,6 @@ import functools
 import jax
 
 FP32_BYTES = 4
-PREP_DESIGNS = ("fused", "split")  # KernelConfig.prep_design
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +45,6 @@ class KernelConfig:
     prep_block_k: int = 16      # key columns per slice of the prep program (a loop)
     w_u_num_warps: int = 8      # prep: W and U per chunk
     diagonal_num_warps: int = 4  # prep, any-decay path: the diagonal blocks elementwise
-    # The prep pass's design: "fused" (`kda_chunk_prep` per chunk over key slices, then
-    # `kda_chunk_w_u`; the fields above) or "split" (`pallas_kernels.kda_prep_split`:
-    # `kda_prep_intra` per 16-row sub-chunk over key slices, then `kda_prep_solve` per
-    # chunk, which also forms W and U), at these warps and slices.
-    prep_design: str = "fused"
-    intra_num_warps: int = 1
-    intra_block_k: int = 16     # key columns per slice of the intra program (a loop)
-    solve_num_warps: int = 4
     output_block_v: int = 128   # value columns per output program
     output_num_warps: int = 4
     output_num_stages: int = 1

@@ -4,8 +4,6 @@
 `gpu`) and `TestKdaKernelInterpret` runs the same cases in Pallas interpret mode on the CPU.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -211,38 +209,6 @@ class KdaKernelCases:
                 gate_lower_bound=bound)
         assert o.dtype == jnp.bfloat16
 
-    @pytest.mark.parametrize(("lens", "bound", "dtype", "options"), [
-        ([1, 63, 64], None, jnp.float32, {"head_k": 64, "intra_block_k": 32, "min_decay": -40}),
-        ([65, 0, 200, 3, 129], -5.0, jnp.float32, {}),
-        ([300], -5.0, jnp.float32, {"saturated": True}),
-        ([257, 64, 31], None, jnp.bfloat16, {}),
-        ([190, 1, 66], -5.0, jnp.bfloat16, {}),
-        ([100, 33], -5.0, jnp.float32, {"chunk_size": 32}),
-        ([581, 0, 1, 130], None, jnp.float32, {"segments": 3}),
-    ])
-    def test_split_prep_design(self, rng, lens, bound, dtype, options):
-        """`prep_design="split"` (kda_prep_split) on a subset of the cases above: both gate
-        paths, packed sequences with empty ones and padding rows, snapshots at chunk
-        boundaries and mid-chunk (`awkward_offsets`), initial states, fp32 and bf16,
-        decays saturated at the bound and (any decay) down to -40 per token, chunks of 32,
-        one and two key slices, the segment-parallel scan (snapshots either side of each
-        segment boundary, weak decays)."""
-        segments = options.get("segments", 1)
-        if segments > 1:
-            inputs = segment_batch(rng, lens, segments, heads=1, padding=20, min_decay=-0.02)
-        else:
-            inputs = make_inputs(rng, lens, padding=20, head_k=options.get("head_k", 32),
-                                 dtype=dtype, min_decay=options.get("min_decay", -5.0))
-        if options.get("saturated"):
-            inputs["g"] = jnp.full_like(inputs["g"], -5.0)
-        config = KernelConfig(block_v=32, prep_design="split", scan_segments=segments,
-                              intra_block_k=options.get("intra_block_k", 16))
-        o, _, _ = self.check_against_recurrence(
-            inputs, 1e-5 if dtype == jnp.float32 else 5e-3, config=config,
-            gate_lower_bound=bound, chunk_size=options.get("chunk_size", 64))
-        end = int(inputs["cu_seqlens"][-1])
-        assert not np.asarray(o[end:]).any(), "padding rows must be zero"
-
     def test_new_lengths_and_offsets_do_not_retrace(self, rng):
         traces = []
 
@@ -274,15 +240,6 @@ class TestKdaKernelGpu(KdaKernelCases):
         self.check_against_recurrence(inputs, 5e-3)
         self.check_against_recurrence(inputs, 5e-3, gate_lower_bound=-5.0)
 
-    def test_real_head_dims_bf16_split_prep(self, rng):
-        inputs = make_inputs(
-            rng, [3000, 1000, 95], heads=4, head_k=128, head_v=128, dtype=jnp.bfloat16
-        )
-        config = select_config(device_spec(), num_seqs=3, num_heads=4, head_k=128, head_v=128)
-        config = dataclasses.replace(config, prep_design="split")
-        self.check_against_recurrence(inputs, 5e-3, config=config)
-        self.check_against_recurrence(inputs, 5e-3, config=config, gate_lower_bound=-5.0)
-
     def test_runtime_picks_segment_parallel_scan(self, rng):
         """One long sequence, few heads: the default config splits the scan (checked here
         against the rule), and the result holds at the real head dims."""
@@ -312,11 +269,6 @@ def test_config_rejects_mismatched_blocks(rng):
         kda_prefill(**inputs, config=KernelConfig(block_v=64))
     with pytest.raises(ValueError, match="K=32 .* key slice 24"):  # 8 columns would be lost
         kda_prefill(**inputs, config=KernelConfig(block_v=32, prep_block_k=24))
-    with pytest.raises(ValueError, match="K=32 .* key slice 24"):
-        kda_prefill(**inputs, config=KernelConfig(block_v=32, prep_design="split",
-                                                  intra_block_k=24))
-    with pytest.raises(ValueError, match="prep_design.*'tiled'"):
-        kda_prefill(**inputs, config=KernelConfig(block_v=32, prep_design="tiled"))
 
 
 @pytest.mark.parametrize("segments", [0, 17])
