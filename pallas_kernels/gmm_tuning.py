@@ -94,8 +94,10 @@ def select_gmm_config(spec: DeviceSpec, *, rows: int, k: int, n: int, num_groups
 def stream_config(spec: DeviceSpec, n: int) -> GmmConfig:
     """One weight matrix against a few rows (a decode step's projection): the launch is a
     stream of the weight, so the columns are cut until every SM has a program (at least 16
-    columns each), with 4 stages of 128-deep tiles in flight per program. (Reasoned, not
-    yet measured: `python -m bench.decode` on the H200.)"""
+    columns each), with 4 stages of 128-deep tiles in flight per program. Reasoned, not
+    swept: on the H200 kimi's 2304 x 4096 products took 12.5 us at one row, 1.5 TB/s of
+    weight against a 3.9 us floor (`bench/results/decode_kimi-linear-48b.json`'s profile);
+    `python -m bench.projection --sweep` times the alternatives."""
     block_n = 128
     while block_n > 16 and n // block_n < spec.num_sms:
         block_n //= 2

@@ -1,0 +1,47 @@
+"""`python -m bench.projection`: the decoder's projection shapes, the sweep grid's filter,
+and a quick CPU run (interpret mode) that times both paths and writes its JSON."""
+
+import json
+
+import pytest
+
+from bench.projection import decode_projections, main, sweep_configs
+from glmjax.config import ModelConfig
+from pallas_kernels.gmm_tuning import estimate_shared_memory
+from pallas_kernels.tuning import device_spec
+
+
+def test_kimi_decoder_projections_are_counted_per_shape():
+    config = ModelConfig.preset("kimi-linear-48b")
+    counts = decode_projections(config)
+    kda_layers = sum(kind == "kda" for kind in config.layer_types)
+    width = config.kda_num_heads * config.kda_head_dim
+    # q, k and v of every KDA layer read the hidden state into the heads' width.
+    assert counts[(config.hidden_size, width)] >= 3 * kda_layers
+    assert all(n > 0 for n in counts.values())
+
+
+@pytest.mark.parametrize("rows, d_in, d_out", [(1, 2304, 4096), (64, 4096, 2304), (1, 48, 80)])
+def test_the_sweep_keeps_only_tilings_that_divide_the_shape_and_fit(rows, d_in, d_out):
+    configs = sweep_configs(rows, d_in, d_out)
+    assert all(d_in % c.block_k == 0 and d_out % c.block_n == 0 for c in configs)
+    assert all(estimate_shared_memory(c) <= device_spec().smem_per_block for c in configs)
+    if d_in % 64 or d_out % 16:
+        assert configs == []
+    else:
+        assert {c.block_n for c in configs} == {16, 32, 64, 128}
+
+
+def test_quick_run_times_both_paths_and_writes_json(tmp_path):
+    path = tmp_path / "projection.json"
+    main(["--quick", "--rows", "2", "--out", str(path)])
+    payload = json.loads(path.read_text())
+    assert payload["results"], "no shape was timed"
+    for r in payload["results"]:
+        assert r["rows"] == 2 and set(r["ms"]) == {"stream", "xla"}
+        assert r["relative_error"]["stream"] < 1e-2 and r["relative_error"]["xla"] < 1e-2
+        assert r["floor_ms"]["h200_4.8TBps"] == pytest.approx(
+            r["d_in"] * r["d_out"] * 2 / 4.8e12 * 1e3)
+    shapes = {f"{r['d_in']}x{r['d_out']}" for r in payload["results"]}
+    assert shapes | set(payload["not_streamed"]) == set(payload["shapes_per_step"])
+    assert set(payload["step_estimate_ms"]["2"]) == {"stream", "xla", "floor"}
