@@ -8,7 +8,8 @@ against XLA's product, and the tiling sweep that should pick `gmm_tuning.stream_
 Shapes: every distinct (d_in, d_out) of the `Projection` modules a decode step runs (the
 decoder's layers; the MTP heads left out), counted per step, from the preset's model
 built abstractly; those whose widths the kernel does not tile (not multiples of 16) stay
-on XLA in the model and are only listed (`not_streamed`). Per shape and row count, each a jitted call on random bf16 operands:
+on XLA in the model and are only listed (`not_streamed`). Per shape and row count, each a
+jitted call on random bf16 operands:
 - `stream`: the grouped GEMM with one group at the device's tiling
   (`select_gmm_config`, which takes `stream_config` for one group of few rows): what
   `Projection` runs on one GPU.
