@@ -33,6 +33,23 @@ def relative_error(ours, reference):
     return float(np.abs(ours - reference).max() / np.abs(reference).max())
 
 
+def fill_defaults(args, quick: dict, full: dict) -> None:
+    """Each flag of `args` left unset (None) takes its value from `quick` (a `--quick` run)
+    or `full`."""
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def positive_sizes(parser, flag: str, text) -> list[int]:
+    """The distinct sizes of a comma-separated flag value, ascending; a parser error (exit 2)
+    unless there is one or more and all are >= 1."""
+    sizes = sorted({int(x) for x in str(text).split(",") if x})
+    if not sizes or sizes[0] < 1:
+        parser.error(f"{flag} {text!r}: give one or more sizes >= 1")
+    return sizes
+
+
 def write_json(result: dict, path: Path) -> None:
     """`result` to `path` (its folder made if missing); values JSON cannot hold as strings."""
     path.parent.mkdir(parents=True, exist_ok=True)

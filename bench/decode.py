@@ -51,7 +51,7 @@ import numpy as np
 from flax import nnx
 
 from bench.buckets import DryRun, log, precompile, step_functions
-from bench.common import write_json
+from bench.common import fill_defaults, positive_sizes, write_json
 from bench.decode_floor import decode_sizes, decode_step_bytes, floor_seconds
 from bench.prefill import RESULTS, model_config
 from bench.prefill_cases import Session
@@ -216,8 +216,8 @@ def run_benchmark(args) -> dict:
         batches = dry_run_buckets(args, probe.builder.buckets, config)
         log(f"dry run: {len(batches)} buckets {sorted(batches)}")
         mark = time.perf_counter()
-        result["buckets"] = precompile(step_functions(probe), batches, abstract, probe.caches,
-                                       args.compile_workers)
+        result["buckets"] = precompile(step_functions(probe), batches, probe.model_state,
+                                       probe.caches, args.compile_workers)
         result["setup_s"] = {"precompile": time.perf_counter() - mark}
         del probe
         model, drawn = weights.result()
@@ -313,12 +313,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--json", type=Path, help="output (bench/results/decode_<preset>.json)")
     compile_cache.add_arguments(parser)
     args = parser.parse_args(argv)
-    for name, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    args.batch_sizes = sorted({int(x) for x in str(args.batches).split(",") if x})
-    if not args.batch_sizes or args.batch_sizes[0] < 1:
-        parser.error(f"--batches {args.batches!r}: give one or more sizes >= 1")
+    fill_defaults(args, QUICK, FULL)
+    args.batch_sizes = positive_sizes(parser, "--batches", args.batches)
     args.profile_batch = args.profile_batch or args.batch_sizes[-1]
     if args.profile_batch not in args.batch_sizes:
         parser.error(f"--profile-batch {args.profile_batch}: not one of --batches {args.batches}")

@@ -60,7 +60,7 @@ import numpy as np
 from flax import nnx
 
 from bench.buckets import DryRun, log, precompile, step_functions
-from bench.common import write_json
+from bench.common import fill_defaults, write_json
 from bench.prefill_cases import CASES, MODES, Run, Session, compare_greedy, profile_case
 from bench.profile import print_profile
 from glmjax import compile_cache
@@ -171,10 +171,10 @@ def run_benchmark(args) -> dict:
         log(f"dry run: {len(batches)} buckets {sorted(batches)}")
         mark = time.perf_counter()
         steps = step_functions(probe)
-        # On a mesh the abstract parameters carry their shardings (as `probe` holds them), so
-        # the executables compiled here are the ones the engines' calls find again.
-        placed = abstract if steps_on_devices is None else steps_on_devices.place(abstract)
-        buckets = precompile(steps, batches, placed, probe.caches, args.compile_workers)
+        # The abstract parameters as `probe` holds them (dicts, and on a mesh with their
+        # shardings), so the executables compiled here are the ones the engines' calls find.
+        buckets = precompile(steps, batches, probe.model_state, probe.caches,
+                             args.compile_workers)
         del probe
         result["setup_s"] = {"precompile": time.perf_counter() - mark}
         model, drawn = weights.result()
@@ -360,9 +360,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--json", type=Path, help="output (bench/results/prefill_<preset>.json)")
     compile_cache.add_arguments(parser)
     args = parser.parse_args(argv)
-    for name, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_defaults(args, QUICK, FULL)
     mesh = f"_tp{args.tp}_dcp{args.dcp}" if args.tp > 1 else ""
     args.json = args.json or RESULTS / f"prefill_{args.preset}{mesh}.json"
     return args

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.common import relative_error, time_calls, write_json
+from bench.common import fill_defaults, positive_sizes, relative_error, time_calls, write_json
 from bench.kda_kernel import measure_copy_bandwidth
 from glmjax.config import ModelConfig
 from glmjax.layers.projection import Projection
@@ -138,12 +138,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--samples", type=int)
     add("--out", type=Path, help="output (bench/results/projection_<preset>.json)")
     args = parser.parse_args(argv)
-    for name, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    args.row_counts = sorted({int(r) for r in str(args.rows).split(",") if r})
-    if not args.row_counts or args.row_counts[0] < 1:
-        parser.error(f"--rows {args.rows!r}: give one or more counts >= 1")
+    fill_defaults(args, QUICK, FULL)
+    args.row_counts = positive_sizes(parser, "--rows", args.rows)
     args.out = args.out or RESULTS / f"projection_{args.preset}.json"
     return args
 

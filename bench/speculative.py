@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import write_json
+from bench.common import fill_defaults, write_json
 from glmjax import compile_cache
 from glmjax.config import ModelConfig
 from glmjax.random_weights import random_model
@@ -114,9 +114,7 @@ def main(argv=None) -> dict:
     compile_cache.add_arguments(parser)
     args = parser.parse_args(argv)
     compile_cache.enable_from_args(args)
-    for name, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_defaults(args, QUICK, FULL)
     config = ModelConfig.preset(args.preset)
     if args.layers is not None:
         config = config.replace_depth(args.layers, args.experts)

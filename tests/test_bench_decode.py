@@ -92,3 +92,9 @@ def test_quick_run_times_each_batch_against_its_floor(tmp_path):
     assert 41 < per_row < 40 + result["args"]["decode_room"]
     assert not math.isnan(case["median_step_s"])
     assert {b["kind"] for b in result["buckets"]} == {"prefill", "decode"}
+    # The engine's calls find the executables compiled ahead (at most once per bucket: none
+    # where this process compiled the same bucket before); they compiled twice when the
+    # ahead-of-time compile was given parameters of another tree than the engine's.
+    for kind in ("prefill", "decode"):
+        buckets = sum(b["kind"] == kind for b in result["buckets"])
+        assert result["compiles"].get(f"jit({kind}_step)", {"count": 0})["count"] <= buckets
