@@ -34,7 +34,7 @@ from glmjax import compile_cache
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
 from glmjax.layer_scan import layer_plan
-from glmjax.model import HybridModel, decode, prefill
+from glmjax.model import HybridModel, decode, prefill, pure_state
 from serving.precompile import padding_decode, padding_prefill
 
 RESULTS = Path(__file__).parent / "results"
@@ -50,7 +50,9 @@ def _bytes(folder: Path) -> int:
 
 def measure(config: ModelConfig, args, cache_dir: Path) -> dict:
     """Lower and compile `config`'s prefill (and decode) bucket twice: cold, then warm."""
-    model_state = nnx.split(nnx.eval_shape(lambda: HybridModel(config, nnx.Rngs(0))))
+    # As the engine passes them (`ModelSteps.place`): the same programs, and cache keys.
+    model_state = pure_state(nnx.split(nnx.eval_shape(lambda: HybridModel(config,
+                                                                           nnx.Rngs(0)))))
     caches = jax.eval_shape(lambda: Caches.init(config, args.slots, args.kv_blocks))
     steps = {"prefill": (prefill, padding_prefill(args.tokens, args.seqs, args.blocks))}
     if args.decode:
