@@ -10,7 +10,8 @@
 - ``serving.scheduler``: per-step decodes and prefill spans, admission, preemption, and
   registering what each step retained (``serving.step_planner`` fills each step);
   ``serving.step``: what a scheduled step holds.
-- ``serving.batch_builder``: a scheduled step packed into the model's bucketed batches.
+- ``serving.batch_builder``: a scheduled step packed into the model's bucketed batches
+  (``serving.batch_validation``: their checks before the device).
 - ``serving.sampling``: greedy / temperature / top-k / top-p sampling with per-request seeds.
 - ``serving.engine``: the step loop over scheduler, model and sampler
   (``serving.engine_config``: its knobs; ``serving.step_failures``: a failed step);

@@ -1,4 +1,5 @@
-"""Tests for serving.batch_builder: bucket shapes, relative offsets, inert padding, checks."""
+"""Tests for serving.batch_builder (bucket shapes, relative offsets, inert padding) and
+serving.batch_validation (its checks)."""
 
 import itertools
 
@@ -120,7 +121,7 @@ def test_bad_prefill_batches_raise_naming_the_value(mutate, match):
     builder_ = builder()
     batch, _ = builder_.build(example_step())
     with pytest.raises(ValueError, match=match):
-        builder_.validate_prefill(mutate(batch))
+        builder_.validator.validate_prefill(mutate(batch))
 
 
 def test_too_many_checkpoints_for_dcp():
@@ -128,7 +129,7 @@ def test_too_many_checkpoints_for_dcp():
     offsets, slots = batch.checkpoint_offsets.copy(), batch.checkpoint_slots.copy()
     offsets[0, 2], slots[0, 2] = 100, 30
     with pytest.raises(ValueError, match="more than R = 2 checkpoints"):
-        builder().validate_prefill(
+        builder().validator.validate_prefill(
             batch._replace(checkpoint_offsets=offsets, checkpoint_slots=slots)
         )
 
@@ -147,7 +148,7 @@ def test_bad_decode_batches_raise(mutate, match):
     builder_ = builder()
     _, batch = builder_.build(example_step())
     with pytest.raises(ValueError, match=match):
-        builder_.validate_decode(mutate(batch))
+        builder_.validator.validate_decode(mutate(batch))
 
 
 def test_checks_across_prefill_and_decode():
