@@ -20,7 +20,7 @@ SwiGLU, down, down + combine) at both presets' real shapes (`pallas_kernels.moe_
 with the `GmmConfig` the runtime picks at 512 and 8192 tokens, and as the weight stream of
 a decode projection (`gmm_stream`, `PROJECTION_SHAPES`). Each Triton module the Pallas lowering
 embeds is then compiled by the official Triton compiler for that target, and ptxas reports
-registers and spills. The table shows shared memory against the
+registers and spills (`pallas_kernels.triton_compile`). The table shows shared memory against the
 device's per-block limit; the exit status is non-zero when a kernel fails to compile or
 exceeds a limit (register spills are reported, they cost speed, not correctness). The SASS
 column counts the kernel's static instructions (`cuobjdump -sass`): straight-line code too
@@ -35,17 +35,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jax._src.lib.mlir import ir
-from jax._src.mesh import AbstractDevice, AbstractMesh
-from jax._src.pallas.triton.lowering import _new_ir_context
 
 from pallas_kernels.attention_pallas import (
     FlashConfig,
@@ -68,6 +61,13 @@ from pallas_kernels.sparse_attention_pallas import (
     sparse_attention_pallas,
 )
 from pallas_kernels.top_k_pallas import TopKConfig, select_top_k_config, select_top_k_pallas
+from pallas_kernels.triton_compile import (
+    KernelReport,
+    TritonModule,
+    compile_module,
+    format_table,
+    triton_modules,
+)
 from pallas_kernels.tuning import (
     KNOWN_DEVICES,
     DecodeConfig,
@@ -84,7 +84,6 @@ SEGMENT_HEADS, SEGMENT_TOKENS = 16, 32768
 HEAD_DIM = 128
 NUM_TOKENS = 8192
 CAPACITY = 4
-MAX_REGISTERS = 255  # per thread, every NVIDIA target since sm_50
 DECODE_ROWS = (1, 64)  # the decode kernel's tiling depends on the row count (tuning.py)
 DECODE_POOL_SLOTS = 256
 # MLA prefill attention (heads, qk dim, v dim): kimi-linear-48b, glm5.3-flash.
@@ -102,53 +101,6 @@ GMM_TOKENS = (512, 8192)  # the two ends of bench.moe: they get different tiling
 # (`glmjax.layers.projection`): kimi-linear-48b's KDA q/k/v and o, at 1 and 64 rows.
 PROJECTION_SHAPES = ((2304, 4096), (4096, 2304))
 PROJECTION_ROWS = (1, 64)
-
-
-@dataclasses.dataclass(frozen=True)
-class TritonModule:
-    """One pallas_call as lowered: its name, Triton IR text and launch parameters."""
-
-    name: str
-    ir_text: str
-    num_warps: int
-    num_stages: int
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelReport:
-    kernel: str
-    device: str
-    heads: int  # KDA heads; 0 for the grouped GEMM (see `shape`)
-    compiled: bool
-    shared_bytes: int | None = None
-    registers: int | None = None
-    spill_bytes: int | None = None
-    sass_instructions: int | None = None
-    shared_limit: int = 0
-    error: str = ""
-    shape: str = ""  # grouped GEMM: preset, tokens and tiling
-
-    @property
-    def ok(self) -> bool:
-        """Compiled within the device's limits (spills are reported, not failures)."""
-        return (self.compiled and self.shared_bytes <= self.shared_limit
-                and self.registers <= MAX_REGISTERS)
-
-
-def _abstract_mesh(spec: DeviceSpec) -> AbstractMesh:
-    device = AbstractDevice(device_kind=spec.name, num_cores=spec.num_sms, platform="gpu")
-    return AbstractMesh((1,), ("x",), abstract_device=device)
-
-
-def _custom_calls(op) -> list:
-    found = []
-    for region in op.regions:
-        for block in region.blocks:
-            for inner in block.operations:
-                if inner.operation.name == "stablehlo.custom_call":
-                    found.append(inner)
-                found.extend(_custom_calls(inner))
-    return found
 
 
 def lower_kda_prefill(spec: DeviceSpec, heads: int, config: KernelConfig | None = None, *,
@@ -171,7 +123,7 @@ def lower_kda_prefill(spec: DeviceSpec, heads: int, config: KernelConfig | None 
                                   bounded_gates=bounded_gates, config=config,
                                   interpret=False, exact=False)
 
-    return _triton_modules(prefill, args, spec)
+    return triton_modules(prefill, args, spec)
 
 
 def segment_config(spec: DeviceSpec) -> KernelConfig:
@@ -201,7 +153,7 @@ def lower_kda_decode(spec: DeviceSpec, heads: int, config: DecodeConfig | None =
                                  interpret=False)
 
     return [dataclasses.replace(module, name=f"{module.name}_bv{config.block_v}")
-            for module in _triton_modules(decode, args, spec)]
+            for module in triton_modules(decode, args, spec)]
 
 
 def lower_flash_attention(spec: DeviceSpec, heads: int, head_qk: int, head_v: int,
@@ -219,7 +171,7 @@ def lower_flash_attention(spec: DeviceSpec, heads: int, head_qk: int, head_v: in
         return flash_attention_pallas(*arrays, scale=head_qk ** -0.5, config=config,
                                       interpret=False)
 
-    return _triton_modules(attend, args, spec)
+    return triton_modules(attend, args, spec)
 
 
 def lower_sparse_attention(spec: DeviceSpec, heads: int, kv_lora: int, rope: int, top_k: int,
@@ -237,7 +189,7 @@ def lower_sparse_attention(spec: DeviceSpec, heads: int, kv_lora: int, rope: int
                                        scale=(kv_lora + rope) ** -0.5, config=config,
                                        interpret=False)
 
-    return _triton_modules(attend, args, spec)
+    return triton_modules(attend, args, spec)
 
 
 def lower_index_scores(spec: DeviceSpec, heads: int, dim: int,
@@ -253,7 +205,7 @@ def lower_index_scores(spec: DeviceSpec, heads: int, dim: int,
     def scores(*arrays):
         return index_scores_pallas(*arrays, config=config, interpret=False)
 
-    return _triton_modules(scores, args, spec)
+    return triton_modules(scores, args, spec)
 
 
 def lower_top_k(spec: DeviceSpec, num_keys: int, k: int,
@@ -269,7 +221,7 @@ def lower_top_k(spec: DeviceSpec, num_keys: int, k: int,
         return select_top_k_pallas(scores, lengths, k=k, config=config, interpret=False)
 
     return [dataclasses.replace(module, name=f"{module.name}_{num_keys // 1024}K")
-            for module in _triton_modules(select, args, spec)]
+            for module in triton_modules(select, args, spec)]
 
 
 def lower_gmm(spec: DeviceSpec, gemm: GemmSpec,
@@ -291,102 +243,8 @@ def lower_gmm(spec: DeviceSpec, gemm: GemmSpec,
         return gmm_pallas(lhs, rhs, group_sizes, config=config, epilogue=gemm.epilogue,
                           interpret=False, **extras)
 
-    (module,) = _triton_modules(call, (gemm.lhs, gemm.rhs, gemm.group_sizes, extras), spec)
+    (module,) = triton_modules(call, (gemm.lhs, gemm.rhs, gemm.group_sizes, extras), spec)
     return module, config
-
-
-def _triton_modules(fn, args, spec: DeviceSpec) -> list[TritonModule]:
-    """The Triton modules embedded in `fn(*args)` lowered for CUDA under `spec`'s mesh."""
-    with jax.sharding.use_abstract_mesh(_abstract_mesh(spec)):
-        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    modules = []
-    for call in _custom_calls(lowered.compiler_ir("stablehlo").operation):
-        backend = ir.DictAttr(call.attributes["mhlo.backend_config"])
-        with _new_ir_context(), ir.Location.unknown():
-            module = ir.Module.parse(ir.StringAttr(backend["ir"]).value_bytes)
-            text = module.operation.get_asm(enable_debug_info=False)
-        modules.append(TritonModule(
-            name=ir.StringAttr(backend["name"]).value, ir_text=text,
-            num_warps=ir.IntegerAttr(backend["num_warps"]).value,
-            num_stages=ir.IntegerAttr(backend["num_stages"]).value))
-    return modules
-
-
-def _ptxas_report(ptx: str, capability: int) -> tuple[int, int]:
-    """(registers per thread, spill bytes) from `ptxas -v` for this target."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
-
-    with tempfile.TemporaryDirectory() as tmp:
-        source = Path(tmp, "kernel.ptx")
-        source.write_text(ptx)
-        result = subprocess.run(
-            [get_ptxas(capability).path, "-v", f"--gpu-name={sm_arch_from_capability(capability)}",
-             str(source), "-o", str(Path(tmp, "kernel.cubin"))],
-            capture_output=True, text=True, check=True)
-    registers = int(re.search(r"Used (\d+) registers", result.stderr).group(1))
-    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", result.stderr))
-    return registers, spills
-
-
-_SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+\S", re.MULTILINE)
-
-
-def _sass_instructions(cubin: bytes, capability: int) -> int:
-    """Static instruction count of a cubin, from the cuobjdump shipped beside Triton's ptxas."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    cuobjdump = Path(get_ptxas(capability).path).with_name("cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp, "kernel.cubin")
-        path.write_bytes(cubin)
-        result = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True,
-                                text=True, check=True)
-    return len(_SASS_INSTRUCTION.findall(result.stdout))
-
-
-def _run_ttir_passes(path: Path, target, options: dict) -> str:
-    """The module after Triton's TTIR passes. `triton.compile` skips the passes of the stage
-    its IR file is in, but the runtime (XLA's Triton pipeline) runs them on Pallas' TTIR,
-    and they shape the kernel: e.g. `combine` folds `acc + dot(a, b)` into the dot's
-    accumulator, without which a matmul loop holds two accumulators and spills."""
-    from triton._C.libtriton import ir as triton_ir
-    from triton.compiler.compiler import make_backend
-
-    backend = make_backend(target)
-    context = triton_ir.context()
-    triton_ir.load_dialects(context)
-    backend.load_dialects(context)
-    module = triton_ir.parse_mlir_module(str(path), context)
-    module.context = context
-    backend.make_ttir(module, {}, backend.parse_options(options), target.arch)
-    return str(module)
-
-
-def compile_module(module: TritonModule, spec: DeviceSpec, heads: int, *, kernel: str = "",
-                   shape: str = "") -> KernelReport:
-    """Compile one Triton module for `spec` with the official Triton compiler (reported as
-    `kernel`, by default the module's name)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    capability = spec.compute_capability[0] * 10 + spec.compute_capability[1]
-    base = dict(kernel=kernel or module.name, device=spec.name, heads=heads,
-                shared_limit=spec.smem_per_block, shape=shape)
-    target = GPUTarget("cuda", capability, 32)
-    options = dict(num_warps=module.num_warps, num_stages=module.num_stages)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp, f"{module.name}.ttir")
-        path.write_text(module.ir_text)
-        try:
-            path.write_text(_run_ttir_passes(path, target, options))
-            kernel = triton.compile(str(path), target=target, options=options)
-            registers, spills = _ptxas_report(kernel.asm["ptx"], capability)
-            sass = _sass_instructions(kernel.asm["cubin"], capability)
-        except Exception as error:  # reported in the table; the exit status says it failed
-            return KernelReport(compiled=False, error=f"{type(error).__name__}: {error}"[:300],
-                                **base)
-    return KernelReport(compiled=True, shared_bytes=int(kernel.metadata.shared),
-                        registers=registers, spill_bytes=spills, sass_instructions=sass, **base)
 
 
 def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> list[KernelReport]:
@@ -455,23 +313,6 @@ def check_projections(names: list[str]) -> list[KernelReport]:
                          f"x{config.block_k} w{config.num_warps} s{config.num_stages}")
                 reports.append(compile_module(module, spec, 0, kernel=gemm.name, shape=label))
     return reports
-
-
-def format_table(reports: list[KernelReport]) -> str:
-    lines = [f"{'kernel':16} {'device':12} {'H':>3} {'compiled':8} {'smem B':>8} "
-             f"{'limit B':>8} {'margin B':>9} {'regs':>5} {'spill B':>7} {'SASS':>6}  status"]
-    for r in reports:
-        if r.compiled:
-            lines.append(
-                f"{r.kernel:16} {r.device:12} {r.heads:3} {'yes':8} {r.shared_bytes:8} "
-                f"{r.shared_limit:8} {r.shared_limit - r.shared_bytes:9} {r.registers:5} "
-                f"{r.spill_bytes:7} {r.sass_instructions:6}  {'ok' if r.ok else 'OVER LIMIT'}"
-                f"{'  ' + r.shape if r.shape else ''}")
-        else:
-            lines.append(f"{r.kernel:16} {r.device:12} {r.heads:3} {'no':8} {'':>8} "
-                         f"{r.shared_limit:8} {'':>9} {'':>5} {'':>7} {'':>6}  {r.error}"
-                         f"{'  ' + r.shape if r.shape else ''}")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

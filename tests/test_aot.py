@@ -1,14 +1,15 @@
 """Every production Pallas kernel compiles for GB10 (sm_121) and H200 (sm_90) and fits.
 
 Runs on the CPU: the kernels are lowered under an abstract GPU mesh and compiled by the
-official Triton compiler for each target (see pallas_kernels/aot.py).
+official Triton compiler for each target (see pallas_kernels/aot.py and
+triton_compile.py).
 """
 
 import pytest
 
 pytest.importorskip("triton", reason="the AOT check needs the triton package (test extra)")
 
-from pallas_kernels import aot  # noqa: E402
+from pallas_kernels import aot, triton_compile  # noqa: E402
 from pallas_kernels.tuning import GB10, H200, KernelConfig, estimate_shared_memory  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def test_every_kernel_compiles_within_limits(device):
     decode = [r for r in reports if r.kernel.startswith("kda_decode_bv")]
     assert {r.heads for r in decode} == set(aot.HEAD_COUNTS)
     # The decode kernel streams states through registers: a spill would double its traffic.
-    assert all(r.spill_bytes == 0 for r in decode), aot.format_table(decode)
+    assert all(r.spill_bytes == 0 for r in decode), triton_compile.format_table(decode)
     segment = {r.heads for r in reports if r.kernel.startswith("kda_segment")}
     assert segment == {aot.SEGMENT_HEADS}
     top_k = [r for r in reports if r.kernel.startswith("select_top_k")]
@@ -42,12 +43,12 @@ def test_every_kernel_compiles_within_limits(device):
     assert len(sparse) == len(aot.SPARSE_SHAPES) + len(aot.INDEX_SHAPES)
     # The 32K row lives in registers over the search: a spill would reread it every step.
     sparse += top_k
-    assert all(r.spill_bytes == 0 for r in sparse), aot.format_table(sparse)
+    assert all(r.spill_bytes == 0 for r in sparse), triton_compile.format_table(sparse)
     for report in reports:
         assert report.compiled, report.error
-        assert report.shared_bytes <= report.shared_limit, aot.format_table([report])
-        assert report.registers <= aot.MAX_REGISTERS
-        assert report.sass_instructions > 100, aot.format_table([report])
+        assert report.shared_bytes <= report.shared_limit, triton_compile.format_table([report])
+        assert report.registers <= triton_compile.MAX_REGISTERS
+        assert report.sass_instructions > 100, triton_compile.format_table([report])
 
 
 @pytest.mark.parametrize("spec", [GB10, H200], ids=["gb10", "h200"])
@@ -67,17 +68,17 @@ def test_shared_memory_estimate_bounds_triton(spec, config):
         if module.name not in checked:
             continue
         bound = estimate[checked[module.name]]
-        report = aot.compile_module(module, spec, 32)
+        report = triton_compile.compile_module(module, spec, 32)
         assert report.compiled, report.error
         assert report.shared_bytes <= bound, module.name
         assert bound <= 2 * report.shared_bytes, f"{module.name}: estimate too loose to steer"
 
 
 def test_table_marks_failures():
-    failed = aot.KernelReport(
+    failed = triton_compile.KernelReport(
         kernel="k", device="d", heads=1, compiled=False, shared_limit=10, error="boom"
     )
-    over = aot.KernelReport(
+    over = triton_compile.KernelReport(
         kernel="k",
         device="d",
         heads=1,
@@ -89,7 +90,7 @@ def test_table_marks_failures():
         shared_limit=10,
     )
     assert not failed.ok and not over.ok
-    table = aot.format_table([failed, over])
+    table = triton_compile.format_table([failed, over])
     assert "boom" in table and "OVER LIMIT" in table
 
 
@@ -102,8 +103,8 @@ def test_grouped_gemm_compiles_within_limits(device):
     assert sorted(r.kernel for r in reports) == sorted(kernels * len(aot.MOE_SHAPES))
     for report in reports:
         assert report.compiled, report.error
-        assert report.ok, aot.format_table([report])
-        assert report.spill_bytes == 0, aot.format_table([report])
+        assert report.ok, triton_compile.format_table([report])
+        assert report.spill_bytes == 0, triton_compile.format_table([report])
 
 
 @pytest.mark.parametrize("device", ["gb10", "h200"])
@@ -114,5 +115,5 @@ def test_projection_stream_compiles_within_limits(device):
     assert len(reports) == len(aot.PROJECTION_SHAPES) * len(aot.PROJECTION_ROWS)
     for report in reports:
         assert report.compiled, report.error
-        assert report.ok, aot.format_table([report])
-        assert report.spill_bytes == 0, aot.format_table([report])
+        assert report.ok, triton_compile.format_table([report])
+        assert report.spill_bytes == 0, triton_compile.format_table([report])
