@@ -4,7 +4,8 @@
     python -m bench.load --server-args "--preset tiny --block-size 64 --single-bucket"
     python -m bench.load --url http://127.0.0.1:8000 --clients 16 --requests 128
 
-N concurrent clients (default 64) share one queue of sends (``bench.load_workload``):
+N concurrent clients (``bench.load_client``, default 64) share one queue of sends
+(``bench.load_workload``):
 streaming and whole answers, ``/v1/completions`` and ``/v1/chat/completions``, bodies on a
 few shared prefixes, some disconnecting mid-request or mid-stream. The run is bounded by
 ``--requests`` and ``--duration``. Then:
@@ -43,7 +44,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.load_workload import Body, Send, WorkloadOptions, make_bodies, make_sends
+from bench.load_client import run_clients, send_alone
+from bench.load_workload import WorkloadOptions, make_bodies, make_sends
 from bench.local_server import LocalServer, check_loopback, compile_counter, read_metrics
 
 IDLE_GAUGES = (
@@ -68,132 +70,6 @@ class RunOptions:
             raise ValueError(f"clients={self.clients}: must be at least 1")
         if self.reference not in ("before", "after"):
             raise ValueError(f"reference={self.reference!r}: 'before' or 'after'")
-
-
-@dataclasses.dataclass
-class Result:
-    index: int
-    key: int
-    path: str
-    stream: bool
-    disconnect: str | None
-    outcome: str = "failed"  # completed | failed | wrong | disconnected
-    status: int | None = None
-    error: str | None = None
-    text: str | None = None
-    finish_reason: str | None = None
-    completion_tokens: int = 0
-    ttft_s: float | None = None
-    latency_s: float | None = None
-
-
-def _answer(body: dict, chat: bool) -> tuple[str, str | None, int]:
-    choice = body["choices"][0]
-    text = choice["message"]["content"] if chat else choice["text"]
-    return text or "", choice["finish_reason"], body["usage"]["completion_tokens"]
-
-
-async def _send_whole(client: httpx.AsyncClient, send: Send, result: Result, start: float):
-    response = await client.post(send.body.path, json={**send.body.json, "stream": False})
-    result.status = response.status_code
-    if response.status_code != 200:
-        result.error = response.text[:500]
-        return
-    result.text, result.finish_reason, result.completion_tokens = _answer(
-        response.json(), send.body.path.endswith("chat/completions")
-    )
-    result.outcome = "completed"
-
-
-async def _send_stream(client: httpx.AsyncClient, send: Send, result: Result, start: float):
-    chat = send.body.path.endswith("chat/completions")
-    body = {**send.body.json, "stream": True, "stream_options": {"include_usage": True}}
-    parts, events, done = [], 0, False
-    async with client.stream("POST", send.body.path, json=body) as response:
-        result.status = response.status_code
-        if response.status_code != 200:
-            result.error = (await response.aread()).decode(errors="replace")[:500]
-            return
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            event = json.loads(line[len("data: ") :])
-            if "error" in event:
-                result.error = json.dumps(event)[:500]
-                return
-            events += 1
-            if event.get("usage"):
-                result.completion_tokens = event["usage"]["completion_tokens"]
-            for choice in event["choices"]:
-                text = (choice["delta"].get("content") if chat else choice["text"]) or ""
-                if text and result.ttft_s is None:
-                    result.ttft_s = time.perf_counter() - start
-                parts.append(text)
-                result.finish_reason = choice["finish_reason"] or result.finish_reason
-            if send.disconnect == "mid-stream" and events >= send.disconnect_after:
-                result.outcome = "disconnected"
-                return  # leaving the block closes the connection
-    if not done:
-        result.error = "the stream ended without data: [DONE]"
-        return
-    result.text, result.outcome = "".join(parts), "completed"
-
-
-async def _send(client: httpx.AsyncClient, send: Send, timeout_s: float) -> Result:
-    result = Result(send.index, send.body.key, send.body.path, send.stream, send.disconnect)
-    start = time.perf_counter()
-    call = (_send_stream if send.stream else _send_whole)(client, send, result, start)
-    limit = send.disconnect_after if send.disconnect == "mid-request" else timeout_s
-    try:
-        await asyncio.wait_for(call, limit)
-    except TimeoutError:
-        if send.disconnect == "mid-request":
-            result.outcome = "disconnected"
-        else:
-            result.error = f"no answer within {timeout_s} s"
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError, TypeError) as error:
-        result.error = f"{type(error).__name__}: {error}"[:500]
-    if result.outcome == "completed":
-        result.latency_s = time.perf_counter() - start
-    return result
-
-
-async def _run_clients(
-    url: str, sends: list[Send], options: RunOptions
-) -> tuple[list[Result], float]:
-    queue: asyncio.Queue[Send] = asyncio.Queue()
-    for send in sends:
-        queue.put_nowait(send)
-    results: list[Result] = []
-    start = time.perf_counter()
-    deadline = start + options.duration_s
-    limits = httpx.Limits(
-        max_connections=options.clients, max_keepalive_connections=options.clients
-    )
-
-    async def client_loop(client: httpx.AsyncClient):
-        while not queue.empty() and time.perf_counter() < deadline:
-            results.append(await _send(client, queue.get_nowait(), options.request_timeout_s))
-
-    async with httpx.AsyncClient(
-        base_url=url, timeout=options.request_timeout_s, limits=limits
-    ) as client:
-        await asyncio.gather(*(client_loop(client) for _ in range(options.clients)))
-    return sorted(results, key=lambda r: r.index), time.perf_counter() - start
-
-
-async def _alone(url: str, bodies: list[Body], timeout_s: float) -> dict[int, Result]:
-    """Each checked body sent alone, one at a time, whole."""
-    answers = {}
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
-        for body in bodies:
-            if body.checked:
-                send = Send(-1, body, False, None, 0.0)
-                answers[body.key] = await _send(client, send, timeout_s)
-    return answers
 
 
 def wait_idle(url: str, timeout_s: float) -> tuple[bool, dict[str, float]]:
@@ -233,10 +109,12 @@ def run_load(
     sends = make_sends(workload, bodies)
     reference = {}
     if options.reference == "before":
-        reference = asyncio.run(_alone(url, bodies, options.request_timeout_s))
+        reference = asyncio.run(send_alone(url, bodies, options.request_timeout_s))
     before = read_metrics(None, url)
     logged_before = log_compiles() if log_compiles else None
-    results, wall_s = asyncio.run(_run_clients(url, sends, options))
+    results, wall_s = asyncio.run(
+        run_clients(url, sends, options.clients, options.duration_s, options.request_timeout_s)
+    )
     after = read_metrics(None, url)
     idle, idle_values = wait_idle(url, options.idle_timeout_s)
     compiled = None if log_compiles is None else log_compiles()[len(logged_before) :]
@@ -247,7 +125,7 @@ def run_load(
     elif compiled is not None:
         compiles, compiles_source = len(compiled), "server log (JAX_LOG_COMPILES=1)"
     if options.reference == "after":
-        reference = asyncio.run(_alone(url, bodies, options.request_timeout_s))
+        reference = asyncio.run(send_alone(url, bodies, options.request_timeout_s))
     checked = {b.key for b in bodies if b.checked}
     wrong = []
     for r in results:

@@ -29,7 +29,8 @@ from glmjax.layer_scan import GROUPS, LayerPlan, layer_plan, stack_params, unsta
 from glmjax.mixed import mixed
 from glmjax.model import HybridModel, decode, prefill
 from glmjax.shard import run_workload
-from glmjax.sharding import ShardingPlan, make_mesh, param_spec, single_device_steps
+from glmjax.sharding import ShardingPlan, make_mesh, single_device_steps
+from glmjax.sharding_specs import param_spec
 from glmjax.state_pool import PoolStatus
 from glmjax.weights import load_safetensors, upstream_tensors
 

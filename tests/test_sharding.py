@@ -44,7 +44,8 @@ from glmjax.layers.moe import MoE
 from glmjax.layers.paged_cache import DCPLayout, MLACache
 from glmjax.model import HybridModel
 from glmjax.shard import Workload, run_workload
-from glmjax.sharding import SPECS, ShardingPlan, make_mesh, single_device_steps
+from glmjax.sharding import ShardingPlan, make_mesh, single_device_steps
+from glmjax.sharding_specs import SPECS
 
 MESHES = [(1, 1, 1), (2, 1, 1), (2, 2, 4), (4, 1, 1), (4, 2, 8), (4, 4, 2)]  # tp, dcp, I
 LOGIT_RTOL = 2e-5  # max |diff| / max |reference logit|
