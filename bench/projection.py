@@ -66,11 +66,11 @@ def decode_projections(config: ModelConfig) -> collections.Counter:
     return counts
 
 
-def sweep_configs(rows: int, d_in: int, d_out: int) -> list[GmmConfig]:
+def sweep_configs(d_in: int, d_out: int) -> list[GmmConfig]:
     """The sweep grid's tilings that divide the shape and fit the device's shared memory."""
     limit = device_spec().smem_per_block
     return [c for c in SWEEP
-            if d_in % c.block_k == 0 and d_out % c.block_n == 0 and c.block_m >= min(rows, 16)
+            if d_in % c.block_k == 0 and d_out % c.block_n == 0
             and estimate_shared_memory(c) <= limit]
 
 
@@ -96,7 +96,7 @@ def run_shape(d_in: int, d_out: int, rows: int, args, bandwidth: float) -> dict:
 
     calls = {"stream": stream(), "xla": jax.jit(jnp.dot)}
     if args.sweep and rows == args.sweep_rows:
-        calls |= {f"stream {label(c)}": stream(c) for c in sweep_configs(rows, d_in, d_out)}
+        calls |= {f"stream {label(c)}": stream(c) for c in sweep_configs(d_in, d_out)}
     weight_bytes = d_in * d_out * 2
     out = dict(d_in=d_in, d_out=d_out, rows=rows, weight_bytes=weight_bytes,
                stream_config=label(select_gmm_config(device_spec(), rows=rows, k=d_in,

@@ -18,12 +18,13 @@ def test_kimi_decoder_projections_are_counted_per_shape():
     width = config.kda_num_heads * config.kda_head_dim
     # q, k and v of every KDA layer read the hidden state into the heads' width.
     assert counts[(config.hidden_size, width)] >= 3 * kda_layers
-    assert all(n > 0 for n in counts.values())
+    # o of every KDA layer writes the heads' width back into the hidden state.
+    assert counts[(width, config.hidden_size)] >= kda_layers
 
 
-@pytest.mark.parametrize("rows, d_in, d_out", [(1, 2304, 4096), (64, 4096, 2304), (1, 48, 80)])
-def test_the_sweep_keeps_only_tilings_that_divide_the_shape_and_fit(rows, d_in, d_out):
-    configs = sweep_configs(rows, d_in, d_out)
+@pytest.mark.parametrize("d_in, d_out", [(2304, 4096), (4096, 2304), (48, 80)])
+def test_the_sweep_keeps_only_tilings_that_divide_the_shape_and_fit(d_in, d_out):
+    configs = sweep_configs(d_in, d_out)
     assert all(d_in % c.block_k == 0 and d_out % c.block_n == 0 for c in configs)
     assert all(estimate_shared_memory(c) <= device_spec().smem_per_block for c in configs)
     if d_in % 64 or d_out % 16:
