@@ -5,10 +5,10 @@ one whose operands hold under 10M elements (every 2304 x 4096 projection of kimi
 into a broadcast multiply written to memory as a [K, N] temporary and a column reduction of
 it, three passes over the weight's size where one would do. On the H200 those reductions
 took 4.1 of the 6.7 ms of device time of a batch-1 kimi-linear-48b decode step, against
-0.7 ms to read every dense weight once (`bench/results/decode_kimi_b1_trace.json.gz`). So on
-one GPU such a product of few rows runs as our grouped GEMM with one group (`pallas_kernels.gmm`, tiled
-as a weight stream by `gmm_tuning.stream_config`). On a mesh XLA's product stays: a Pallas
-call there would need its own partitioning.
+0.7 ms to read every dense weight once (`bench/results/decode_kimi_b1_trace.json.gz`). So
+on one GPU such a product of few rows runs as our grouped GEMM with one group
+(`pallas_kernels.gmm`, tiled as a weight stream by `gmm_tuning.stream_config`). On a mesh
+XLA's product stays: a Pallas call there would need its own partitioning.
 """
 
 from __future__ import annotations
