@@ -17,8 +17,9 @@ latents, top-k 2048), its indexer's scores (`INDEX_SHAPES`) and its exact top-k 
 grouped GEMM (`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered,
 gathered +
 SwiGLU, down, down + combine) at both presets' real shapes (`pallas_kernels.moe_shapes`)
-with the `GmmConfig` the runtime picks at 512 and 8192 tokens, and as the weight stream of
-a decode projection (`gmm_stream`, `PROJECTION_SHAPES`). Each Triton module the Pallas lowering
+with the `GmmConfig` the runtime picks at 512 and 8192 tokens; and the decode projections'
+weight stream (`pallas_kernels.stream_matmul`, `PROJECTION_LAUNCHES`). Each Triton module the
+Pallas lowering
 embeds is then compiled by the official Triton compiler for that target, and ptxas reports
 registers and spills (`pallas_kernels.triton_compile`). The table shows shared memory against the
 device's per-block limit; the exit status is non-zero when a kernel fails to compile or
@@ -45,7 +46,7 @@ from pallas_kernels.attention_pallas import (
     flash_attention_pallas,
     select_flash_config,
 )
-from pallas_kernels.gmm_pallas import Epilogue, gmm_pallas
+from pallas_kernels.gmm_pallas import gmm_pallas
 from pallas_kernels.gmm_tuning import GmmConfig, select_gmm_config
 from pallas_kernels.index_scores_pallas import (
     IndexConfig,
@@ -60,6 +61,8 @@ from pallas_kernels.sparse_attention_pallas import (
     select_sparse_config,
     sparse_attention_pallas,
 )
+from pallas_kernels.stream_matmul import select_config as select_stream_config
+from pallas_kernels.stream_matmul_pallas import StreamConfig, stream_matmul_pallas
 from pallas_kernels.top_k_pallas import TopKConfig, select_top_k_config, select_top_k_pallas
 from pallas_kernels.triton_compile import (
     KernelReport,
@@ -97,9 +100,11 @@ INDEX_ROWS = 1024
 # registers) and 64K (streamed from L2).
 TOP_K_SHAPES = ((32768, 2048), (65536, 2048))
 GMM_TOKENS = (512, 8192)  # the two ends of bench.moe: they get different tilings
-# The decode projections that stream their weight through the grouped GEMM with one group
-# (`glmjax.layers.projection`): kimi-linear-48b's KDA q/k/v and o, at 1 and 64 rows.
-PROJECTION_SHAPES = ((2304, 4096), (4096, 2304))
+# The decode projections' weight-stream launches (`glmjax.layers.projection`): kimi-linear-48b's
+# KDA input launch (q, k, v, f_a, g_a, beta of one input) and its o projection, at 1 and 64
+# rows.
+PROJECTION_LAUNCHES = {"kda_in": ((2304, 4096),) * 3 + ((2304, 128),) * 2 + ((2304, 32),),
+                       "kda_o": ((4096, 2304),)}
 PROJECTION_ROWS = (1, 64)
 
 
@@ -298,20 +303,33 @@ def check_gmm(names: list[str], tokens: tuple[int, ...] = GMM_TOKENS,
     return reports
 
 
+def lower_stream(spec: DeviceSpec, rows: int, shapes: tuple[tuple[int, int], ...]
+                 ) -> tuple[TritonModule, StreamConfig]:
+    """The Triton module of one weight-stream launch for `spec` and the runtime's tiling."""
+    config = select_stream_config(spec, rows, shapes)
+    x = jax.ShapeDtypeStruct((rows, shapes[0][0]), jnp.bfloat16)
+    weights = tuple(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes)
+
+    def call(x, weights):
+        return stream_matmul_pallas(x, weights, config=config, interpret=False)
+
+    (module,) = triton_modules(call, (x, weights), spec)
+    return module, config
+
+
 def check_projections(names: list[str]) -> list[KernelReport]:
-    """The weight-stream products of `PROJECTION_SHAPES` at `PROJECTION_ROWS` rows."""
+    """The weight-stream launches of `PROJECTION_LAUNCHES` at `PROJECTION_ROWS` rows."""
     reports = []
     for name in names:
         spec = KNOWN_DEVICES[name]
-        for k, n in PROJECTION_SHAPES:
+        for launch, shapes in PROJECTION_LAUNCHES.items():
             for rows in PROJECTION_ROWS:
-                gemm = GemmSpec("gmm_stream", jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
-                                (jax.ShapeDtypeStruct((1, k, n), jnp.bfloat16),),
-                                jax.ShapeDtypeStruct((1,), jnp.int32), Epilogue(), rows)
-                module, config = lower_gmm(spec, gemm)
-                label = (f"{k}x{n} rows={rows} {config.block_m}x{config.block_n}"
-                         f"x{config.block_k} w{config.num_warps} s{config.num_stages}")
-                reports.append(compile_module(module, spec, 0, kernel=gemm.name, shape=label))
+                module, config = lower_stream(spec, rows, shapes)
+                label = (f"{launch} rows={rows} splits "
+                         f"{'/'.join(str(t.splits) for t in config.tilings)} "
+                         f"w{config.num_warps} s{config.num_stages}")
+                reports.append(compile_module(module, spec, 0, kernel="stream_matmul",
+                                              shape=label))
     return reports
 
 

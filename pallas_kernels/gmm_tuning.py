@@ -14,7 +14,6 @@ import dataclasses
 from pallas_kernels.tuning import DeviceSpec
 
 BF16_BYTES = 2
-STREAM_ROWS = 64  # one group and at most this many rows: `stream_config`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +76,7 @@ def select_gmm_config(spec: DeviceSpec, *, rows: int, k: int, n: int, num_groups
     """
     major = spec.compute_capability[0]
     config = _TABLE.get((major, num_rhs == 2), _TABLE[(12, num_rhs == 2)])
-    if num_groups == 1 and rows <= STREAM_ROWS:
-        config = stream_config(spec, n)
-    elif rows < 64 * num_groups:
+    if rows < 64 * num_groups:
         config = dataclasses.replace(config, block_m=64, num_warps=4,
                                      block_n=min(config.block_n, 128 // num_rhs))
     config = dataclasses.replace(
@@ -89,20 +86,6 @@ def select_gmm_config(spec: DeviceSpec, *, rows: int, k: int, n: int, num_groups
            > spec.smem_per_block and config.num_stages > 1):
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)
     return config
-
-
-def stream_config(spec: DeviceSpec, n: int) -> GmmConfig:
-    """One weight matrix against a few rows (a decode step's projection): the launch is a
-    stream of the weight, so the columns are cut until every SM has a program (at least 16
-    columns each), with 4 stages of 128-deep tiles in flight per program. Reasoned, not
-    swept: on the H200 kimi's 2304 x 4096 products took 12.5 us at one row, 1.5 TB/s of
-    weight against a 3.9 us floor (`bench/results/decode_kimi-linear-48b.json`'s profile);
-    `python -m bench.projection --sweep` times the alternatives."""
-    block_n = 128
-    while block_n > 16 and n // block_n < spec.num_sms:
-        block_n //= 2
-    return GmmConfig(block_m=STREAM_ROWS, block_n=block_n, block_k=128, num_warps=4, num_stages=4,
-                     swizzle=1)
 
 
 def _pow2_at_least_16(x: int) -> int:

@@ -80,7 +80,8 @@ def test_quick_run_times_each_batch_against_its_floor(tmp_path):
     assert result["complete"] and result["compiles_during_timing"] == 0
     (case,) = result["cases"]
     assert case["batch"] == 2 and len(case["step_s"]) == 2
-    assert case["tokens_per_s"] == pytest.approx(2 / case["median_step_s"])
+    assert case["mean_step_s"] >= min(case["step_s"])
+    assert case["tokens_per_s"] == pytest.approx(2 / case["mean_step_s"])
     floor = case["floor_bytes"]
     assert floor["total"] == pytest.approx(sum(floor[k] for k in ("weights", "experts",
                                                                  "states", "kv")))

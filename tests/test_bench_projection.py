@@ -7,7 +7,7 @@ import pytest
 
 from bench.projection import decode_projections, main, sweep_configs
 from glmjax.config import ModelConfig
-from pallas_kernels.gmm_tuning import estimate_shared_memory
+from pallas_kernels.stream_matmul import estimate_shared_memory
 from pallas_kernels.tuning import device_spec
 
 
@@ -24,13 +24,15 @@ def test_kimi_decoder_projections_are_counted_per_shape():
 
 @pytest.mark.parametrize("d_in, d_out", [(2304, 4096), (4096, 2304), (48, 80)])
 def test_the_sweep_keeps_only_tilings_that_divide_the_shape_and_fit(d_in, d_out):
-    configs = sweep_configs(d_in, d_out)
-    assert all(d_in % c.block_k == 0 and d_out % c.block_n == 0 for c in configs)
-    assert all(estimate_shared_memory(c) <= device_spec().smem_per_block for c in configs)
-    if d_in % 64 or d_out % 16:
-        assert configs == []
+    configs = sweep_configs(1, d_in, d_out)
+    for config in configs.values():
+        (t,) = config.tilings
+        assert d_in % (t.block_k * t.splits) == 0 and d_out % t.block_n == 0
+        assert estimate_shared_memory(t, 16, config.num_stages) <= device_spec().smem_per_block
+    if d_in % 64 or d_out % 32:
+        assert configs == {}
     else:
-        assert {c.block_n for c in configs} == {16, 32, 64, 128}
+        assert {c.tilings[0].block_n for c in configs.values()} == {32, 64, 128}
 
 
 def test_quick_run_times_both_paths_and_writes_json(tmp_path):
@@ -46,3 +48,7 @@ def test_quick_run_times_both_paths_and_writes_json(tmp_path):
     shapes = {f"{r['d_in']}x{r['d_out']}" for r in payload["results"]}
     assert shapes | set(payload["not_streamed"]) == set(payload["shapes_per_step"])
     assert set(payload["step_estimate_ms"]["2"]) == {"stream", "xla", "floor"}
+    assert {r["launch"] for r in payload["launches"]} == {"kda_in", "shared_gate_up"}
+    for r in payload["launches"]:
+        assert set(r["ms"]) == {"one_launch", "launch_per_weight", "xla"}
+        assert all(v > 0 for v in r["ms"].values())

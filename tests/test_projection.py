@@ -1,6 +1,10 @@
-"""`glmjax.layers.projection`: the weight-stream product of few rows (the grouped GEMM with one
-group) against a float64 NumPy oracle, in interpret mode on the CPU and compiled on a GPU
-(marker `gpu`, with the real decode shapes), and the layer's dispatch."""
+"""`glmjax.layers.projection`: the layer's dispatch between XLA's product and the weight
+stream (`pallas_kernels.stream_matmul`, tested in `test_stream_matmul.py`), and
+`project_together` (the streaming projections of one input in one launch) against each
+projection's own XLA product; the stream route is forced on the CPU (interpret mode) and
+taken for real on a GPU (marker `gpu`)."""
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,54 +13,16 @@ import pytest
 from flax import nnx
 
 from glmjax.config import ModelConfig
-from glmjax.layers.projection import Projection, default_implementation, projection, stream_matmul
-from pallas_kernels.gmm_tuning import STREAM_ROWS
+from glmjax.layers.projection import (
+    Projection,
+    default_implementation,
+    project_together,
+    projection,
+)
+from pallas_kernels.stream_matmul import STREAM_ROWS
 
-# name -> (leading shape of x, K, N): one row, a few rows over two leading axes, tile-sized
-# and the most rows the stream takes; K and N off the default tiles.
-CASES = {
-    "one-row": ((1,), 48, 80),
-    "rows-2x3": ((2, 3), 32, 16),
-    "rows-16": ((16,), 64, 48),
-    "rows-max": ((STREAM_ROWS,), 16, 112),
-}
-# The real decode projections of kimi-linear-48b (q/k/v, o, a shared expert's down).
-REAL = {"kimi-qkv": (2304, 4096), "kimi-o": (4096, 2304), "kimi-shared-down": (1024, 2304)}
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
-
-
-def check(rng, lead, k, n, dtype, interpret):
-    x = jnp.asarray(rng.standard_normal((*lead, k)), dtype)
-    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
-    out = stream_matmul(x, w, interpret=interpret)
-    assert out.shape == (*lead, n) and out.dtype == dtype
-    expected = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    if dtype == jnp.float32:  # GPU: tensor-core products round operands to TF32
-        tol = 1e-5 if interpret else 2e-3
-        np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tol, atol=tol)
-    else:  # one bf16 rounding of each output
-        np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=1e-2,
-                                   atol=1e-2 * np.abs(expected).max())
-
-
-@pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_stream_interpret(rng, case, dtype):
-    check(rng, *CASES[case], DTYPES[dtype], interpret=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_stream_gpu(rng, case, dtype):
-    check(rng, *CASES[case], DTYPES[dtype], interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 16, STREAM_ROWS])
-@pytest.mark.parametrize("shape", sorted(REAL))
-def test_stream_real_shapes_gpu(rng, shape, rows):
-    check(rng, (rows,), *REAL[shape], jnp.bfloat16, interpret=False)
+# The module (glmjax.layers re-exports the `projection` function under its name).
+projection_module = sys.modules["glmjax.layers.projection"]
 
 
 def test_layer_dispatch_and_output(rng):
@@ -70,6 +36,44 @@ def test_layer_dispatch_and_output(rng):
     np.testing.assert_allclose(np.asarray(layer(x), np.float64), expected, rtol=1e-5, atol=1e-5)
     on_gpu = len(jax.devices()) == 1 and jax.devices()[0].platform == "gpu"
     assert default_implementation(1, 32, 48) == ("stream" if on_gpu else "xla")
+    assert default_implementation(0, 32, 48) == "xla"
     assert default_implementation(STREAM_ROWS + 1, 32, 48) == "xla"
     assert default_implementation(1, 30, 48) == "xla"
     assert default_implementation(1, 4096, 8192) == "xla"  # cuBLAS's: not a reduction
+
+
+def check_together(rng, lead):
+    """Three projections of one input, one of them in fp32 output (never streamed), against
+    each layer's own XLA product."""
+    config = ModelConfig.preset("tiny")
+    rngs = nnx.Rngs(int(rng.integers(1 << 30)))
+    layers = (projection(config, 32, 48, rngs=rngs), projection(config, 32, 16, rngs=rngs),
+              projection(config, 32, 64, rngs=rngs, out_dtype=jnp.float32))
+    x = jnp.asarray(rng.standard_normal((*lead, 32)), config.dtype)
+    outs = project_together(x, layers)
+    assert [layers[i].streams(int(np.prod(lead))) for i in range(3)][2] is False
+    for out, layer in zip(outs, layers):
+        expected = np.asarray(x, np.float64) @ np.asarray(layer.kernel[...], np.float64)
+        assert out.shape == (*lead, layer.out_features)
+        assert out.dtype == (layer.preferred_element_type or config.dtype)
+        tol = 1e-5 if jax.default_backend() == "cpu" else 2e-3  # TF32 products on a GPU
+        np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("lead", [(1,), (2, 3)])
+def test_project_together_forced_stream(rng, monkeypatch, lead):
+    """The CPU forced onto the stream route: interpret mode runs the same launch."""
+    monkeypatch.setattr(projection_module, "default_implementation",
+                        lambda rows, d_in, d_out: "stream")
+    calls = []
+    real = projection_module.stream_matmul
+    monkeypatch.setattr(projection_module, "stream_matmul",
+                        lambda x, weights: calls.append(len(weights)) or real(x, weights))
+    check_together(rng, lead)
+    assert calls == [2]  # the two streaming projections, one launch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead", [(1,), (2, 3), (STREAM_ROWS,)])
+def test_project_together_gpu(rng, lead):
+    check_together(rng, lead)

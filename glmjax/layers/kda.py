@@ -20,7 +20,7 @@ from flax import nnx
 from glmjax.config import ModelConfig
 from glmjax.layers.conv import ShortConvolution
 from glmjax.layers.norms import GatedRMSNorm, l2_normalize
-from glmjax.layers.projection import projection
+from glmjax.layers.projection import project_together, projection
 from pallas_kernels import kda_decode, kda_prefill
 from pallas_kernels.kda import MIN_GATE_LOWER_BOUND
 
@@ -78,15 +78,24 @@ class KDA(nnx.Module):
                                    param_dtype=config.param_dtype)
         self.o_proj = linear(heads * dim, hidden)
 
-    def decay(self, x: jax.Array) -> jax.Array:
-        """Per-channel log-decay g <= 0, fp32 [T, H, K].
+    def project(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        """x [T, D] -> qkv [T, 3 H K], f_a and g_a [T, K], beta fp32 [T, H]: the projections
+        of the layer's input, in one weight-stream launch where they stream (decode)."""
+        q, k, v, f_a, g_a, b = project_together(
+            x, (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj,
+                self.b_proj))
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        return jnp.concatenate([q, k, v], axis=-1), f_a, g_a, beta
+
+    def decay(self, f_a: jax.Array) -> jax.Array:
+        """Per-channel log-decay g <= 0, fp32 [T, H, K], from f_a = f_a_proj(x) [T, K].
 
         softplus (Kimi):      g = -exp(A_log) * softplus(f + dt_bias)
         sigmoid_bound (GLM):  g = bound * sigmoid(exp(A_log) * (f + dt_bias)), bound = -5
-        with f = f_b(f_a(x)).
+        with f = f_b(f_a).
         """
-        f = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32) + self.dt_bias[...]
-        f = f.reshape(x.shape[0], self.num_heads, self.head_dim)
+        f = self.f_b_proj(f_a).astype(jnp.float32) + self.dt_bias[...]
+        f = f.reshape(f_a.shape[0], self.num_heads, self.head_dim)
         a = jnp.exp(self.A_log[...])[:, None]  # [H, 1]
         if self.gate == "softplus":
             return -a * jax.nn.softplus(f)
@@ -101,12 +110,11 @@ class KDA(nnx.Module):
         heads (shard_map), so a Pallas kernel sees the per-device head count."""
         with jax.named_scope("kda"):
             tokens, shape = x.shape[0], (x.shape[0], self.num_heads, self.head_dim)
-            qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+            qkv, f_a, g_a, beta = self.project(x)
             conv = self.conv(qkv, cu_seqlens, state.conv, checkpoint_offsets)
             q, k, v = (part.reshape(shape) for part in jnp.split(conv.y, 3, axis=-1))
             q, k = l2_normalize(q), l2_normalize(k)
-            g = self.decay(x)
-            beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [T, H]
+            g = self.decay(f_a)
             # The kernel's tensor-core diagonal needs g >= a bound in [-5, 0).
             bounded = self.gate == "sigmoid_bound" and self.gate_bound >= MIN_GATE_LOWER_BOUND
             bound = self.gate_bound if bounded else None
@@ -122,7 +130,7 @@ class KDA(nnx.Module):
             with jax.named_scope("kda_scan"):
                 o, final, snapshots = scan(q, k, v, g, beta, cu_seqlens, state.recurrent,
                                            checkpoint_offsets)
-            gate = self.g_b_proj(self.g_a_proj(x)).reshape(shape)
+            gate = self.g_b_proj(g_a).reshape(shape)
             y = self.o_proj(self.o_norm(o, gate).reshape(tokens, -1))
             return KDAResult(y, KDAState(final, conv.history),
                              KDAState(snapshots, conv.snapshots))
@@ -149,9 +157,8 @@ class KDA(nnx.Module):
             rows, shape = x.shape[0], (x.shape[0], self.num_heads, self.head_dim)
             chain = state_slots.reshape(-1, state_slots.shape[-1])  # [J, R]
             width = chain.shape[1]
-            qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
-            g = self.decay(x)
-            beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))  # [N, H]
+            qkv, f_a, g_a, beta = self.project(x)
+            g = self.decay(f_a)
             step = functools.partial(kda_decode, backend=self.backend)
             if plan is not None:
                 s = plan.specs
@@ -173,7 +180,7 @@ class KDA(nnx.Module):
                 pool = KDAState(recurrent, conv_pool)
                 outputs.append(o)
             o = jnp.concatenate(outputs) if len(outputs) > 1 else outputs[0]
-            gate = self.g_b_proj(self.g_a_proj(x)).reshape(shape)
+            gate = self.g_b_proj(g_a).reshape(shape)
             y = self.o_proj(self.o_norm(o, gate).reshape(rows, -1))
             return y, pool
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
-from glmjax.layers.projection import projection
+from glmjax.layers.projection import project_together, projection
 from pallas_kernels.gmm import default_implementation
 from pallas_kernels.moe_experts import routed_experts, swiglu
 
@@ -47,7 +47,8 @@ class MLP(nnx.Module):
         """x [T, D] -> [T, D]; XLA partitions the projections on a mesh (`plan` unused)."""
         del plan
         with jax.named_scope("mlp"):
-            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+            gate, up = project_together(x, (self.gate_proj, self.up_proj))
+            return self.down_proj(swiglu(gate, up, self.limit))
 
 
 class MoE(nnx.Module):

@@ -6,22 +6,22 @@ into a broadcast multiply written to memory as a [K, N] temporary and a column r
 it, three passes over the weight's size where one would do. On the H200 those reductions
 took 4.1 of the 6.7 ms of device time of a batch-1 kimi-linear-48b decode step, against
 0.7 ms to read every dense weight once (`bench/results/decode_kimi_b1_trace.json.gz`). So
-on one GPU such a product of few rows runs as our grouped GEMM with one group
-(`pallas_kernels.gmm`, tiled as a weight stream by `gmm_tuning.stream_config`). On a mesh
-XLA's product stays: a Pallas call there would need its own partitioning.
+on one GPU such a product of few rows runs as `pallas_kernels.stream_matmul`, whose launch
+is cut along K as well as N so it fills the GPU; `project_together` puts every projection of
+one input (a KDA layer's six) into one launch. On a mesh XLA's product stays: a Pallas call
+there would need its own partitioning.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
-from pallas_kernels.gmm import grouped_matmul
-from pallas_kernels.gmm_tuning import STREAM_ROWS
+from pallas_kernels.stream_matmul import STREAM_ROWS, stream_matmul
 
 # XLA's GPU compiler turns a product into a reduction when its operands hold fewer elements
 # than this (`IsMatrixMultiplicationTooSmallForRewriting`'s threshold in its algebraic
@@ -34,35 +34,42 @@ def default_implementation(rows: int, d_in: int, d_out: int) -> str:
     on a process with one device, a GPU, in widths the kernel tiles (multiples of 16);
     "xla" otherwise."""
     devices = jax.devices()
-    if (len(devices) == 1 and devices[0].platform == "gpu" and rows <= STREAM_ROWS
+    if (len(devices) == 1 and devices[0].platform == "gpu" and 1 <= rows <= STREAM_ROWS
             and rows * d_in + d_in * d_out < XLA_REDUCTION_THRESHOLD
             and d_in % 16 == 0 and d_out % 16 == 0):
         return "stream"
     return "xla"
 
 
-def stream_matmul(x: jax.Array, kernel: jax.Array, *, interpret: bool | None = None
-                  ) -> jax.Array:
-    """x [..., K] @ kernel [K, N] -> [..., N] in x.dtype, accumulated in fp32, as the grouped
-    GEMM with one group (interpret mode on the CPU unless `interpret` says otherwise)."""
-    rows = math.prod(x.shape[:-1])
-    out = grouped_matmul(x.reshape(rows, x.shape[-1]), kernel[None],
-                         jnp.full((1,), rows, jnp.int32), implementation="pallas",
-                         interpret=interpret)
-    return out.reshape(*x.shape[:-1], kernel.shape[-1])
-
-
 class Projection(nnx.Linear):
     """`nnx.Linear` without bias ([..., d_in] -> [..., d_out], kernel [d_in, d_out]: torch's
     weight transposed) whose few-row products on one GPU stream the weight (module doc)."""
 
+    def streams(self, rows: int) -> bool:
+        """Whether a product of `rows` rows runs as the weight stream."""
+        return (self.preferred_element_type is None
+                and default_implementation(rows, self.in_features, self.out_features) == "stream")
+
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
-        rows = math.prod(inputs.shape[:-1])
-        if (self.preferred_element_type is not None or out_sharding is not None
-                or default_implementation(rows, self.in_features, self.out_features) == "xla"):
+        if out_sharding is not None or not self.streams(math.prod(inputs.shape[:-1])):
             return super().__call__(inputs, out_sharding)
-        x, kernel = inputs.astype(self.dtype), self.kernel[...].astype(self.dtype)
-        return stream_matmul(x, kernel)
+        return project_together(inputs, (self,))[0]
+
+
+def project_together(inputs: jax.Array, projections: Sequence[Projection]
+                     ) -> tuple[jax.Array, ...]:
+    """Every projection of one input [..., d_in] -> a tuple of [..., d_out_i]: those that
+    stream (`Projection.streams`) in one `stream_matmul` launch, the rest as XLA products."""
+    rows = math.prod(inputs.shape[:-1])
+    streamed = [p for p in projections if p.streams(rows)]
+    outputs = {}
+    if streamed:
+        dtype = streamed[0].dtype
+        x = inputs.reshape(rows, inputs.shape[-1]).astype(dtype)
+        products = stream_matmul(x, tuple(p.kernel[...].astype(dtype) for p in streamed))
+        outputs = {id(p): y.reshape(*inputs.shape[:-1], y.shape[-1])
+                   for p, y in zip(streamed, products)}
+    return tuple(outputs[id(p)] if id(p) in outputs else p(inputs) for p in projections)
 
 
 def projection(config: ModelConfig, d_in: int, d_out: int, *, rngs: nnx.Rngs,

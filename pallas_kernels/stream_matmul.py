@@ -1,0 +1,144 @@
+"""Few-row products that stream their weights: x [M, K] @ w_i [K, N_i] for several weights
+sharing one input, in one launch.
+
+A decode step multiplies one to a few dozen rows by each weight, so each product is a read
+of the weight and nothing else: its time is the weight's bytes over the bandwidth the
+launch reaches. One row of [K, N] split only by columns (the grouped GEMM's tiling) leaves
+each program a long serial k loop over small tiles, latency-bound (kimi's 2304 x 4096 at
+1.5 TB/s, its 2304 x 128 gate projections at a fraction of that). Here each weight is cut
+into `splits` slices along K as well as into column tiles, so the launch holds enough
+programs to fill the GPU whatever the shape; each program writes its fp32 partial sum and
+XLA adds the partials (a reduction over `splits` rows, in a fixed order: the result does not
+depend on timing). Several weights of one input (a KDA layer's q, k, v, gate and beta
+projections) are one launch: the grid is the concatenation of each weight's programs.
+
+Implementations behind `stream_matmul`: "pallas" (`stream_matmul_pallas`, Triton lowering;
+interpret mode on the CPU) and "xla" (`stream_matmul_reference`: jnp.dot per weight in fp32
+accumulation, the oracle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.stream_matmul_pallas import (
+    StreamConfig,
+    StreamTiling,
+    padded_rows,
+    stream_matmul_pallas,
+)
+from pallas_kernels.tuning import DeviceSpec, device_spec
+
+STREAM_ROWS = 64  # most rows a stream launch takes (a decode batch bucket)
+IMPLEMENTATIONS = ("pallas", "xla")
+TILE_ELEMENTS = 8192  # weight elements per [block_k, block_n] tile: 16 KB in bf16
+MIN_BLOCK_N = 32
+MIN_BLOCK_K = 64
+PROGRAMS_PER_SM = 2
+PARTIAL_SHARE = 0.25  # most partial-sum bytes per weight byte
+
+
+def _largest_dividing(limit: int, dim: int) -> int:
+    """The largest power of two <= limit dividing dim (16 when none above does)."""
+    block = limit
+    while block > 16 and dim % block:
+        block //= 2
+    return block
+
+
+def select_tiling(spec: DeviceSpec, rows: int, k: int, n: int) -> StreamTiling:
+    """Tiles of TILE_ELEMENTS (block_n up to 128 columns), then the fewest K splits giving
+    PROGRAMS_PER_SM programs per SM; while even a split per k step falls short, narrower
+    columns (down to MIN_BLOCK_N), then shallower steps (down to MIN_BLOCK_K). The fp32
+    partial sums (splits x rows x N x 4 bytes) stay within PARTIAL_SHARE of the weight's
+    bytes, which bounds the splits at many rows."""
+    target = PROGRAMS_PER_SM * spec.num_sms
+    max_splits = max(1, int(k * PARTIAL_SHARE) // (2 * rows))
+    block_n = _largest_dividing(128, n)
+    block_k = _largest_dividing(TILE_ELEMENTS // block_n, k)
+
+    def most_programs(block_n, block_k):
+        return n // block_n * min(k // block_k, max_splits)
+
+    while (block_n > MIN_BLOCK_N and most_programs(block_n, block_k) < target
+           and n % (block_n // 2) == 0):
+        block_n //= 2
+    while block_k > MIN_BLOCK_K and most_programs(block_n, block_k) < target:
+        block_k //= 2
+    k_blocks = k // block_k
+    divisors = [s for s in range(1, min(k_blocks, max_splits) + 1) if k_blocks % s == 0]
+    splits = next((s for s in divisors if n // block_n * s >= target), divisors[-1])
+    return StreamTiling(block_n=block_n, block_k=block_k, splits=splits)
+
+
+def select_config(spec: DeviceSpec, rows: int, shapes: Sequence[tuple[int, int]]
+                  ) -> StreamConfig:
+    """The launch for `rows` rows against weights of `shapes` [(K, N_i)]: 4 stages of the
+    [rows, block_k] + [block_k, block_n] bf16 tiles where shared memory allows (3 on
+    sm_12x's 99 KB at 64 rows)."""
+    tilings = tuple(select_tiling(spec, rows, k, n) for k, n in shapes)
+    stages = 4
+    while stages > 1 and max(estimate_shared_memory(t, padded_rows(rows), stages)
+                             for t in tilings) > spec.smem_per_block:
+        stages -= 1
+    return StreamConfig(tilings=tilings, num_stages=stages)
+
+
+def estimate_shared_memory(tiling: StreamTiling, rows: int, stages: int) -> int:
+    """Bytes per block: every stage buffers one x tile and one weight tile (bf16), plus the
+    [rows, block_n] fp32 epilogue layout conversion."""
+    per_stage = 2 * tiling.block_k * (rows + tiling.block_n)
+    return stages * per_stage + 4 * rows * tiling.block_n
+
+
+def check_operands(x: jax.Array, weights: Sequence[jax.Array]) -> None:
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K], got shape {x.shape}")
+    rows, k = x.shape
+    if not 1 <= rows <= STREAM_ROWS:
+        raise ValueError(f"x has {rows} rows; a stream launch takes 1..{STREAM_ROWS}")
+    if not weights:
+        raise ValueError("stream_matmul needs at least one weight")
+    for i, w in enumerate(weights):
+        if w.ndim != 2 or w.shape[0] != k:
+            raise ValueError(f"weight {i} must be [K={k}, N], got shape {w.shape}")
+        if w.dtype != x.dtype:
+            raise ValueError(f"weight {i} is {w.dtype}, x is {x.dtype}")
+        if k % 16 or w.shape[1] % 16:
+            raise ValueError(f"weight {i} shape {w.shape}: K and N must be multiples of 16")
+
+
+def stream_matmul_reference(x: jax.Array, weights: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """The oracle: each x @ w_i accumulated in fp32 (HIGHEST precision), in x.dtype."""
+    return tuple(jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32).astype(x.dtype) for w in weights)
+
+
+def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *,
+                  implementation: str = "pallas", interpret: bool | None = None,
+                  config: StreamConfig | None = None) -> tuple[jax.Array, ...]:
+    """x [M, K] @ each weights[i] [K, N_i] -> tuple of [M, N_i] in x.dtype, accumulated in
+    fp32; M in 1..STREAM_ROWS, K and every N multiples of 16, bf16 or fp32 operands.
+
+    implementation: "pallas" (one launch for every weight) or "xla" (the reference);
+    interpret: Pallas interpret mode (default: on the CPU); config: tiling override (one
+    StreamTiling per weight)."""
+    check_operands(x, weights)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
+                         f"{implementation!r}")
+    if implementation == "xla":
+        return stream_matmul_reference(x, weights)
+    shapes = tuple(w.shape for w in weights)
+    config = config or select_config(device_spec(), x.shape[0], shapes)
+    if len(config.tilings) != len(weights):
+        raise ValueError(f"config has {len(config.tilings)} tilings for {len(weights)} weights")
+    for (k, n), t in zip(shapes, config.tilings):
+        if n % t.block_n or k % (t.splits * t.block_k):
+            raise ValueError(f"tiling {t} does not divide weight shape {(k, n)}")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    return stream_matmul_pallas(x, tuple(weights), config=config, interpret=bool(interpret))

@@ -1,0 +1,114 @@
+"""The weight-stream product as one Pallas kernel lowered through Triton (the op and the
+tiling rule: `pallas_kernels.stream_matmul`).
+
+Grid: one axis, the concatenation of each weight's programs. Weight i's programs are its
+(column tile, K split) pairs, the split fastest; a program runs its split's k steps into an
+fp32 [rows, block_n] accumulator and stores it as partial sum `split` of an fp32
+[splits, rows, N_i] output, valid rows only. The wrapper adds the partials (XLA, a fixed
+order) and casts to x's dtype. x is padded to a power of two of at least 16 rows, the
+tensor cores' minimum; the padding rows are never stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.tiles import iota
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamTiling:
+    """How one weight [K, N] is cut: column tiles of block_n, `splits` slices of K, each
+    read in block_k steps (K = splits x steps x block_k)."""
+
+    block_n: int
+    block_k: int
+    splits: int
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.splits < 1:
+            raise ValueError(f"splits must be >= 1, got {self.splits}")
+
+    def programs(self, n: int) -> int:
+        """Programs of a [K, n] weight: column tiles x splits."""
+        return n // self.block_n * self.splits
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamConfig:
+    """Static tiling of one launch (hashable: a jit static argument): one StreamTiling per
+    weight, and the launch's warps and pipeline stages."""
+
+    tilings: tuple[StreamTiling, ...]
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def padded_rows(rows: int) -> int:
+    """The rows a launch computes: a power of two, at least the tensor cores' minimum 16."""
+    return max(16, 1 << max(rows - 1, 0).bit_length())
+
+
+def _kernel(x_ref, *refs, config: StreamConfig, rows: int, starts: tuple[int, ...]):
+    """Program `pid` of weight i (starts[i] <= pid < starts[i + 1]): one column tile, one
+    K split."""
+    count = len(config.tilings)
+    w_refs, out_refs = refs[:count], refs[count:]
+    pid = pl.program_id(0)
+    valid = (iota((x_ref.shape[0],), 0) < rows)[:, None]
+    precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else lax.Precision.DEFAULT
+
+    for tiling, w_ref, out_ref, start, end in zip(config.tilings, w_refs, out_refs, starts,
+                                                  starts[1:]):
+        @pl.when((pid >= start) & (pid < end))
+        def _(tiling=tiling, w_ref=w_ref, out_ref=out_ref, start=start):
+            bn, bk = tiling.block_n, tiling.block_k
+            local = pid - start
+            n, split = local // tiling.splits, local % tiling.splits
+            steps = w_ref.shape[0] // (tiling.splits * bk)
+            cols = pl.ds(n * bn, bn)
+
+            def body(j, acc):
+                ks = pl.ds((split * steps + j) * bk, bk)
+                return acc + jnp.dot(x_ref[:, ks], w_ref[ks, cols], precision=precision,
+                                     preferred_element_type=jnp.float32)
+
+            acc = lax.fori_loop(0, steps, body, jnp.zeros((x_ref.shape[0], bn), jnp.float32))
+            plgpu.store(out_ref.at[split, :, cols], acc, mask=valid)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def stream_matmul_pallas(x, weights, *, config: StreamConfig, interpret: bool):
+    """The kernel (operands and tiling already checked by `pallas_kernels.stream_matmul`).
+
+    Args: x [M, K]; weights: tuple of [K, N_i] in x's dtype; config: one tiling per weight.
+    Returns a tuple of [M, N_i] in x.dtype.
+    """
+    rows, _ = x.shape
+    padded = padded_rows(rows)
+    lhs = jnp.pad(x, ((0, padded - rows), (0, 0))) if padded != rows else x
+    counts = [t.programs(w.shape[1]) for t, w in zip(config.tilings, weights)]
+    starts = tuple(itertools.accumulate(counts, initial=0))
+    partials = pl.pallas_call(
+        functools.partial(_kernel, config=config, rows=rows, starts=starts),
+        out_shape=tuple(jax.ShapeDtypeStruct((t.splits, padded, w.shape[1]), jnp.float32)
+                        for t, w in zip(config.tilings, weights)),
+        grid=(starts[-1],),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret,
+        name="stream_matmul",
+    )(lhs, *weights)
+    return tuple(p[:, :rows].sum(0).astype(x.dtype) for p in partials)
