@@ -3,10 +3,12 @@ tiling rule: `pallas_kernels.stream_matmul`).
 
 Grid: one axis, the concatenation of each weight's programs. Weight i's programs are its
 (column tile, K split) pairs, the split fastest; a program runs its split's k steps into an
-fp32 [rows, block_n] accumulator and stores it as partial sum `split` of an fp32
-[splits, rows, N_i] output, valid rows only. The wrapper adds the partials (XLA, a fixed
-order) and casts to x's dtype. x is padded to a power of two of at least 16 rows, the
-tensor cores' minimum; the padding rows are never stored.
+fp32 [padded rows, block_n] accumulator and stores it as partial sum `split` of an fp32
+[splits, rows, N_i] output, which the wrapper adds (XLA, a fixed order) and casts to x's
+dtype; a weight of one split stores its [rows, N_i] result in x's dtype directly. The
+tiles hold a power of two of at least 16 rows (the tensor cores' minimum): x's rows beyond
+its real ones are masked on load (read as zeros) and on store, so no padded copy of x is
+made.
 """
 
 from __future__ import annotations
@@ -61,13 +63,15 @@ def padded_rows(rows: int) -> int:
     return max(16, 1 << max(rows - 1, 0).bit_length())
 
 
-def _kernel(x_ref, *refs, config: StreamConfig, rows: int, starts: tuple[int, ...]):
+def _kernel(x_ref, *refs, config: StreamConfig, starts: tuple[int, ...]):
     """Program `pid` of weight i (starts[i] <= pid < starts[i + 1]): one column tile, one
     K split."""
     count = len(config.tilings)
     w_refs, out_refs = refs[:count], refs[count:]
     pid = pl.program_id(0)
-    valid = (iota((x_ref.shape[0],), 0) < rows)[:, None]
+    tile_rows = padded_rows(x_ref.shape[0])
+    tile = pl.ds(0, tile_rows)
+    valid = (iota((tile_rows,), 0) < x_ref.shape[0])[:, None]
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else lax.Precision.DEFAULT
 
     for tiling, w_ref, out_ref, start, end in zip(config.tilings, w_refs, out_refs, starts,
@@ -82,11 +86,14 @@ def _kernel(x_ref, *refs, config: StreamConfig, rows: int, starts: tuple[int, ..
 
             def body(j, acc):
                 ks = pl.ds((split * steps + j) * bk, bk)
-                return acc + jnp.dot(x_ref[:, ks], w_ref[ks, cols], precision=precision,
+                x = plgpu.load(x_ref.at[tile, ks], mask=valid, other=0)
+                return acc + jnp.dot(x, w_ref[ks, cols], precision=precision,
                                      preferred_element_type=jnp.float32)
 
-            acc = lax.fori_loop(0, steps, body, jnp.zeros((x_ref.shape[0], bn), jnp.float32))
-            plgpu.store(out_ref.at[split, :, cols], acc, mask=valid)
+            acc = lax.fori_loop(0, steps, body, jnp.zeros((tile_rows, bn), jnp.float32))
+            target = (out_ref.at[tile, cols] if tiling.splits == 1
+                      else out_ref.at[split, tile, cols])
+            plgpu.store(target, acc.astype(out_ref.dtype), mask=valid)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -97,18 +104,18 @@ def stream_matmul_pallas(x, weights, *, config: StreamConfig, interpret: bool):
     Returns a tuple of [M, N_i] in x.dtype.
     """
     rows, _ = x.shape
-    padded = padded_rows(rows)
-    lhs = jnp.pad(x, ((0, padded - rows), (0, 0))) if padded != rows else x
     counts = [t.programs(w.shape[1]) for t, w in zip(config.tilings, weights)]
     starts = tuple(itertools.accumulate(counts, initial=0))
     partials = pl.pallas_call(
-        functools.partial(_kernel, config=config, rows=rows, starts=starts),
-        out_shape=tuple(jax.ShapeDtypeStruct((t.splits, padded, w.shape[1]), jnp.float32)
+        functools.partial(_kernel, config=config, starts=starts),
+        out_shape=tuple(jax.ShapeDtypeStruct((rows, w.shape[1]), x.dtype) if t.splits == 1
+                        else jax.ShapeDtypeStruct((t.splits, rows, w.shape[1]), jnp.float32)
                         for t, w in zip(config.tilings, weights)),
         grid=(starts[-1],),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="stream_matmul",
-    )(lhs, *weights)
-    return tuple(p[:, :rows].sum(0).astype(x.dtype) for p in partials)
+    )(x, *weights)
+    return tuple(p if t.splits == 1 else p.sum(0).astype(x.dtype)
+                 for t, p in zip(config.tilings, partials))
