@@ -81,6 +81,15 @@ def work_schedule(group_sizes, *, rows: int, block_m: int):
     return group, tile.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
+def row_schedule(row_groups, *, block_m: int):
+    """int32 [M] arrays (group, tile, first row, end row): one work item per row, in any
+    order (`row_groups` [M] names each row's group; no sort, no search). For a few rows, as
+    a decode step's copies, where building the sorted schedule costs more launches than the
+    GEMM saves by sharing a group's weight between rows."""
+    rows = jnp.arange(row_groups.shape[0], dtype=jnp.int32)
+    return row_groups.astype(jnp.int32), rows // block_m, rows, rows + 1
+
+
 def _kernel(group_ref, tile_ref, lo_ref, hi_ref, *refs, config: GmmConfig, epilogue: Epilogue,
             num_work: int, num_n: int, num_groups: int, precision):
     """One work item x one n tile: acc = sum_k lhs[rows, k] @ rhs[group, k, cols]."""
@@ -158,13 +167,15 @@ def _kernel(group_ref, tile_ref, lo_ref, hi_ref, *refs, config: GmmConfig, epilo
 
 @functools.partial(jax.jit, static_argnames=("config", "epilogue", "interpret"))
 def gmm_pallas(lhs, rhs, group_sizes, *, row_tokens=None, row_scale=None, row_dest=None,
-               config: GmmConfig, epilogue: Epilogue, interpret: bool):
+               row_groups=None, config: GmmConfig, epilogue: Epilogue, interpret: bool):
     """The kernel (arguments already validated by `pallas_kernels.gmm`).
 
     Args:
       lhs: [M, K] rows sorted by group, or x [T, K] with `row_tokens` int32 [M] (gather).
       rhs: tuple of one [E, K, N] weight stack, or (gate, up) for the swiglu epilogue.
-      group_sizes: int32 [E]; rows past their sum come out zero.
+      group_sizes: int32 [E]; rows past their sum come out zero. Ignored when `row_groups`
+        int32 [M] names each row's group instead (`row_schedule`: rows in any order, one
+        work item each).
       row_scale: fp32 [M] and row_dest int32 [M] (a permutation of 0..M-1) for combine.
 
     Returns [M, N] in lhs.dtype (row r at row_dest[r] under combine).
@@ -192,7 +203,8 @@ def gmm_pallas(lhs, rhs, group_sizes, *, row_tokens=None, row_scale=None, row_de
         extras += [pad(row_scale.astype(jnp.float32)),
                    jnp.concatenate([row_dest.astype(jnp.int32),
                                     jnp.arange(rows, padded, dtype=jnp.int32)])]
-    schedule = work_schedule(group_sizes, rows=padded, block_m=bm)
+    schedule = (row_schedule(row_groups, block_m=bm) if row_groups is not None
+                else work_schedule(group_sizes, rows=padded, block_m=bm))
     num_work = schedule[0].shape[0]
     num_n = n // config.block_n
     precision = (lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else lax.Precision.DEFAULT)

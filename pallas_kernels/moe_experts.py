@@ -13,6 +13,12 @@ separate switch so it can be measured alone (bench.moe):
   "swiglu":  gate and up in one kernel (two accumulators), SwiGLU in its epilogue;
   "combine": the down kernel scales each row by its combine weight and stores it in
              token-major order, so only a sum over the k copies remains.
+
+With every fusion on and at most PER_ROW_COPIES copies (a decode step of a row or two),
+the copies are not sorted at all: each is its own work item naming its expert
+(`gmm_pallas.row_schedule`). The sort, the group sizes and the sorted schedule are a dozen
+small launches (~20 us a layer on the H200 at one row); with top-8 of 256 experts two
+copies rarely share an expert, so sorting would save no weight reads.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from pallas_kernels.gmm import (
 from pallas_kernels.gmm_pallas import Epilogue, gmm_pallas
 
 FUSIONS = ("gather", "swiglu", "combine")
+PER_ROW_COPIES = 16  # most token copies (tokens x top-k) the unsorted per-row schedule takes
 # What the Pallas path fuses by default; the lead trims it after measuring on the H200.
 DEFAULT_FUSIONS = FUSIONS
 
@@ -95,9 +102,12 @@ def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, limit: float | 
         fusions = ()
     tokens, top_k = experts.shape
     w_gate, w_up, w_down = (w.astype(x.dtype) for w in (w_gate, w_up, w_down))
+    interpret = resolve_interpret(interpret)
+    if set(fusions) == set(FUSIONS) and tokens * top_k <= PER_ROW_COPIES:
+        return _per_row(x, weights, experts, w_gate, w_up, w_down, limit=limit,
+                        interpret=interpret, out_dtype=out_dtype, active_experts=active_experts)
     order, group_sizes = sort_by_expert(experts, w_gate.shape[0])
     row_tokens = order // top_k
-    interpret = resolve_interpret(interpret)
 
     def gemm(lhs, rhs):
         config = (pallas_config(lhs.shape[0], rhs, active_groups=active_experts)
@@ -131,8 +141,26 @@ def routed_experts(x, weights, experts, w_gate, w_up, w_down, *, limit: float | 
     return jnp.einsum("tk,tkd->td", weights, ys.astype(jnp.float32)).astype(out_dtype)
 
 
+def _per_row(x, weights, experts, w_gate, w_up, w_down, *, limit, interpret, out_dtype,
+             active_experts):
+    """Every fusion, the copies unsorted: copy r = t * k + j is row r, of expert
+    experts[t, j] (module doc)."""
+    tokens, top_k = experts.shape
+    copies = jnp.arange(tokens * top_k, dtype=jnp.int32)
+    row_groups = experts.reshape(-1).astype(jnp.int32)
+    sizes = jnp.zeros((w_gate.shape[0],), jnp.int32)  # unused by the per-row schedule
+    common = dict(rows=tokens * top_k, interpret=interpret, row_groups=row_groups,
+                  active_groups=active_experts)
+    h = _pallas(x, (w_gate, w_up), sizes, row_tokens=copies // top_k,
+                epilogue=Epilogue(gather=True, swiglu=True, limit=limit), **common)
+    ys = _pallas(h, (w_down,), sizes, row_scale=weights.reshape(-1).astype(jnp.float32),
+                 row_dest=copies, epilogue=Epilogue(combine=True), **common)
+    ys = ys.reshape(tokens, top_k, -1).astype(jnp.float32)
+    return jnp.sum(ys, axis=1).astype(out_dtype)
+
+
 def _pallas(lhs, rhs, group_sizes, *, rows, interpret, epilogue, row_tokens=None,
-            row_scale=None, row_dest=None, active_groups=None):
+            row_scale=None, row_dest=None, row_groups=None, active_groups=None):
     """One Pallas grouped GEMM with `epilogue` (`pallas_kernels.gmm_pallas`)."""
     for stack in rhs:
         check_operands(lhs, stack, group_sizes)
@@ -140,4 +168,4 @@ def _pallas(lhs, rhs, group_sizes, *, rows, interpret, epilogue, row_tokens=None
     return gmm_pallas(lhs, rhs, group_sizes, config=config, epilogue=epilogue,
                       interpret=interpret,
                       row_tokens=row_tokens if epilogue.gather else None,
-                      row_scale=row_scale, row_dest=row_dest)
+                      row_scale=row_scale, row_dest=row_dest, row_groups=row_groups)

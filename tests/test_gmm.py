@@ -133,10 +133,27 @@ class GmmCases:
         expected[dest] = gmm_oracle(lhs, rhs, sizes) * scale[:, None]
         assert_close(out, expected, jnp.float32)
 
-    # No fusion and all fusions run in the MoE layer's tests.
-    @pytest.mark.parametrize("fusions", [("gather",), ("swiglu",)], ids=["gather", "swiglu"])
-    def test_routed_experts(self, rng, fusions):
-        tokens, top_k, experts, hidden, inter = 23, 3, 16, self.K, self.N
+    @pytest.mark.parametrize("rows", [1, 5, 16])
+    def test_row_schedule(self, rng, rows):
+        """Rows in any order, each naming its group (repeats included): one work item each."""
+        groups = rng.integers(0, 6, rows).astype(np.int32)
+        groups[-1] = groups[0]  # a group twice, not adjacent
+        lhs = self.random(rng, (rows, self.K), jnp.float32)
+        rhs = self.random(rng, (6, self.K, self.N), jnp.float32)
+        out = self.pallas(lhs, (rhs,), np.zeros(6, np.int32), row_groups=jnp.asarray(groups))
+        expected = np.stack([np.asarray(lhs[r], np.float64) @ np.asarray(rhs[g], np.float64)
+                             for r, g in enumerate(groups)])
+        assert_close(out, expected, jnp.float32)
+
+    # No fusion and all fusions run in the MoE layer's tests; the per-row schedule (every
+    # fusion, at most PER_ROW_COPIES copies) here with 1 and 2 tokens.
+    @pytest.mark.parametrize("tokens, top_k, fusions", [
+        (23, 3, ("gather",)), (23, 3, ("swiglu",)), (1, 8, moe_experts.FUSIONS),
+        (2, 8, moe_experts.FUSIONS)], ids=["gather", "swiglu", "per-row-1", "per-row-2"])
+    def test_routed_experts(self, rng, monkeypatch, tokens, top_k, fusions):
+        experts, hidden, inter = 16, self.K, self.N
+        if tokens * top_k <= moe_experts.PER_ROW_COPIES and fusions == moe_experts.FUSIONS:
+            monkeypatch.setattr(moe_experts, "sort_by_expert", None)  # the per-row path
         x = self.random(rng, (tokens, hidden), jnp.float32) * 3
         ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
         weights = jnp.asarray(rng.uniform(0, 1, (tokens, top_k)), jnp.float32)
