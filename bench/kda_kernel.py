@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import relative_error, time_calls, write_json
-from pallas_kernels import kda_pallas, kda_prefill, kda_prep, kda_segments
+from pallas_kernels import kda_chunks, kda_pallas, kda_prefill, kda_prep, kda_segments
 from pallas_kernels.kda_traffic import traffic_summary
 from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 
@@ -137,8 +137,8 @@ def time_passes(inputs, lens, config, timing):
     interpret = jax.default_backend() == "cpu"
     flags = dict(config=config, interpret=interpret, exact=False)
     cu, init = inputs["cu_seqlens"], inputs["initial_states"]
-    slots = kda_prep.chunk_slots(cu, sum(lens), chunk)
-    q, k, v, g, beta = (kda_prep.pad_rows(inputs[n], chunk) if interpret else inputs[n]
+    slots = kda_chunks.chunk_slots(cu, sum(lens), chunk)
+    q, k, v, g, beta = (kda_chunks.pad_rows(inputs[n], chunk) if interpret else inputs[n]
                         for n in ("q", "k", "v", "g", "beta"))
     offsets = snapshot_offsets(lens, 4)
     matrices = jax.jit(lambda s: kda_prep.chunk_matrices(

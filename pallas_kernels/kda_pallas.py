@@ -33,7 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kda_prep import ChunkSlots, ChunkTensors, chunk_prep, chunk_slots, pad_rows
+from pallas_kernels.kda_chunks import ChunkSlots, ChunkTensors, chunk_slots, pad_rows
+from pallas_kernels.kda_prep import chunk_prep
 from pallas_kernels.kda_segments import combine_segments, segment_chunks, segment_transitions
 from pallas_kernels.tiles import dot, dot_tn, iota, matmul_precision, operand_dtype
 from pallas_kernels.tuning import KernelConfig

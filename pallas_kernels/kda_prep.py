@@ -1,9 +1,10 @@
-"""Pass 1 of the KDA checkpointing scan, and the chunk layout every pass shares.
+"""Pass 1 of the KDA checkpointing scan.
 
 Chunks: a packed batch is cut into chunks of C tokens, sequence by sequence; chunk slots
-are numbered on the device from `cu_seqlens` (`chunk_slots`), so lengths are runtime
-values. In interpret mode inputs carry one chunk of zero rows at the end (`pad_rows`),
-T' = T + C rows; on the GPU masked loads need none, T' = T.
+are numbered on the device from `cu_seqlens` (`pallas_kernels.kda_chunks`, the layout
+every pass shares), so lengths are runtime values. In interpret mode inputs carry one
+chunk of zero rows at the end (`kda_chunks.pad_rows`), T' = T + C rows; on the GPU masked
+loads need none, T' = T.
 
 Pass 1 turns each chunk of C tokens into the matrices the recurrence needs (DESIGN
 section 2), in fully parallel programs (one per chunk slot and head):
@@ -43,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kda_chunks import ChunkSlots, ChunkTensors
 from pallas_kernels.tiles import dot, dot_nt, iota, load_rows, matmul_precision, operand_dtype
 from pallas_kernels.tuning import KernelConfig
 
@@ -266,62 +268,6 @@ def _w_u_kernel(chunk_start_ref, chunk_len_ref, k_ref, v_ref, beta_ref, gcum_ref
         u = dot(t, (beta * load(v_ref)).astype(op), precision)
         plgpu.store(w_ref.at[rows, h, :], w.astype(w_ref.dtype), mask=valid)
         plgpu.store(u_ref.at[rows, h, :], u.astype(u_ref.dtype), mask=valid)
-
-
-def _chunk_slots(cu_seqlens, num_slots, chunk):
-    """Start row and length of every chunk, sequence by sequence, padded to num_slots.
-
-    Returns (chunk_start, chunk_len) int32 [num_slots] (unused slots have length 0) and
-    each sequence's first chunk slot, int32 [N].
-    """
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    chunks_per_seq = (lens + chunk - 1) // chunk
-    first = jnp.cumsum(chunks_per_seq) - chunks_per_seq
-    slot = jnp.arange(num_slots, dtype=jnp.int32)
-    seq = jnp.searchsorted(first + chunks_per_seq, slot, side="right").astype(jnp.int32)
-    in_range = seq < lens.shape[0]
-    seq_c = jnp.minimum(seq, lens.shape[0] - 1)
-    local = slot - first[seq_c]
-    start = cu_seqlens[seq_c] + local * chunk
-    length = jnp.clip(cu_seqlens[seq_c + 1] - start, 0, chunk)
-    return (jnp.where(in_range, start, 0).astype(jnp.int32),
-            jnp.where(in_range, length, 0).astype(jnp.int32), first.astype(jnp.int32))
-
-
-class ChunkSlots(NamedTuple):
-    """Where the chunks are: slots are numbered sequence by sequence (see `chunk_slots`)."""
-
-    start: jax.Array       # int32 [S]: first row of each chunk slot
-    length: jax.Array      # int32 [S]: rows in the slot, 0 for unused slots
-    first_slot: jax.Array  # int32 [N]: each sequence's first slot
-
-
-class ChunkTensors(NamedTuple):
-    """What the prep pass hands the scan, per row and head ([T', H, ...]).
-
-    W, U, Aqk, Qg, Kg are stored in the operand dtype (bf16 on the fast path, fp32 when
-    exact); G and G_last stay fp32.
-    """
-
-    w: jax.Array      # [T', H, K]
-    u: jax.Array      # [T', H, V]
-    aqk: jax.Array    # [T', H, C]
-    qg: jax.Array     # [T', H, K]
-    kg: jax.Array     # [T', H, K]
-    g_cum: jax.Array  # [T', H, K] fp32
-    g_last: jax.Array  # [S, H, K] fp32: G at each chunk slot's last row
-
-
-def pad_rows(x, chunk):
-    """Append one chunk of zero rows, so every chunk window [r0, r0 + C) is in bounds
-    (interpret mode only: on the GPU, Triton masks the rows past T)."""
-    return jnp.pad(x, [(0, chunk)] + [(0, 0)] * (x.ndim - 1))
-
-
-def chunk_slots(cu_seqlens, num_tokens, chunk) -> ChunkSlots:
-    """ceil(T / C) + N chunk slots: enough for any split of T rows into N sequences."""
-    num_slots = -(-num_tokens // chunk) + cu_seqlens.shape[0] - 1
-    return ChunkSlots(*_chunk_slots(cu_seqlens, num_slots, chunk))
 
 
 class ChunkMatrices(NamedTuple):

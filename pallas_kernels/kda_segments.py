@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kda_prep import ChunkSlots, ChunkTensors
+from pallas_kernels.kda_chunks import ChunkSlots, ChunkTensors
 from pallas_kernels.tiles import dot, dot_tn, iota, matmul_precision
 from pallas_kernels.tuning import KernelConfig
 
