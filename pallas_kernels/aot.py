@@ -106,6 +106,7 @@ GMM_TOKENS = (512, 8192)  # the two ends of bench.moe: they get different tiling
 PROJECTION_LAUNCHES = {"kda_in": ((2304, 4096),) * 3 + ((2304, 128),) * 2 + ((2304, 32),),
                        "kda_o": ((4096, 2304),)}
 PROJECTION_ROWS = (1, 64)
+PROJECTION_FP32 = ("kda_o", 1)  # one launch also in fp32 operands (fp32 models), at 1 row
 
 
 def lower_kda_prefill(spec: DeviceSpec, heads: int, config: KernelConfig | None = None, *,
@@ -303,12 +304,12 @@ def check_gmm(names: list[str], tokens: tuple[int, ...] = GMM_TOKENS,
     return reports
 
 
-def lower_stream(spec: DeviceSpec, rows: int, shapes: tuple[tuple[int, int], ...]
-                 ) -> tuple[TritonModule, StreamConfig]:
+def lower_stream(spec: DeviceSpec, rows: int, shapes: tuple[tuple[int, int], ...],
+                 dtype=jnp.bfloat16) -> tuple[TritonModule, StreamConfig]:
     """The Triton module of one weight-stream launch for `spec` and the runtime's tiling."""
-    config = select_stream_config(spec, rows, shapes)
-    x = jax.ShapeDtypeStruct((rows, shapes[0][0]), jnp.bfloat16)
-    weights = tuple(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes)
+    config = select_stream_config(spec, rows, shapes, operand_bytes=jnp.dtype(dtype).itemsize)
+    x = jax.ShapeDtypeStruct((rows, shapes[0][0]), dtype)
+    weights = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in shapes)
 
     def call(x, weights):
         return stream_matmul_pallas(x, weights, config=config, interpret=False)
@@ -318,18 +319,20 @@ def lower_stream(spec: DeviceSpec, rows: int, shapes: tuple[tuple[int, int], ...
 
 
 def check_projections(names: list[str]) -> list[KernelReport]:
-    """The weight-stream launches of `PROJECTION_LAUNCHES` at `PROJECTION_ROWS` rows."""
+    """The weight-stream launches of `PROJECTION_LAUNCHES` at `PROJECTION_ROWS` rows in
+    bf16, and `PROJECTION_FP32` in fp32."""
     reports = []
+    fp32_launch, fp32_rows = PROJECTION_FP32
+    cases = [(launch, rows, jnp.bfloat16) for launch in PROJECTION_LAUNCHES
+             for rows in PROJECTION_ROWS] + [(fp32_launch, fp32_rows, jnp.float32)]
     for name in names:
         spec = KNOWN_DEVICES[name]
-        for launch, shapes in PROJECTION_LAUNCHES.items():
-            for rows in PROJECTION_ROWS:
-                module, config = lower_stream(spec, rows, shapes)
-                label = (f"{launch} rows={rows} splits "
-                         f"{'/'.join(str(t.splits) for t in config.tilings)} "
-                         f"w{config.num_warps} s{config.num_stages}")
-                reports.append(compile_module(module, spec, 0, kernel="stream_matmul",
-                                              shape=label))
+        for launch, rows, dtype in cases:
+            module, config = lower_stream(spec, rows, PROJECTION_LAUNCHES[launch], dtype)
+            label = (f"{launch} {jnp.dtype(dtype).name} rows={rows} splits "
+                     f"{'/'.join(str(t.splits) for t in config.tilings)} "
+                     f"w{config.num_warps} s{config.num_stages}")
+            reports.append(compile_module(module, spec, 0, kernel="stream_matmul", shape=label))
     return reports
 
 

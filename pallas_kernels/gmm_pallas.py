@@ -81,13 +81,16 @@ def work_schedule(group_sizes, *, rows: int, block_m: int):
     return group, tile.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
-def row_schedule(row_groups, *, block_m: int):
+def row_schedule(row_groups, *, num_groups: int, block_m: int):
     """int32 [M] arrays (group, tile, first row, end row): one work item per row, in any
-    order (`row_groups` [M] names each row's group; no sort, no search). For a few rows, as
+    order (`row_groups` [M] names each row's group; no sort, no search). A group id outside
+    0..num_groups - 1 makes its row the padding group's: it comes out zero. For a few rows, as
     a decode step's copies, where building the sorted schedule costs more launches than the
     GEMM saves by sharing a group's weight between rows."""
     rows = jnp.arange(row_groups.shape[0], dtype=jnp.int32)
-    return row_groups.astype(jnp.int32), rows // block_m, rows, rows + 1
+    groups = row_groups.astype(jnp.int32)
+    groups = jnp.where((groups >= 0) & (groups < num_groups), groups, num_groups)
+    return groups, rows // block_m, rows, rows + 1
 
 
 def _kernel(group_ref, tile_ref, lo_ref, hi_ref, *refs, config: GmmConfig, epilogue: Epilogue,
@@ -203,7 +206,8 @@ def gmm_pallas(lhs, rhs, group_sizes, *, row_tokens=None, row_scale=None, row_de
         extras += [pad(row_scale.astype(jnp.float32)),
                    jnp.concatenate([row_dest.astype(jnp.int32),
                                     jnp.arange(rows, padded, dtype=jnp.int32)])]
-    schedule = (row_schedule(row_groups, block_m=bm) if row_groups is not None
+    schedule = (row_schedule(row_groups, num_groups=num_groups, block_m=bm)
+                if row_groups is not None
                 else work_schedule(group_sizes, rows=padded, block_m=bm))
     num_work = schedule[0].shape[0]
     num_n = n // config.block_n

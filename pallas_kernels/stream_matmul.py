@@ -74,23 +74,25 @@ def select_tiling(spec: DeviceSpec, rows: int, k: int, n: int) -> StreamTiling:
     return StreamTiling(block_n=block_n, block_k=block_k, splits=splits)
 
 
-def select_config(spec: DeviceSpec, rows: int, shapes: Sequence[tuple[int, int]]
-                  ) -> StreamConfig:
-    """The launch for `rows` rows against weights of `shapes` [(K, N_i)]: 4 stages of the
-    [rows, block_k] + [block_k, block_n] bf16 tiles where shared memory allows (3 on
-    sm_12x's 99 KB at 64 rows)."""
+def select_config(spec: DeviceSpec, rows: int, shapes: Sequence[tuple[int, int]], *,
+                  operand_bytes: int = 2) -> StreamConfig:
+    """The launch for `rows` rows against weights of `shapes` [(K, N_i)] in operands of
+    `operand_bytes` (2: bf16, 4: fp32): 4 pipeline stages where shared memory allows,
+    fewer where not (sm_12x's 99 KB at 64 rows, or fp32)."""
     tilings = tuple(select_tiling(spec, rows, k, n) for k, n in shapes)
     stages = 4
-    while stages > 1 and max(estimate_shared_memory(t, padded_rows(rows), stages)
+    while stages > 1 and max(estimate_shared_memory(t, padded_rows(rows), stages,
+                                                    operand_bytes=operand_bytes)
                              for t in tilings) > spec.smem_per_block:
         stages -= 1
     return StreamConfig(tilings=tilings, num_stages=stages)
 
 
-def estimate_shared_memory(tiling: StreamTiling, rows: int, stages: int) -> int:
-    """Bytes per block: every stage buffers one x tile and one weight tile (bf16), plus the
+def estimate_shared_memory(tiling: StreamTiling, rows: int, stages: int, *,
+                           operand_bytes: int = 2) -> int:
+    """Bytes per block: every stage buffers one x tile and one weight tile, plus the
     [rows, block_n] fp32 epilogue layout conversion."""
-    per_stage = 2 * tiling.block_k * (rows + tiling.block_n)
+    per_stage = operand_bytes * tiling.block_k * (rows + tiling.block_n)
     return stages * per_stage + 4 * rows * tiling.block_n
 
 
@@ -133,7 +135,8 @@ def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *,
     if implementation == "xla":
         return stream_matmul_reference(x, weights)
     shapes = tuple(w.shape for w in weights)
-    config = config or select_config(device_spec(), x.shape[0], shapes)
+    config = config or select_config(device_spec(), x.shape[0], shapes,
+                                     operand_bytes=x.dtype.itemsize)
     if len(config.tilings) != len(weights):
         raise ValueError(f"config has {len(config.tilings)} tilings for {len(weights)} weights")
     for (k, n), t in zip(shapes, config.tilings):

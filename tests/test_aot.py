@@ -110,9 +110,9 @@ def test_grouped_gemm_compiles_within_limits(device):
 @pytest.mark.parametrize("device", ["gb10", "h200"])
 def test_projection_stream_compiles_within_limits(device):
     """The decode projections' weight-stream launches at kimi-linear-48b's shapes, 1 and 64
-    rows."""
+    rows, and one in fp32 operands (fewer pipeline stages fit)."""
     reports = aot.check_projections([device])
-    assert len(reports) == len(aot.PROJECTION_LAUNCHES) * len(aot.PROJECTION_ROWS)
+    assert len(reports) == len(aot.PROJECTION_LAUNCHES) * len(aot.PROJECTION_ROWS) + 1
     for report in reports:
         assert report.compiled, report.error
         assert report.ok, triton_compile.format_table([report])

@@ -133,16 +133,19 @@ class GmmCases:
         expected[dest] = gmm_oracle(lhs, rhs, sizes) * scale[:, None]
         assert_close(out, expected, jnp.float32)
 
-    @pytest.mark.parametrize("rows", [1, 5, 16])
+    @pytest.mark.parametrize("rows", [1, 5, 16, 40])
     def test_row_schedule(self, rng, rows):
-        """Rows in any order, each naming its group (repeats included): one work item each."""
+        """Rows in any order, each naming its group (repeats included): one work item each;
+        a group id out of range (-1, 6) gives a zero row."""
         groups = rng.integers(0, 6, rows).astype(np.int32)
         groups[-1] = groups[0]  # a group twice, not adjacent
+        if rows > 2:
+            groups[1], groups[2] = -1, 6
         lhs = self.random(rng, (rows, self.K), jnp.float32)
         rhs = self.random(rng, (6, self.K, self.N), jnp.float32)
         out = self.pallas(lhs, (rhs,), np.zeros(6, np.int32), row_groups=jnp.asarray(groups))
         expected = np.stack([np.asarray(lhs[r], np.float64) @ np.asarray(rhs[g], np.float64)
-                             for r, g in enumerate(groups)])
+                             if 0 <= g < 6 else np.zeros(self.N) for r, g in enumerate(groups)])
         assert_close(out, expected, jnp.float32)
 
     # No fusion and all fusions run in the MoE layer's tests; the per-row schedule (every

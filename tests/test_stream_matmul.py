@@ -104,9 +104,10 @@ def test_tiling_rule(spec, rows, shape):
         max_splits = max(1, int(k * PARTIAL_SHARE) // (2 * rows))
         assert tiling.splits == max(s for s in range(1, max_splits + 1)
                                     if (k // tiling.block_k) % s == 0)
-    config = select_config(spec, rows, [shape])
-    assert estimate_shared_memory(tiling, padded_rows(rows), config.num_stages) \
-        <= spec.smem_per_block
+    for operand_bytes in (2, 4):  # bf16, fp32
+        config = select_config(spec, rows, [shape], operand_bytes=operand_bytes)
+        assert estimate_shared_memory(tiling, padded_rows(rows), config.num_stages,
+                                      operand_bytes=operand_bytes) <= spec.smem_per_block
 
 
 @pytest.mark.parametrize("rows, k, widths, message", [

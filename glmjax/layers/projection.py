@@ -64,7 +64,10 @@ def project_together(inputs: jax.Array, projections: Sequence[Projection]
     streamed = [p for p in projections if p.streams(rows)]
     outputs = {}
     if streamed:
-        dtype = streamed[0].dtype
+        dtype = streamed[0].dtype  # one launch, one operand dtype
+        if any(p.dtype != dtype for p in streamed):
+            raise ValueError(f"project_together needs one dtype, got "
+                             f"{sorted({str(p.dtype) for p in streamed})}")
         x = inputs.reshape(rows, inputs.shape[-1]).astype(dtype)
         products = stream_matmul(x, tuple(p.kernel[...].astype(dtype) for p in streamed))
         outputs = {id(p): y.reshape(*inputs.shape[:-1], y.shape[-1])
