@@ -53,6 +53,7 @@ from glmjax.model import HybridModel
 from glmjax.xla_options import STEP_OPTIONS
 from pallas_kernels.stream_matmul import (
     estimate_shared_memory,
+    fewest_splits,
     padded_rows,
     select_config,
     stream_matmul,
@@ -93,9 +94,8 @@ def sweep_configs(rows: int, d_in: int, d_out: int) -> dict[str, StreamConfig]:
     for block_n, block_k, per_sm, warps, stages in SWEEP:
         if d_in % block_k or d_out % block_n:
             continue
-        k_blocks = d_in // block_k
-        splits = next((s for s in range(1, k_blocks + 1) if k_blocks % s == 0
-                       and d_out // block_n * s >= per_sm * spec.num_sms), k_blocks)
+        splits = fewest_splits(d_in // block_k, d_out // block_n, per_sm * spec.num_sms,
+                               d_in // block_k)
         tiling = StreamTiling(block_n=block_n, block_k=block_k, splits=splits)
         if estimate_shared_memory(tiling, padded_rows(rows), stages) > spec.smem_per_block:
             continue
@@ -143,10 +143,9 @@ def run_shape(d_in: int, d_out: int, rows: int, args, bandwidth: float) -> dict:
                                products_for(weight_bytes, args))
     x = xs[0]
     want = np.asarray(x, np.float32) @ np.asarray(sets[0][0], np.float32)
-    interpret = jax.default_backend() != "gpu"
 
-    def stream(config=None):
-        return lambda x, ws: stream_matmul(x, ws, interpret=interpret, config=config)[0]
+    def stream(config=None):  # interpret mode on the CPU (stream_matmul's default)
+        return lambda x, ws: stream_matmul(x, ws, config=config)[0]
 
     products = {"stream": stream(), "xla": lambda x, ws: jnp.dot(x, ws[0])}
     if args.sweep and rows == args.sweep_rows and f"{d_in}x{d_out}" in args.sweep_shapes:
@@ -172,11 +171,9 @@ def run_launch(name: str, shapes: list, rows: int, args) -> dict:
     shapes = [(i, o) for i, o in shapes if i % 16 == 0 and o % 16 == 0]
     weight_bytes = sum(i * o * 2 for i, o in shapes)
     xs, sets = random_operands(rows, rows, shapes, products_for(weight_bytes, args))
-    interpret = jax.default_backend() != "gpu"
     products = {
-        "one_launch": lambda x, ws: stream_matmul(x, ws, interpret=interpret),
-        "launch_per_weight": lambda x, ws: [stream_matmul(x, (w,), interpret=interpret)[0]
-                                            for w in ws],
+        "one_launch": lambda x, ws: stream_matmul(x, ws),
+        "launch_per_weight": lambda x, ws: [stream_matmul(x, (w,))[0] for w in ws],
         "xla": lambda x, ws: [jnp.dot(x, w) for w in ws]}
     ms = {k: timed(p, xs, sets, args) for k, p in products.items()}
     return dict(launch=name, rows=rows, shapes=[f"{i}x{o}" for i, o in shapes],

@@ -80,19 +80,20 @@ def select_gmm_config(spec: DeviceSpec, *, rows: int, k: int, n: int, num_groups
         config = dataclasses.replace(config, block_m=64, num_warps=4,
                                      block_n=min(config.block_n, 128 // num_rhs))
     config = dataclasses.replace(
-        config, block_m=min(config.block_m, _pow2_at_least_16(rows)),
-        block_n=_largest_dividing(config.block_n, n), block_k=_largest_dividing(config.block_k, k))
+        config, block_m=min(config.block_m, pow2_at_least_16(rows)),
+        block_n=largest_dividing(config.block_n, n), block_k=largest_dividing(config.block_k, k))
     while (estimate_shared_memory(config, num_rhs=num_rhs, operand_bytes=operand_bytes)
            > spec.smem_per_block and config.num_stages > 1):
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)
     return config
 
 
-def _pow2_at_least_16(x: int) -> int:
+def pow2_at_least_16(x: int) -> int:
+    """The smallest power of two >= x, at least 16 (the smallest tile a Triton dot takes)."""
     return max(16, 1 << max(x - 1, 0).bit_length())
 
 
-def _largest_dividing(block: int, dim: int) -> int:
+def largest_dividing(block: int, dim: int) -> int:
     """The largest power of two <= block dividing dim (at least 16; the caller checks)."""
     while block > 16 and dim % block:
         block //= 2

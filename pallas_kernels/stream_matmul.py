@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gmm import resolve_interpret
+from pallas_kernels.gmm_tuning import largest_dividing
 from pallas_kernels.stream_matmul_pallas import (
     StreamConfig,
     StreamTiling,
@@ -41,14 +43,6 @@ PROGRAMS_PER_SM = 2
 PARTIAL_SHARE = 0.25  # most partial-sum bytes per weight byte
 
 
-def _largest_dividing(limit: int, dim: int) -> int:
-    """The largest power of two <= limit dividing dim (16 when none above does)."""
-    block = limit
-    while block > 16 and dim % block:
-        block //= 2
-    return block
-
-
 def select_tiling(spec: DeviceSpec, rows: int, k: int, n: int) -> StreamTiling:
     """Tiles of TILE_ELEMENTS (block_n up to 128 columns), then the fewest K splits giving
     PROGRAMS_PER_SM programs per SM; while even a split per k step falls short, narrower
@@ -57,8 +51,8 @@ def select_tiling(spec: DeviceSpec, rows: int, k: int, n: int) -> StreamTiling:
     bytes, which bounds the splits at many rows."""
     target = PROGRAMS_PER_SM * spec.num_sms
     max_splits = max(1, int(k * PARTIAL_SHARE) // (2 * rows))
-    block_n = _largest_dividing(128, n)
-    block_k = _largest_dividing(TILE_ELEMENTS // block_n, k)
+    block_n = largest_dividing(128, n)
+    block_k = largest_dividing(TILE_ELEMENTS // block_n, k)
 
     def most_programs(block_n, block_k):
         return n // block_n * min(k // block_k, max_splits)
@@ -68,10 +62,15 @@ def select_tiling(spec: DeviceSpec, rows: int, k: int, n: int) -> StreamTiling:
         block_n //= 2
     while block_k > MIN_BLOCK_K and most_programs(block_n, block_k) < target:
         block_k //= 2
-    k_blocks = k // block_k
-    divisors = [s for s in range(1, min(k_blocks, max_splits) + 1) if k_blocks % s == 0]
-    splits = next((s for s in divisors if n // block_n * s >= target), divisors[-1])
+    splits = fewest_splits(k // block_k, n // block_n, target, max_splits)
     return StreamTiling(block_n=block_n, block_k=block_k, splits=splits)
+
+
+def fewest_splits(k_blocks: int, column_tiles: int, target: int, max_splits: int) -> int:
+    """The fewest splits of `k_blocks` k steps (a divisor, at most `max_splits`) that give
+    `column_tiles` x splits >= `target` programs; the most allowed when none does."""
+    divisors = [s for s in range(1, min(k_blocks, max_splits) + 1) if k_blocks % s == 0]
+    return next((s for s in divisors if column_tiles * s >= target), divisors[-1])
 
 
 def select_config(spec: DeviceSpec, rows: int, shapes: Sequence[tuple[int, int]], *,
@@ -142,6 +141,5 @@ def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *,
     for (k, n), t in zip(shapes, config.tilings):
         if n % t.block_n or k % (t.splits * t.block_k):
             raise ValueError(f"tiling {t} does not divide weight shape {(k, n)}")
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    return stream_matmul_pallas(x, tuple(weights), config=config, interpret=bool(interpret))
+    return stream_matmul_pallas(x, tuple(weights), config=config,
+                                interpret=resolve_interpret(interpret))

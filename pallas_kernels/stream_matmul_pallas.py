@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.gmm_tuning import pow2_at_least_16
 from pallas_kernels.tiles import iota
 
 
@@ -60,7 +61,7 @@ class StreamConfig:
 
 def padded_rows(rows: int) -> int:
     """The rows a launch computes: a power of two, at least the tensor cores' minimum 16."""
-    return max(16, 1 << max(rows - 1, 0).bit_length())
+    return pow2_at_least_16(rows)
 
 
 def _kernel(x_ref, *refs, config: StreamConfig, starts: tuple[int, ...]):
