@@ -11,14 +11,19 @@ then keep the smallest set of those whose probability (after top-k) reaches ``to
 then draw. The logprob returned is of the chosen token under the model's own distribution
 (``log_softmax`` of the raw logits), whatever the sampling parameters.
 
-What costs is paid only by a batch with a row that needs it: the sort over the vocabulary
-(a random row with top-k or top-p) and the most likely alternatives (a row that asks for
-them; ``lax.top_k`` of 20 sorts whole rows on a GPU) are parts of the static
-``SamplerVariant`` the host picks from the rows it sends, one compiled program each (a
+What costs is paid only by a batch with a row that needs it: the Gumbel draw (a random
+row), the sort over the vocabulary (a random row with top-k or top-p) and the most likely
+alternatives (a row that asks for them; ``lax.top_k`` of 20 sorts whole rows on a GPU) are
+parts of the static ``SamplerVariant`` the host picks from the rows it sends, one compiled
+program each (a
 device-side ``lax.cond`` would copy its predicate to the host and wait for it, as XLA
 leaves a conditional around a sort out of the step's CUDA graph). On the H200, kimi's
 163,840-token vocabulary at 64 sampler rows: the sort, the scatter of its mask and the top
 20 took 3.6 ms of a 13.4 ms batch-1 decode step (`bench/results/decode_kimi-linear-48b.json`).
+
+The argmax and the log-normaliser reduce each row in two stages (`vocab_tiles`): XLA ran
+the draw's argmax over one 163,840-token row as a single 76 us kernel at one row, where
+the row cut into tiles spreads over the GPU.
 """
 
 from __future__ import annotations
@@ -68,17 +73,51 @@ class SamplerVariant(NamedTuple):
 
     filter: bool = True  # a random row with top_k or top_p: a sort over the vocabulary
     top: bool = True  # a row that reports alternatives: lax.top_k(20), a sort on a GPU
+    draw: bool = True  # a random row: Gumbel noise over the vocabulary (filter implies it)
 
     @classmethod
     def of(cls, params: SamplingTensors) -> SamplerVariant:
         """What the rows of host ``params`` (NumPy arrays) need."""
         random = np.asarray(params.temperature) > 0
         limited = (np.asarray(params.top_k) > 0) | (np.asarray(params.top_p) < 1)
-        return cls(bool(np.any(random & limited)), bool(np.any(np.asarray(params.num_top) > 0)))
+        return cls(bool(np.any(random & limited)), bool(np.any(np.asarray(params.num_top) > 0)),
+                   bool(np.any(random)))
 
 
-SAMPLER_VARIANTS = tuple(SamplerVariant(f, t) for f in (False, True) for t in (False, True))
-EVERY_PART = SamplerVariant(filter=True, top=True)
+SAMPLER_VARIANTS = tuple(SamplerVariant(f, t, d) for d in (False, True) for f in (False, True)
+                         for t in (False, True) if d or not f)
+EVERY_PART = SamplerVariant(filter=True, top=True, draw=True)
+VOCAB_TILE = 2048  # tokens per first-stage tile of the two-stage reductions
+
+
+def vocab_tiles(x: jax.Array, fill: float) -> jax.Array:
+    """[N, V] -> [N, ceil(V / VOCAB_TILE), VOCAB_TILE], the tail padded with `fill`."""
+    num_rows, vocab = x.shape
+    if vocab <= VOCAB_TILE:
+        return x[:, None, :]
+    tiles = -(-vocab // VOCAB_TILE)
+    x = jnp.pad(x, ((0, 0), (0, tiles * VOCAB_TILE - vocab)), constant_values=fill)
+    return x.reshape(num_rows, tiles, VOCAB_TILE)
+
+
+def row_argmax(x: jax.Array) -> jax.Array:
+    """int32 [N]: the first index of each row's largest value of fp32 [N, V] (NaN-free),
+    as ``jnp.argmax``, reduced tile by tile and then across tiles."""
+    tiled = vocab_tiles(x, -jnp.inf)
+    inner = jnp.argmax(tiled, axis=-1)  # [N, tiles]
+    best = jnp.take_along_axis(tiled, inner[..., None], axis=-1)[..., 0]
+    tile = jnp.argmax(best, axis=-1)  # the first tile holding the row's maximum
+    index = tile * tiled.shape[-1] + jnp.take_along_axis(inner, tile[:, None], axis=-1)[:, 0]
+    return index.astype(jnp.int32)
+
+
+def row_log_softmax(x: jax.Array) -> jax.Array:
+    """``jax.nn.log_softmax(x, -1)`` of fp32 [N, V] with two-stage row reductions."""
+    top = jnp.max(jnp.max(vocab_tiles(x, -jnp.inf), axis=-1), axis=-1, keepdims=True)
+    shifted = x - jax.lax.stop_gradient(top)
+    total = jnp.sum(jnp.sum(vocab_tiles(jnp.exp(shifted), 0.0), axis=-1), axis=-1,
+                    keepdims=True)
+    return shifted - jnp.log(total)
 
 
 def top_k_top_p_mask(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -135,10 +174,13 @@ def sample(logits: jax.Array, params: SamplingTensors,
     scaled = logits / jnp.where(greedy, 1.0, params.temperature)[:, None]
     if variant.filter:
         scaled = jnp.where(top_k_top_p_mask(scaled, params.top_k, params.top_p), scaled, -jnp.inf)
-    keys = jax.vmap(row_key)(params.seeds, params.token_index)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    tokens = row_argmax(logits)
+    if variant.draw:
+        # jax.random.categorical's draw: the argmax of the logits plus Gumbel noise.
+        keys = jax.vmap(row_key)(params.seeds, params.token_index)
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
+        tokens = jnp.where(greedy, tokens, row_argmax(scaled + noise))
+    log_probs = row_log_softmax(logits)
     logprobs = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
     num_top = min(MAX_TOP_LOGPROBS, vocab)
     if variant.top:

@@ -26,7 +26,16 @@ from serving.block_hash import chained_block_hashes
 from serving.engine import Engine, EngineConfig
 from serving.outputs import FinishReason
 from serving.request import SamplingParams
-from serving.sampling import SamplerVariant, SamplingTensors, sample, top_k_top_p_mask
+from serving.sampling import (
+    SAMPLER_VARIANTS,
+    VOCAB_TILE,
+    SamplerVariant,
+    SamplingTensors,
+    row_argmax,
+    row_log_softmax,
+    sample,
+    top_k_top_p_mask,
+)
 from serving.state_slots import StateKey
 
 P = 64
@@ -127,6 +136,24 @@ def test_greedy_rows_take_the_argmax_and_seeds_reproduce(rng):
     assert not np.array_equal(seed5[0], seed6[0])
 
 
+@pytest.mark.parametrize("vocab", [7, VOCAB_TILE, VOCAB_TILE + 1, 3 * VOCAB_TILE - 5])
+def test_two_stage_reductions_match_one_stage(rng, vocab):
+    """`row_argmax` / `row_log_softmax` reduce tile by tile: the same first maximum as
+    jnp.argmax (ties within and across tiles, -inf rows, a maximum in the padded tail's
+    tile) and the same log-probabilities."""
+    x = rng.normal(size=(6, vocab)).astype(np.float32) * 3
+    x[1, :] = -np.inf
+    x[2, [0, vocab // 2, vocab - 1]] = 50.0  # ties: the first wins
+    x[3, -1] = 60.0  # in the last, padded tile
+    x[4, :] = 1.0  # all equal
+    got = np.asarray(jax.jit(row_argmax)(x))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    finite = x[[0, 2, 3, 4, 5]]
+    np.testing.assert_allclose(np.asarray(jax.jit(row_log_softmax)(finite)),
+                               np.asarray(jax.nn.log_softmax(finite, axis=-1)),
+                               rtol=1e-6, atol=1e-5)
+
+
 def test_each_sampler_variant_gives_the_rows_it_serves_what_the_full_sampler_gives(rng):
     """The sort (top-k / top-p) and the alternatives are static parts of the sampler
     (`SamplerVariant`): the variant the host picks for a batch must give each of its rows
@@ -134,11 +161,14 @@ def test_each_sampler_variant_gives_the_rows_it_serves_what_the_full_sampler_giv
     logits = rng.normal(size=(6, 40)).astype(np.float32) * 2
     greedy, plain, filtered = (0.0, 0, 1.0, 3, 7, 0), (0.8, 0, 1.0, 3, 7, 0), (0.8, 4, 0.9, 3, 7, 0)
     batches = {
-        SamplerVariant(False, False): [greedy] * 3 + [plain] * 3,
-        SamplerVariant(True, False): [greedy, plain, filtered] * 2,
-        SamplerVariant(False, True): [greedy, plain, (0.0, 0, 1.0, 3, 7, 5)] * 2,
-        SamplerVariant(True, True): [filtered, (0.8, 4, 0.9, 3, 7, 2), plain] * 2,
+        SamplerVariant(False, False, False): [greedy] * 6,
+        SamplerVariant(False, True, False): [greedy, (0.0, 0, 1.0, 3, 7, 5)] * 3,
+        SamplerVariant(False, False, True): [greedy] * 3 + [plain] * 3,
+        SamplerVariant(True, False, True): [greedy, plain, filtered] * 2,
+        SamplerVariant(False, True, True): [greedy, plain, (0.0, 0, 1.0, 3, 7, 5)] * 2,
+        SamplerVariant(True, True, True): [filtered, (0.8, 4, 0.9, 3, 7, 2), plain] * 2,
     }
+    assert set(batches) == set(SAMPLER_VARIANTS)
     sample_jit = jax.jit(sample, static_argnames="variant")
     raw = logits - logits.max(-1, keepdims=True)
     raw -= np.log(np.exp(raw).sum(-1, keepdims=True))

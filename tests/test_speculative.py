@@ -298,7 +298,7 @@ def test_a_refused_verify_fails_its_requests_and_touches_nothing_retained(engine
 def test_precompile_covers_every_speculative_program(engine_model_state):  # noqa: F811
     engine = make_engine(engine_model_state, speculative_tokens=N, num_kv_blocks=11)
     report = precompile(engine, progress=False)
-    assert report.programs == 12  # copies, 4 sampler variants, gathers of N and 4 N rows, the 4 above
+    assert report.programs == 14  # copies, 6 sampler variants, gathers of N and 4 N rows, the 4 above
     with CompileLog() as compiles:
         run_engine(engine, [("a", BASE[:150], SamplingParams(max_tokens=5, ignore_eos=True)),
                             ("b", BASE[:20], SamplingParams(max_tokens=4, ignore_eos=True))])
