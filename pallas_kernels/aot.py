@@ -53,6 +53,8 @@ from pallas_kernels.index_scores_pallas import (
     index_scores_pallas,
     select_index_config,
 )
+from pallas_kernels.kda_decode_fused import DecodeLayerWeights
+from pallas_kernels.kda_decode_fused_pallas import FusedDecodeShape, kda_decode_fused_pallas
 from pallas_kernels.kda_decode_pallas import kda_decode_pallas
 from pallas_kernels.kda_pallas import kda_prefill_pallas
 from pallas_kernels.moe_shapes import MOE_SHAPES, GemmSpec, gemm_specs
@@ -162,6 +164,30 @@ def lower_kda_decode(spec: DeviceSpec, heads: int, config: DecodeConfig | None =
             for module in triton_modules(decode, args, spec)]
 
 
+def lower_kda_decode_fused(spec: DeviceSpec, heads: int, *, rows: int = 1,
+                          gate: str = "sigmoid_bound") -> list[TritonModule]:
+    """The Triton module of the fused KDA decode step (`pallas_kernels.kda_decode_fused`):
+    `rows` rows of bf16 activations, bf16 weights and conv pool, an fp32 state pool of
+    DECODE_POOL_SLOTS slots, conv width 4."""
+    shape = jax.ShapeDtypeStruct
+    bf16, hk = jnp.bfloat16, heads * HEAD_DIM
+    weights = DecodeLayerWeights(shape((3 * hk, 4), bf16), shape((HEAD_DIM, hk), bf16),
+                                 shape((hk,), jnp.float32), shape((heads,), jnp.float32),
+                                 shape((HEAD_DIM, hk), bf16), shape((HEAD_DIM,), bf16))
+    args = (shape((rows, 3 * hk), bf16), shape((rows, HEAD_DIM), bf16),
+            shape((rows, HEAD_DIM), bf16), shape((rows, heads), jnp.float32), weights,
+            shape((rows,), jnp.int32),
+            shape((DECODE_POOL_SLOTS, heads, HEAD_DIM, HEAD_DIM), jnp.float32),
+            shape((DECODE_POOL_SLOTS, 3 * hk, 3), bf16))
+    launch = FusedDecodeShape(heads=heads, dim=HEAD_DIM, width=4, gate=gate, gate_bound=-5.0,
+                              norm_eps=1e-5, l2_eps=1e-6)
+
+    def decode(*arrays):
+        return kda_decode_fused_pallas(*arrays, shape=launch, interpret=False)
+
+    return triton_modules(decode, args, spec)
+
+
 def lower_flash_attention(spec: DeviceSpec, heads: int, head_qk: int, head_v: int,
                           config: FlashConfig | None = None) -> list[TritonModule]:
     """The Triton module of the bf16 MLA prefill attention for `spec` at one preset's heads
@@ -265,6 +291,8 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
             for rows in DECODE_ROWS:
                 for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)
+            for module in lower_kda_decode_fused(spec, num_heads):  # tiling: row-independent
+                modules.setdefault(module.name, module)
             reports.extend(compile_module(module, spec, num_heads) for module in modules.values())
         for module in lower_kda_prefill(spec, SEGMENT_HEADS, segment_config(spec),
                                         bounded_gates=True):

@@ -33,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -87,10 +88,10 @@ def row_schedule(row_groups, *, num_groups: int, block_m: int):
     0..num_groups - 1 makes its row the padding group's: it comes out zero. For a few rows, as
     a decode step's copies, where building the sorted schedule costs more launches than the
     GEMM saves by sharing a group's weight between rows."""
-    rows = jnp.arange(row_groups.shape[0], dtype=jnp.int32)
+    rows = np.arange(row_groups.shape[0], dtype=np.int32)  # constants: no launch computes them
     groups = row_groups.astype(jnp.int32)
     groups = jnp.where((groups >= 0) & (groups < num_groups), groups, num_groups)
-    return groups, rows // block_m, rows, rows + 1
+    return groups, *(jnp.asarray(x) for x in (rows // block_m, rows, rows + 1))
 
 
 def _kernel(group_ref, tile_ref, lo_ref, hi_ref, *refs, config: GmmConfig, epilogue: Epilogue,
@@ -129,8 +130,9 @@ def _kernel(group_ref, tile_ref, lo_ref, hi_ref, *refs, config: GmmConfig, epilo
         plgpu.store(target, value.astype(out_ref.dtype), mask=valid)
 
     def dest_rows():
-        # Masked-off lanes point past the end: interpret mode's masked scatter writes every
-        # lane (the old value where masked), and a real row there could undo a valid write.
+        # Masked-off lanes point past the end, out of bounds: interpret mode's masked
+        # scatter writes every in-bounds lane (the old value where masked), so a real row
+        # there could undo a valid write.
         if not epilogue.combine:
             return None
         return plgpu.load(dest_ref.at[rows], mask=valid_1d, other=out_ref.shape[0])
@@ -187,35 +189,23 @@ def gmm_pallas(lhs, rhs, group_sizes, *, row_tokens=None, row_scale=None, row_de
     num_groups, _, n = rhs[0].shape
     if rows == 0:
         return jnp.zeros((0, n), lhs.dtype)
-    bm = config.block_m
-    padded = pl.cdiv(rows, bm) * bm
-
-    def pad(x):
-        """Every tile's row slice stays in bounds (interpret mode clamps out-of-bounds
-        slices); MoE row counts (tokens x top-k) are usually whole tiles already."""
-        if padded == rows:
-            return x
-        return jnp.pad(x, [(0, padded - rows)] + [(0, 0)] * (x.ndim - 1))
-
+    # Tiles past the last row read and write nothing: every load and store is masked to
+    # rows < M (on the GPU and in interpret mode), so no operand is padded to whole tiles.
     extras = []
     if epilogue.gather:
-        extras.append(pad(row_tokens.astype(jnp.int32)))
-    else:
-        lhs = pad(lhs)
+        extras.append(row_tokens.astype(jnp.int32))
     if epilogue.combine:
-        extras += [pad(row_scale.astype(jnp.float32)),
-                   jnp.concatenate([row_dest.astype(jnp.int32),
-                                    jnp.arange(rows, padded, dtype=jnp.int32)])]
-    schedule = (row_schedule(row_groups, num_groups=num_groups, block_m=bm)
+        extras += [row_scale.astype(jnp.float32), row_dest.astype(jnp.int32)]
+    schedule = (row_schedule(row_groups, num_groups=num_groups, block_m=config.block_m)
                 if row_groups is not None
-                else work_schedule(group_sizes, rows=padded, block_m=bm))
+                else work_schedule(group_sizes, rows=rows, block_m=config.block_m))
     num_work = schedule[0].shape[0]
     num_n = n // config.block_n
     precision = (lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else lax.Precision.DEFAULT)
     call = pl.pallas_call(
         functools.partial(_kernel, config=config, epilogue=epilogue, num_work=num_work,
                           num_n=num_n, num_groups=num_groups, precision=precision),
-        out_shape=jax.ShapeDtypeStruct((padded, n), lhs.dtype),
+        out_shape=jax.ShapeDtypeStruct((rows, n), lhs.dtype),
         grid=(num_work * num_n,),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
@@ -223,5 +213,4 @@ def gmm_pallas(lhs, rhs, group_sizes, *, row_tokens=None, row_scale=None, row_de
         name="_".join(["gmm"] + [part for part in ("gather", "swiglu", "combine")
                                  if getattr(epilogue, part)]),
     )
-    out = call(*schedule, *extras, lhs, *rhs)
-    return out[:rows] if padded != rows else out
+    return call(*schedule, *extras, lhs, *rhs)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.gmm import (
     check_operands,
@@ -146,15 +147,15 @@ def _per_row(x, weights, experts, w_gate, w_up, w_down, *, limit, interpret, out
     """Every fusion, the copies unsorted: copy r = t * k + j is row r, of expert
     experts[t, j] (module doc)."""
     tokens, top_k = experts.shape
-    copies = jnp.arange(tokens * top_k, dtype=jnp.int32)
+    copies = np.arange(tokens * top_k, dtype=np.int32)  # constants: no launch computes them
     row_groups = experts.reshape(-1).astype(jnp.int32)
     sizes = jnp.zeros((w_gate.shape[0],), jnp.int32)  # unused by the per-row schedule
     common = dict(rows=tokens * top_k, interpret=interpret, row_groups=row_groups,
                   active_groups=active_experts)
-    h = _pallas(x, (w_gate, w_up), sizes, row_tokens=copies // top_k,
+    h = _pallas(x, (w_gate, w_up), sizes, row_tokens=jnp.asarray(copies // top_k),
                 epilogue=Epilogue(gather=True, swiglu=True, limit=limit), **common)
     ys = _pallas(h, (w_down,), sizes, row_scale=weights.reshape(-1).astype(jnp.float32),
-                 row_dest=copies, epilogue=Epilogue(combine=True), **common)
+                 row_dest=jnp.asarray(copies), epilogue=Epilogue(combine=True), **common)
     ys = ys.reshape(tokens, top_k, -1).astype(jnp.float32)
     return jnp.sum(ys, axis=1).astype(out_dtype)
 

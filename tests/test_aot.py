@@ -16,7 +16,7 @@ from pallas_kernels.tuning import GB10, H200, KernelConfig, estimate_shared_memo
 @pytest.mark.parametrize("device", ["gb10", "h200"])
 def test_every_kernel_compiles_within_limits(device):
     reports = aot.check_devices([device])
-    prefill = {r.kernel for r in reports if not r.kernel.startswith("kda_decode_bv")}
+    prefill = {r.kernel for r in reports if not r.kernel.startswith("kda_decode")}
     assert prefill == {
         "kda_chunk_diagonal",
         "kda_chunk_prep",
@@ -32,6 +32,9 @@ def test_every_kernel_compiles_within_limits(device):
     }
     decode = [r for r in reports if r.kernel.startswith("kda_decode_bv")]
     assert {r.heads for r in decode} == set(aot.HEAD_COUNTS)
+    fused = [r for r in reports if r.kernel == "kda_decode_fused"]
+    assert {r.heads for r in fused} == set(aot.HEAD_COUNTS)
+    decode += fused
     # The decode kernel streams states through registers: a spill would double its traffic.
     assert all(r.spill_bytes == 0 for r in decode), triton_compile.format_table(decode)
     segment = {r.heads for r in reports if r.kernel.startswith("kda_segment")}

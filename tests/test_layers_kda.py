@@ -223,7 +223,8 @@ def run_decode(layer, x, pool, slots):
 
 @pytest.mark.parametrize(
     "gate, backend",
-    [("sigmoid_bound", "reference"), ("softplus", "reference"), ("sigmoid_bound", "pallas")],
+    [("sigmoid_bound", "reference"), ("softplus", "reference"), ("sigmoid_bound", "pallas"),
+     ("softplus", "pallas")],
 )
 def test_decode_on_the_pool_matches_oracle(rng, gate, backend):
     """One token per row on a pool (Pallas in interpret mode here): each real row's output

@@ -22,6 +22,7 @@ from glmjax.layers.conv import ShortConvolution
 from glmjax.layers.norms import GatedRMSNorm, l2_normalize
 from glmjax.layers.projection import project_together, projection
 from pallas_kernels import kda_decode, kda_prefill
+from pallas_kernels.kda_decode_fused import DecodeLayerGates, DecodeLayerWeights, kda_decode_fused
 from pallas_kernels.kda import MIN_GATE_LOWER_BOUND
 
 if TYPE_CHECKING:
@@ -150,39 +151,62 @@ class KDA(nnx.Module):
         j + 1 tokens. The projections run once over all N rows; each sub-step is the
         one-token decode (same conv and kernel), so chained and plain decoding differ only
         as a matmul over more rows rounds (as plain decoding in another batch bucket).
-        Returns y [N, D] and the pool. On a mesh the step runs per device on its own heads
-        (shard_map), as the prefill scan.
+        Returns y [N, D] and the pool.
+
+        On one device everything between the input and output projections is one launch
+        per sub-step (`pallas_kernels.kda_decode_fused`). On a mesh the conv pool is
+        sharded by channel, not by head, so the conv runs as XLA partitions it and only
+        the recurrence runs per device on its own heads (shard_map).
         """
         with jax.named_scope("kda_decode"):
-            rows, shape = x.shape[0], (x.shape[0], self.num_heads, self.head_dim)
             chain = state_slots.reshape(-1, state_slots.shape[-1])  # [J, R]
             width = chain.shape[1]
             qkv, f_a, g_a, beta = self.project(x)
-            g = self.decay(f_a)
-            step = functools.partial(kda_decode, backend=self.backend)
-            if plan is not None:
-                s = plan.specs
-                step = jax.shard_map(
-                    step, mesh=plan.mesh,
-                    in_specs=(s.heads, s.heads, s.heads, s.heads, s.head_scalars, s.replicated,
-                              s.kda_states),
-                    out_specs=(s.heads, s.kda_states), check_vma=False)
+            step = (functools.partial(self._fused_step, f_a=f_a, g_a=g_a, beta=beta)
+                    if plan is None else
+                    functools.partial(self._mesh_step, g=self.decay(f_a), beta=beta, plan=plan))
             outputs = []
             for j in range(chain.shape[0]):
                 part = slice(j * width, (j + 1) * width)
                 if j:
                     pool = _copy_chain_slots(pool, chain[j - 1], chain[j])
-                mixed, conv_pool = self.conv.decode(qkv[part], pool.conv, chain[j])
-                q, k, v = (p.reshape(width, self.num_heads, self.head_dim)
-                           for p in jnp.split(mixed, 3, axis=-1))
-                q, k = l2_normalize(q), l2_normalize(k)
-                o, recurrent = step(q, k, v, g[part], beta[part], chain[j], pool.recurrent)
-                pool = KDAState(recurrent, conv_pool)
+                o, pool = step(qkv, part, pool, chain[j])
                 outputs.append(o)
             o = jnp.concatenate(outputs) if len(outputs) > 1 else outputs[0]
-            gate = self.g_b_proj(g_a).reshape(shape)
-            y = self.o_proj(self.o_norm(o, gate).reshape(rows, -1))
-            return y, pool
+            if plan is not None:
+                gate = self.g_b_proj(g_a).reshape(o.shape)
+                o = self.o_norm(o, gate).reshape(x.shape[0], -1)
+            return self.o_proj(o), pool
+
+    def _fused_step(self, qkv, part, pool, slots, *, f_a, g_a, beta):
+        """Rows `part` on one device: the gated, normed output [R, H V] and the pool."""
+        dtype = qkv.dtype
+        weights = DecodeLayerWeights(
+            self.conv.weight[...], self.f_b_proj.kernel[...].astype(dtype),
+            self.dt_bias[...], self.A_log[...], self.g_b_proj.kernel[...].astype(dtype),
+            self.o_norm.weight[...])
+        gates = DecodeLayerGates(self.gate, self.gate_bound, self.o_norm.eps)
+        out, recurrent, conv = kda_decode_fused(
+            qkv[part], f_a[part], g_a[part], beta[part], weights, slots, pool.recurrent,
+            pool.conv, gates=gates, backend=self.backend)
+        return out, KDAState(recurrent, conv)
+
+    def _mesh_step(self, qkv, part, pool, slots, *, g, beta, plan):
+        """Rows `part` on a mesh: the recurrence's output [R, H, V] (before the gated norm)
+        and the pool."""
+        width = slots.shape[0]
+        s = plan.specs
+        step = jax.shard_map(
+            functools.partial(kda_decode, backend=self.backend), mesh=plan.mesh,
+            in_specs=(s.heads, s.heads, s.heads, s.heads, s.head_scalars, s.replicated,
+                      s.kda_states),
+            out_specs=(s.heads, s.kda_states), check_vma=False)
+        mixed, conv_pool = self.conv.decode(qkv[part], pool.conv, slots)
+        q, k, v = (p.reshape(width, self.num_heads, self.head_dim)
+                   for p in jnp.split(mixed, 3, axis=-1))
+        q, k = l2_normalize(q), l2_normalize(k)
+        o, recurrent = step(q, k, v, g[part], beta[part], slots, pool.recurrent)
+        return o, KDAState(recurrent, conv_pool)
 
 
 def _copy_chain_slots(pool: KDAState, sources: jax.Array, destinations: jax.Array
