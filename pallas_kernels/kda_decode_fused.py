@@ -128,7 +128,7 @@ def kda_decode_fused_reference(qkv, f_a, g_a, beta, weights: DecodeLayerWeights,
 
 def kda_decode_fused(qkv, f_a, g_a, beta, weights: DecodeLayerWeights, state_slots, recurrent,
                      conv, *, gates: DecodeLayerGates, backend: str = "pallas",
-                     interpret: bool | None = None, num_warps: int = 4):
+                     interpret: bool | None = None, num_warps: int = 16):
     """One KDA token per row, the layer's conv and recurrent state advanced in their pools.
 
     Args:

@@ -22,9 +22,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-BLOCK = 32  # value columns per state tile; rows of K per gate-projection slice
-
-
 class FusedDecodeShape(NamedTuple):
     """Static parameters of one launch (hashable: a jit static argument)."""
 
@@ -35,7 +32,7 @@ class FusedDecodeShape(NamedTuple):
     gate_bound: float
     norm_eps: float
     l2_eps: float
-    num_warps: int = 4
+    num_warps: int = 16
 
 
 def _kernel(slots_ref, qkv_ref, fa_ref, ga_ref, beta_ref, taps_ref, fb_ref, dtb_ref, alog_ref,
@@ -45,29 +42,35 @@ def _kernel(slots_ref, qkv_ref, fa_ref, ga_ref, beta_ref, taps_ref, fb_ref, dtb_
     n, h = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[n]
     dim, heads, hist = shape.dim, shape.heads, shape.width - 1
-    blocks = dim // BLOCK
     f32, dtype = jnp.float32, qkv_ref.dtype
-    head_cols = pl.ds(h * dim, dim)
+    head = pl.ds(h * dim, dim)
 
     @pl.when(slot >= 0)
     def _():
-        # Phase 1: every conv input and history value of the head's channels, read.
-        def read(c0, size):
-            chans = pl.ds(c0, size)
+        # Every load first: they are independent, so their latencies overlap; no store
+        # comes before the barrier.
+        def read(part):
+            chans = pl.ds((part * heads + h) * dim, dim)
             window = [conv_ref[slot, chans, j].astype(dtype) for j in range(hist)]
-            return chans, window + [qkv_ref[n, chans]]
+            taps = [taps_ref[chans, j].astype(f32) for j in range(hist + 1)]
+            return chans, window + [qkv_ref[n, chans]], taps
 
-        q_in, k_in = read(h * dim, dim), read((heads + h) * dim, dim)
-        v_in = [read((2 * heads + h) * dim + i * BLOCK, BLOCK) for i in range(blocks)]
+        conv_in = [read(part) for part in range(3)]  # q, k, v
+        f_a, g_a = fa_ref[n, :].astype(f32), ga_ref[n, :].astype(f32)
+        f_b, g_b = fb_ref[:, head].astype(f32), gb_ref[:, head].astype(f32)
+        bias, a_log = dtb_ref[head], alog_ref[h]
+        beta = beta_ref[n, h].astype(f32)
+        norm = norm_ref[...].astype(f32)
+        state = rec_ref[slot, h, :, :]  # [K, V]
         if not interpret:  # (interpret mode runs a program's ops in order, one at a time)
             plgpu.debug_barrier()
 
-        def mix(chans, window):
-            """The conv of one channel range (the layer's tap order), SiLU, in dtype; its
+        def mix(chans, window, taps):
+            """The conv of one part's channels (the layer's tap order), SiLU, in dtype; the
             history shifted by the new input."""
-            acc = jnp.zeros(window[0].shape, f32)
-            for j, tap in enumerate(window):
-                acc = acc + tap.astype(f32) * taps_ref[chans, j].astype(f32)
+            acc = jnp.zeros((dim,), f32)
+            for tap, weight in zip(window, taps):
+                acc = acc + tap.astype(f32) * weight
             for j in range(hist):
                 conv_ref[slot, chans, j] = window[j + 1].astype(conv_ref.dtype)
             return (acc * jax.nn.sigmoid(acc)).astype(dtype).astype(f32)
@@ -76,48 +79,30 @@ def _kernel(slots_ref, qkv_ref, fa_ref, ga_ref, beta_ref, taps_ref, fb_ref, dtb_
             x = x * jax.lax.rsqrt(jnp.sum(x * x) + shape.l2_eps)
             return x.astype(dtype).astype(f32)
 
-        q, k = l2(mix(*q_in)), l2(mix(*k_in))
+        def up(x, w):
+            """x @ w (a rank-K gate projection), rounded to dtype as the layer's output."""
+            return jnp.sum(x[:, None] * w, axis=0).astype(dtype).astype(f32)
 
-        def up(x_ref, w_ref, cols, size):
-            """x_ref[n] @ w_ref[:, cols] (rank-K gate projection), rounded to dtype."""
-            acc = jnp.zeros((size,), f32)
-            for i in range(blocks):
-                rows = pl.ds(i * BLOCK, BLOCK)
-                acc = acc + jnp.sum(x_ref[n, rows].astype(f32)[:, None]
-                                    * w_ref[rows, cols].astype(f32), axis=0)
-            return acc.astype(dtype).astype(f32)
-
-        f = up(fa_ref, fb_ref, head_cols, dim) + dtb_ref[head_cols]
-        a = jnp.exp(alog_ref[h])
+        q, k, v = (mix(*part) for part in conv_in)
+        q, k = l2(q), l2(k)
+        f = up(f_a, f_b) + bias
+        a = jnp.exp(a_log)
         if shape.gate == "softplus":
             g = -a * (jnp.maximum(f, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(f))))
         else:
             g = shape.gate_bound * jax.nn.sigmoid(a * f)
-        decay = jnp.exp(g)[:, None]
-        beta = beta_ref[n, h].astype(f32)
-        scale = dim ** -0.5
-
-        outs, gates, sumsq = [], [], jnp.zeros((), f32)
-        for i in range(blocks):
-            vcols = pl.ds(i * BLOCK, BLOCK)
-            v = mix(*v_in[i])
-            state = decay * rec_ref[slot, h, :, vcols]  # [K, BLOCK]
-            error = v - jnp.sum(k[:, None] * state, axis=0)
-            state = state + (beta * k)[:, None] * error[None, :]
-            rec_ref[slot, h, :, vcols] = state
-            o = (scale * jnp.sum(q[:, None] * state, axis=0)).astype(dtype).astype(f32)
-            outs.append(o)
-            gates.append(up(ga_ref, gb_ref, pl.ds(h * dim + i * BLOCK, BLOCK), BLOCK))
-            sumsq = sumsq + jnp.sum(o * o)
-        rstd = jax.lax.rsqrt(sumsq / dim + shape.norm_eps)
-        for i, (o, gate) in enumerate(zip(outs, gates)):
-            vcols = pl.ds(i * BLOCK, BLOCK)
-            y = o * rstd * norm_ref[vcols].astype(f32) * jax.nn.sigmoid(gate)
-            out_ref[n, pl.ds(h * dim + i * BLOCK, BLOCK)] = y.astype(out_ref.dtype)
+        state = jnp.exp(g)[:, None] * state
+        error = v - jnp.sum(k[:, None] * state, axis=0)
+        state = state + (beta * k)[:, None] * error[None, :]
+        rec_ref[slot, h, :, :] = state
+        o = (dim ** -0.5 * jnp.sum(q[:, None] * state, axis=0)).astype(dtype).astype(f32)
+        rstd = jax.lax.rsqrt(jnp.sum(o * o) / dim + shape.norm_eps)
+        y = o * rstd * norm * jax.nn.sigmoid(up(g_a, g_b))
+        out_ref[n, head] = y.astype(out_ref.dtype)
 
     @pl.when(slot < 0)
     def _():
-        out_ref[n, head_cols] = jnp.zeros((dim,), out_ref.dtype)
+        out_ref[n, head] = jnp.zeros((dim,), out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "interpret"))
@@ -126,8 +111,6 @@ def kda_decode_fused_pallas(qkv, f_a, g_a, beta, weights, state_slots, recurrent
     """The kernel (arguments checked and slots validated by `kda_decode_fused`).
     Returns out [N, H K] in qkv's dtype and the recurrent and conv pools."""
     rows = qkv.shape[0]
-    if shape.dim % BLOCK:
-        raise ValueError(f"the head dim {shape.dim} must be a multiple of {BLOCK}")
     call = pl.pallas_call(
         functools.partial(_kernel, shape=shape, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((rows, shape.heads * shape.dim), qkv.dtype),
