@@ -101,7 +101,9 @@ INDEX_ROWS = 1024
 # DSA top-k selection (row length, k) over INDEX_ROWS rows: glm5.3-flash at 32K (the row in
 # registers) and 64K (streamed from L2).
 TOP_K_SHAPES = ((32768, 2048), (65536, 2048))
-GMM_TOKENS = (512, 8192)  # the two ends of bench.moe: they get different tilings
+# The two ends of bench.moe (they get different tilings) and a decode step's one token (the
+# per-row schedule).
+GMM_TOKENS = (1, 512, 8192)
 # The decode projections' weight-stream launches (`glmjax.layers.projection`): kimi-linear-48b's
 # KDA input launch (q, k, v, f_a, g_a, beta of one input) and its o projection, at 1 and 64
 # rows.
@@ -264,16 +266,22 @@ def lower_gmm(spec: DeviceSpec, gemm: GemmSpec,
     config = config or select_gmm_config(spec, rows=gemm.rows, k=k, n=n, num_groups=num_groups,
                                          num_rhs=len(gemm.rhs))
     row_ints = jax.ShapeDtypeStruct((gemm.rows,), jnp.int32)
-    extras = {}
-    if gemm.epilogue.gather:
+    per_row = gemm.copies_per_token is not None
+    extras = {"row_groups": row_ints} if per_row else {}
+    if gemm.epilogue.gather and not per_row:
         extras["row_tokens"] = row_ints
     if gemm.epilogue.combine:
         extras["row_scale"] = jax.ShapeDtypeStruct((gemm.rows,), jnp.float32)
-        extras["row_dest"] = row_ints
+        if not per_row:
+            extras["row_dest"] = row_ints
+    if per_row:
+        extras["copies_per_token"] = gemm.copies_per_token
+
+    static = {"copies_per_token": extras.pop("copies_per_token")} if per_row else {}
 
     def call(lhs, rhs, group_sizes, extras):
         return gmm_pallas(lhs, rhs, group_sizes, config=config, epilogue=gemm.epilogue,
-                          interpret=False, **extras)
+                          interpret=False, **extras, **static)
 
     (module,) = triton_modules(call, (gemm.lhs, gemm.rhs, gemm.group_sizes, extras), spec)
     return module, config

@@ -33,7 +33,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -82,25 +81,19 @@ def work_schedule(group_sizes, *, rows: int, block_m: int):
     return group, tile.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
-def row_schedule(row_groups, *, num_groups: int, block_m: int):
-    """int32 [M] arrays (group, tile, first row, end row): one work item per row, in any
-    order (`row_groups` [M] names each row's group; no sort, no search). A group id outside
-    0..num_groups - 1 makes its row the padding group's: it comes out zero. For a few rows, as
-    a decode step's copies, where building the sorted schedule costs more launches than the
-    GEMM saves by sharing a group's weight between rows."""
-    rows = np.arange(row_groups.shape[0], dtype=np.int32)  # constants: no launch computes them
-    groups = row_groups.astype(jnp.int32)
-    groups = jnp.where((groups >= 0) & (groups < num_groups), groups, num_groups)
-    return groups, *(jnp.asarray(x) for x in (rows // block_m, rows, rows + 1))
+def _kernel(*refs, config: GmmConfig, epilogue: Epilogue, num_work: int, num_n: int,
+            num_groups: int, precision, copies_per_token: int | None):
+    """One work item x one n tile: acc = sum_k lhs[rows, k] @ rhs[group, k, cols].
 
-
-def _kernel(group_ref, tile_ref, lo_ref, hi_ref, *refs, config: GmmConfig, epilogue: Epilogue,
-            num_work: int, num_n: int, num_groups: int, precision):
-    """One work item x one n tile: acc = sum_k lhs[rows, k] @ rhs[group, k, cols]."""
+    copies_per_token set: the per-row schedule (`gmm_pallas`'s `row_groups`), the only
+    schedule operand is the rows' groups and the rest follows from the row index."""
     refs = list(refs)
     out_ref = refs.pop()
-    row_tokens_ref = refs.pop(0) if epilogue.gather else None
-    scale_ref, dest_ref = (refs.pop(0), refs.pop(0)) if epilogue.combine else (None, None)
+    per_row = copies_per_token is not None
+    schedule = [refs.pop(0) for _ in range(1 if per_row else 4)]
+    row_tokens_ref = refs.pop(0) if epilogue.gather and not per_row else None
+    scale_ref = refs.pop(0) if epilogue.combine else None
+    dest_ref = refs.pop(0) if epilogue.combine and not per_row else None
     lhs_ref, *rhs_refs = refs
     bm, bn, bk = config.block_m, config.block_n, config.block_k
 
@@ -112,7 +105,12 @@ def _kernel(group_ref, tile_ref, lo_ref, hi_ref, *refs, config: GmmConfig, epilo
     w = first + (pid % window) % width
     n = (pid % window) // width
 
-    group, tile, lo, hi = group_ref[w], tile_ref[w], lo_ref[w], hi_ref[w]
+    if per_row:  # work item w is row w; an id out of range makes it the padding group's
+        group = schedule[0][w]
+        group = jnp.where((group >= 0) & (group < num_groups), group, num_groups)
+        tile, lo, hi = w // bm, w, w + 1
+    else:
+        group, tile, lo, hi = (ref[w] for ref in schedule)
     row0 = tile * bm
     rows = pl.ds(row0, bm)
     cols = pl.ds(n * bn, bn)
@@ -135,11 +133,15 @@ def _kernel(group_ref, tile_ref, lo_ref, hi_ref, *refs, config: GmmConfig, epilo
         # there could undo a valid write.
         if not epilogue.combine:
             return None
+        if per_row:
+            return jnp.where(valid_1d, row_ids, out_ref.shape[0])
         return plgpu.load(dest_ref.at[rows], mask=valid_1d, other=out_ref.shape[0])
 
     @pl.when((hi > lo) & (group < num_groups))
     def _():
-        if epilogue.gather:
+        if epilogue.gather and per_row:
+            tokens = jnp.where(valid_1d, row_ids // copies_per_token, 0)[:, None]
+        elif epilogue.gather:
             tokens = plgpu.load(row_tokens_ref.at[rows], mask=valid_1d, other=0)[:, None]
 
         def body(i, accs):
@@ -170,41 +172,54 @@ def _kernel(group_ref, tile_ref, lo_ref, hi_ref, *refs, config: GmmConfig, epilo
         store(jnp.zeros((bm, bn), jnp.float32), dest_rows())
 
 
-@functools.partial(jax.jit, static_argnames=("config", "epilogue", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "epilogue", "interpret",
+                                             "copies_per_token"))
 def gmm_pallas(lhs, rhs, group_sizes, *, row_tokens=None, row_scale=None, row_dest=None,
-               row_groups=None, config: GmmConfig, epilogue: Epilogue, interpret: bool):
+               row_groups=None, copies_per_token: int = 1, config: GmmConfig,
+               epilogue: Epilogue, interpret: bool):
     """The kernel (arguments already validated by `pallas_kernels.gmm`).
 
     Args:
       lhs: [M, K] rows sorted by group, or x [T, K] with `row_tokens` int32 [M] (gather).
       rhs: tuple of one [E, K, N] weight stack, or (gate, up) for the swiglu epilogue.
-      group_sizes: int32 [E]; rows past their sum come out zero. Ignored when `row_groups`
-        int32 [M] names each row's group instead (`row_schedule`: rows in any order, one
-        work item each).
+      group_sizes: int32 [E]; rows past their sum come out zero.
       row_scale: fp32 [M] and row_dest int32 [M] (a permutation of 0..M-1) for combine.
+      row_groups: int32 [M] instead of group_sizes, row_tokens and row_dest: the per-row
+        schedule, for a few rows (a decode step's copies), where building the sorted
+        schedule costs more launches than sharing a group's weight between rows saves.
+        Row r, in any order, is its own work item of group row_groups[r] (an id outside
+        0..E-1 gives a zero row); under gather it is token r // copies_per_token of x;
+        under combine it stays row r. Nothing but row_groups is computed outside the
+        kernel.
 
     Returns [M, N] in lhs.dtype (row r at row_dest[r] under combine).
     """
-    rows = row_tokens.shape[0] if epilogue.gather else lhs.shape[0]
+    per_row = row_groups is not None
+    rows = (row_groups.shape[0] if per_row else
+            row_tokens.shape[0] if epilogue.gather else lhs.shape[0])
     num_groups, _, n = rhs[0].shape
     if rows == 0:
         return jnp.zeros((0, n), lhs.dtype)
     # Tiles past the last row read and write nothing: every load and store is masked to
     # rows < M (on the GPU and in interpret mode), so no operand is padded to whole tiles.
+    if per_row:
+        schedule = [row_groups.astype(jnp.int32)]
+    else:
+        schedule = work_schedule(group_sizes, rows=rows, block_m=config.block_m)
     extras = []
-    if epilogue.gather:
+    if epilogue.gather and not per_row:
         extras.append(row_tokens.astype(jnp.int32))
     if epilogue.combine:
-        extras += [row_scale.astype(jnp.float32), row_dest.astype(jnp.int32)]
-    schedule = (row_schedule(row_groups, num_groups=num_groups, block_m=config.block_m)
-                if row_groups is not None
-                else work_schedule(group_sizes, rows=rows, block_m=config.block_m))
-    num_work = schedule[0].shape[0]
+        extras.append(row_scale.astype(jnp.float32))
+        if not per_row:
+            extras.append(row_dest.astype(jnp.int32))
+    num_work = rows if per_row else schedule[0].shape[0]
     num_n = n // config.block_n
     precision = (lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else lax.Precision.DEFAULT)
     call = pl.pallas_call(
         functools.partial(_kernel, config=config, epilogue=epilogue, num_work=num_work,
-                          num_n=num_n, num_groups=num_groups, precision=precision),
+                          num_n=num_n, num_groups=num_groups, precision=precision,
+                          copies_per_token=copies_per_token if per_row else None),
         out_shape=jax.ShapeDtypeStruct((rows, n), lhs.dtype),
         grid=(num_work * num_n,),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,

@@ -16,7 +16,7 @@ separate switch so it can be measured alone (bench.moe):
 
 With every fusion on and at most PER_ROW_COPIES copies (a decode step of a row or two),
 the copies are not sorted at all: each is its own work item naming its expert
-(`gmm_pallas.row_schedule`). The sort, the group sizes and the sorted schedule are a dozen
+(`gmm_pallas`'s `row_groups`). The sort, the group sizes and the sorted schedule are a dozen
 small launches (~20 us a layer on the H200 at one row); with top-8 of 256 experts two
 copies rarely share an expert, so sorting would save no weight reads.
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.gmm import (
     check_operands,
@@ -147,21 +146,21 @@ def _per_row(x, weights, experts, w_gate, w_up, w_down, *, limit, interpret, out
     """Every fusion, the copies unsorted: copy r = t * k + j is row r, of expert
     experts[t, j] (module doc)."""
     tokens, top_k = experts.shape
-    copies = np.arange(tokens * top_k, dtype=np.int32)  # constants: no launch computes them
-    row_groups = experts.reshape(-1).astype(jnp.int32)
-    sizes = jnp.zeros((w_gate.shape[0],), jnp.int32)  # unused by the per-row schedule
-    common = dict(rows=tokens * top_k, interpret=interpret, row_groups=row_groups,
+    common = dict(rows=tokens * top_k, interpret=interpret,
+                  row_groups=experts.reshape(-1).astype(jnp.int32), copies_per_token=top_k,
                   active_groups=active_experts)
-    h = _pallas(x, (w_gate, w_up), sizes, row_tokens=jnp.asarray(copies // top_k),
+    sizes = jnp.zeros((w_gate.shape[0],), jnp.int32)  # unused by the per-row schedule
+    h = _pallas(x, (w_gate, w_up), sizes,
                 epilogue=Epilogue(gather=True, swiglu=True, limit=limit), **common)
     ys = _pallas(h, (w_down,), sizes, row_scale=weights.reshape(-1).astype(jnp.float32),
-                 row_dest=jnp.asarray(copies), epilogue=Epilogue(combine=True), **common)
+                 epilogue=Epilogue(combine=True), **common)
     ys = ys.reshape(tokens, top_k, -1).astype(jnp.float32)
     return jnp.sum(ys, axis=1).astype(out_dtype)
 
 
 def _pallas(lhs, rhs, group_sizes, *, rows, interpret, epilogue, row_tokens=None,
-            row_scale=None, row_dest=None, row_groups=None, active_groups=None):
+            row_scale=None, row_dest=None, row_groups=None, copies_per_token=1,
+            active_groups=None):
     """One Pallas grouped GEMM with `epilogue` (`pallas_kernels.gmm_pallas`)."""
     for stack in rhs:
         check_operands(lhs, stack, group_sizes)
@@ -169,4 +168,5 @@ def _pallas(lhs, rhs, group_sizes, *, rows, interpret, epilogue, row_tokens=None
     return gmm_pallas(lhs, rhs, group_sizes, config=config, epilogue=epilogue,
                       interpret=interpret,
                       row_tokens=row_tokens if epilogue.gather else None,
-                      row_scale=row_scale, row_dest=row_dest, row_groups=row_groups)
+                      row_scale=row_scale, row_dest=row_dest, row_groups=row_groups,
+                      copies_per_token=copies_per_token)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gmm_pallas import Epilogue
+from pallas_kernels.moe_experts import PER_ROW_COPIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +50,13 @@ class GemmSpec:
     group_sizes: jax.ShapeDtypeStruct
     epilogue: Epilogue
     rows: int
+    copies_per_token: int | None = None  # set: the per-row schedule (`gmm_pallas`)
 
 
 def gemm_specs(shape: MoEShape, tokens: int, dtype=jnp.bfloat16) -> list[GemmSpec]:
     """The launches of one MoE layer: gate/up (plain, gathered, gathered + SwiGLU) and down
-    (plain, with the combine epilogue)."""
+    (plain, with the combine epilogue); at most PER_ROW_COPIES copies (a decode step), the
+    two fused launches of the per-row schedule, which is all that runs there."""
     rows = tokens * shape.top_k
     sds = jax.ShapeDtypeStruct
     sizes = sds((shape.experts,), jnp.int32)
@@ -62,6 +65,10 @@ def gemm_specs(shape: MoEShape, tokens: int, dtype=jnp.bfloat16) -> list[GemmSpe
     sorted_x, x = sds((rows, shape.hidden), dtype), sds((tokens, shape.hidden), dtype)
     h = sds((rows, shape.inter), dtype)
     fused = Epilogue(gather=True, swiglu=True, limit=shape.swiglu_limit)
+    if rows <= PER_ROW_COPIES:
+        return [GemmSpec("gmm_gather_swiglu", x, (up, up), sizes, fused, rows, shape.top_k),
+                GemmSpec("gmm_combine", h, (down,), sizes, Epilogue(combine=True), rows,
+                         shape.top_k)]
     return [
         GemmSpec("gmm", sorted_x, (up,), sizes, Epilogue(), rows),
         GemmSpec("gmm_gather", x, (up,), sizes, Epilogue(gather=True), rows),
