@@ -231,6 +231,21 @@ class DecodeConfig:
     num_warps: int = 4
 
 
+FUSED_DECODE_WAVES = 2  # most (row, head) programs per SM for the fused decode step
+
+
+def use_fused_decode(spec: DeviceSpec, *, num_rows: int, num_heads: int) -> bool:
+    """Whether a KDA decode step of `num_rows` rows runs as one fused launch
+    (`pallas_kernels.kda_decode_fused`, a program per row and head holding the whole
+    [K, V] state: one resident per SM) rather than the conv, norms and gates as XLA ops
+    around `kda_decode`. On the H200 at kimi-linear-48b's 32 heads the fused step took
+    14.8 us a layer at one row (one wave of programs) where the per-op path's 16 launches
+    took ~38 us with their gaps; at 64 rows (15.5 waves) the whole step was ~2 ms slower
+    (33.5 against 31.2 ms). The crossover is not measured yet: two waves is the guess.
+    """
+    return num_rows * num_heads <= FUSED_DECODE_WAVES * spec.num_sms
+
+
 def select_decode_config(spec: DeviceSpec, *, num_rows: int, num_heads: int, head_k: int,
                          head_v: int) -> DecodeConfig:
     """Pick the decode kernel's tiling for a device and a problem shape.

@@ -21,6 +21,7 @@ from test_layers_oracles import (
 )
 
 from glmjax.config import ModelConfig
+from glmjax.layers import kda as kda_module
 from glmjax.layers.kda import KDA, KDAState
 
 NUM_TOKENS, NUM_SEQS, CAPACITY = 29, 4, 4
@@ -216,21 +217,19 @@ def test_pallas_backend_matches_reference_backend(rng, dtype):
         )
 
 
-@nnx.jit
-def run_decode(layer, x, pool, slots):
-    return layer.decode(x, pool, slots)
-
-
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "per-op"])
 @pytest.mark.parametrize(
     "gate, backend",
     [("sigmoid_bound", "reference"), ("softplus", "reference"), ("sigmoid_bound", "pallas"),
      ("softplus", "pallas")],
 )
-def test_decode_on_the_pool_matches_oracle(rng, gate, backend):
-    """One token per row on a pool (Pallas in interpret mode here): each real row's output
-    and its slot's new recurrent state and conv history match the oracle run on one-token
-    sequences from that slot; padding rows and every other slot stay bit-identical (the
-    slots nobody names hold NaN, so a stray read would show)."""
+def test_decode_on_the_pool_matches_oracle(rng, monkeypatch, gate, backend, fused):
+    """One token per row on a pool (Pallas in interpret mode here), on both one-device
+    paths (`tuning.use_fused_decode`): each real row's output and its slot's new recurrent
+    state and conv history match the oracle run on one-token sequences from that slot;
+    padding rows and every other slot stay bit-identical (the slots nobody names hold NaN,
+    so a stray read would show)."""
+    monkeypatch.setattr(kda_module, "use_fused_decode", lambda *a, **k: fused)
     config = dataclasses.replace(ModelConfig.preset("tiny"), kda_gate=gate, kda_backend=backend)
     layer = random_module(lambda: KDA(config, rngs=nnx.Rngs(0)), rng)
     num_slots, slots = 7, np.array([4, -1, 0, 6, -1], np.int32)
@@ -241,7 +240,7 @@ def test_decode_on_the_pool_matches_oracle(rng, gate, backend):
     recurrent[slots[real]] = 0.3 * rng.normal(size=(real.sum(), heads, dim, dim))
     conv[slots[real]] = rng.normal(size=(real.sum(), channels, config.conv_kernel - 1))
     x = rng.normal(size=(len(slots), config.hidden_size)).astype(np.float32)
-    y, pool = run_decode(
+    y, pool = nnx.jit(lambda *a: a[0].decode(*a[1:]))(  # traced afresh: `fused` holds
         layer, jnp.asarray(x), KDAState(jnp.asarray(recurrent), jnp.asarray(conv)),
         jnp.asarray(slots),
     )

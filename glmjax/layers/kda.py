@@ -23,6 +23,7 @@ from glmjax.layers.norms import GatedRMSNorm, l2_normalize
 from glmjax.layers.projection import project_together, projection
 from pallas_kernels import kda_decode, kda_prefill
 from pallas_kernels.kda_decode_fused import DecodeLayerGates, DecodeLayerWeights, kda_decode_fused
+from pallas_kernels.tuning import device_spec, use_fused_decode
 from pallas_kernels.kda import MIN_GATE_LOWER_BOUND
 
 if TYPE_CHECKING:
@@ -153,18 +154,22 @@ class KDA(nnx.Module):
         as a matmul over more rows rounds (as plain decoding in another batch bucket).
         Returns y [N, D] and the pool.
 
-        On one device everything between the input and output projections is one launch
-        per sub-step (`pallas_kernels.kda_decode_fused`). On a mesh the conv pool is
-        sharded by channel, not by head, so the conv runs as XLA partitions it and only
-        the recurrence runs per device on its own heads (shard_map).
+        On one device, for few rows (`tuning.use_fused_decode`), everything between the
+        input and output projections is one launch per sub-step
+        (`pallas_kernels.kda_decode_fused`). Otherwise the conv, norms and gates are XLA
+        ops around `kda_decode`; on a mesh the conv pool is sharded by channel, not by
+        head, so the conv runs as XLA partitions it and the recurrence per device on its
+        own heads (shard_map).
         """
         with jax.named_scope("kda_decode"):
             chain = state_slots.reshape(-1, state_slots.shape[-1])  # [J, R]
             width = chain.shape[1]
             qkv, f_a, g_a, beta = self.project(x)
-            step = (functools.partial(self._fused_step, f_a=f_a, g_a=g_a, beta=beta)
-                    if plan is None else
-                    functools.partial(self._mesh_step, g=self.decay(f_a), beta=beta, plan=plan))
+            fused = plan is None and use_fused_decode(device_spec(), num_rows=width,
+                                                      num_heads=self.num_heads)
+            step = (functools.partial(self._fused_step, f_a=f_a, g_a=g_a, beta=beta) if fused
+                    else functools.partial(self._per_op_step, g=self.decay(f_a), beta=beta,
+                                           plan=plan))
             outputs = []
             for j in range(chain.shape[0]):
                 part = slice(j * width, (j + 1) * width)
@@ -173,7 +178,7 @@ class KDA(nnx.Module):
                 o, pool = step(qkv, part, pool, chain[j])
                 outputs.append(o)
             o = jnp.concatenate(outputs) if len(outputs) > 1 else outputs[0]
-            if plan is not None:
+            if not fused:
                 gate = self.g_b_proj(g_a).reshape(o.shape)
                 o = self.o_norm(o, gate).reshape(x.shape[0], -1)
             return self.o_proj(o), pool
@@ -191,16 +196,19 @@ class KDA(nnx.Module):
             pool.conv, gates=gates, backend=self.backend)
         return out, KDAState(recurrent, conv)
 
-    def _mesh_step(self, qkv, part, pool, slots, *, g, beta, plan):
-        """Rows `part` on a mesh: the recurrence's output [R, H, V] (before the gated norm)
-        and the pool."""
+    def _per_op_step(self, qkv, part, pool, slots, *, g, beta, plan):
+        """Rows `part`, the conv and norms as XLA ops around `kda_decode` (on a mesh: per
+        device on its own heads): the recurrence's output [R, H, V] (before the gated
+        norm) and the pool."""
         width = slots.shape[0]
-        s = plan.specs
-        step = jax.shard_map(
-            functools.partial(kda_decode, backend=self.backend), mesh=plan.mesh,
-            in_specs=(s.heads, s.heads, s.heads, s.heads, s.head_scalars, s.replicated,
-                      s.kda_states),
-            out_specs=(s.heads, s.kda_states), check_vma=False)
+        step = functools.partial(kda_decode, backend=self.backend)
+        if plan is not None:
+            s = plan.specs
+            step = jax.shard_map(
+                step, mesh=plan.mesh,
+                in_specs=(s.heads, s.heads, s.heads, s.heads, s.head_scalars, s.replicated,
+                          s.kda_states),
+                out_specs=(s.heads, s.kda_states), check_vma=False)
         mixed, conv_pool = self.conv.decode(qkv[part], pool.conv, slots)
         q, k, v = (p.reshape(width, self.num_heads, self.head_dim)
                    for p in jnp.split(mixed, 3, axis=-1))
