@@ -57,6 +57,7 @@ from pallas_kernels.kda_decode_fused import DecodeLayerWeights
 from pallas_kernels.kda_decode_fused_pallas import FusedDecodeShape, kda_decode_fused_pallas
 from pallas_kernels.kda_decode_pallas import kda_decode_pallas
 from pallas_kernels.kda_pallas import kda_prefill_pallas
+from pallas_kernels.moe_routing_pallas import route_top_k_pallas
 from pallas_kernels.moe_shapes import MOE_SHAPES, GemmSpec, gemm_specs
 from pallas_kernels.sparse_attention_pallas import (
     SparseConfig,
@@ -190,6 +191,20 @@ def lower_kda_decode_fused(spec: DeviceSpec, heads: int, *, rows: int = 1,
     return triton_modules(decode, args, spec)
 
 
+def lower_route_top_k(spec: DeviceSpec, num_experts: int, top_k: int,
+                      tokens: int = 64) -> list[TritonModule]:
+    """The Triton module of the router's top-k (`pallas_kernels.moe_routing`); its tiling
+    does not depend on the token count."""
+    args = (jax.ShapeDtypeStruct((tokens, num_experts), jnp.float32),
+            jax.ShapeDtypeStruct((num_experts,), jnp.float32))
+
+    def route(logits, bias):
+        return route_top_k_pallas(logits, bias, top_k=top_k, scaling=2.5, interpret=False)
+
+    return [dataclasses.replace(module, name=f"{module.name}_e{num_experts}")
+            for module in triton_modules(route, args, spec)]
+
+
 def lower_flash_attention(spec: DeviceSpec, heads: int, head_qk: int, head_v: int,
                           config: FlashConfig | None = None) -> list[TritonModule]:
     """The Triton module of the bf16 MLA prefill attention for `spec` at one preset's heads
@@ -317,6 +332,9 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                 reports.append(compile_module(module, spec, num_heads))
         for num_keys, k in TOP_K_SHAPES:
             for module in lower_top_k(spec, num_keys, k):
+                reports.append(compile_module(module, spec, 0))
+        for shape in MOE_SHAPES:
+            for module in lower_route_top_k(spec, shape.experts, shape.top_k):
                 reports.append(compile_module(module, spec, 0))
     return reports
 

@@ -112,27 +112,42 @@ def check_operands(x: jax.Array, weights: Sequence[jax.Array]) -> None:
             raise ValueError(f"weight {i} shape {w.shape}: K and N must be multiples of 16")
 
 
-def stream_matmul_reference(x: jax.Array, weights: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-    """The oracle: each x @ w_i accumulated in fp32 (HIGHEST precision), in x.dtype."""
+def out_dtypes_of(x: jax.Array, weights: Sequence[jax.Array], out_dtypes) -> tuple:
+    """Each product's output dtype: `out_dtypes` (None: x.dtype for all), x.dtype or fp32."""
+    dtypes = tuple(jnp.dtype(d) for d in (out_dtypes or (x.dtype,) * len(weights)))
+    if len(dtypes) != len(weights):
+        raise ValueError(f"out_dtypes has {len(dtypes)} entries for {len(weights)} weights")
+    for i, dtype in enumerate(dtypes):
+        if dtype not in (x.dtype, jnp.dtype(jnp.float32)):
+            raise ValueError(f"out_dtypes[{i}] must be x's dtype or float32, got {dtype}")
+    return dtypes
+
+
+def stream_matmul_reference(x: jax.Array, weights: Sequence[jax.Array], out_dtypes=None
+                            ) -> tuple[jax.Array, ...]:
+    """The oracle: each x @ w_i accumulated in fp32 (HIGHEST precision), in out_dtypes[i]."""
     return tuple(jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32).astype(x.dtype) for w in weights)
+                         preferred_element_type=jnp.float32).astype(dtype)
+                 for w, dtype in zip(weights, out_dtypes_of(x, weights, out_dtypes)))
 
 
-def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *,
+def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *, out_dtypes=None,
                   implementation: str = "pallas", interpret: bool | None = None,
                   config: StreamConfig | None = None) -> tuple[jax.Array, ...]:
-    """x [M, K] @ each weights[i] [K, N_i] -> tuple of [M, N_i] in x.dtype, accumulated in
-    fp32; M in 1..STREAM_ROWS, K and every N multiples of 16, bf16 or fp32 operands.
+    """x [M, K] @ each weights[i] [K, N_i] -> tuple of [M, N_i], accumulated in fp32; M in
+    1..STREAM_ROWS, K and every N multiples of 16, bf16 or fp32 operands.
 
+    out_dtypes: each product's dtype, x.dtype or float32 (None: x.dtype for all);
     implementation: "pallas" (one launch for every weight) or "xla" (the reference);
     interpret: Pallas interpret mode (default: on the CPU); config: tiling override (one
     StreamTiling per weight)."""
     check_operands(x, weights)
+    out_dtypes = out_dtypes_of(x, weights, out_dtypes)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
     if implementation == "xla":
-        return stream_matmul_reference(x, weights)
+        return stream_matmul_reference(x, weights, out_dtypes)
     shapes = tuple(w.shape for w in weights)
     config = config or select_config(device_spec(), x.shape[0], shapes,
                                      operand_bytes=x.dtype.itemsize)
@@ -141,5 +156,5 @@ def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *,
     for (k, n), t in zip(shapes, config.tilings):
         if n % t.block_n or k % (t.splits * t.block_k):
             raise ValueError(f"tiling {t} does not divide weight shape {(k, n)}")
-    return stream_matmul_pallas(x, tuple(weights), config=config,
+    return stream_matmul_pallas(x, tuple(weights), config=config, out_dtypes=out_dtypes,
                                 interpret=resolve_interpret(interpret))

@@ -4,8 +4,9 @@ tiling rule: `pallas_kernels.stream_matmul`).
 Grid: one axis, the concatenation of each weight's programs. Weight i's programs are its
 (column tile, K split) pairs, the split fastest; a program runs its split's k steps into an
 fp32 [padded rows, block_n] accumulator and stores it as partial sum `split` of an fp32
-[splits, rows, N_i] output, which the wrapper adds (XLA, a fixed order) and casts to x's
-dtype; a weight of one split stores its [rows, N_i] result in x's dtype directly. The
+[splits, rows, N_i] output, which the wrapper adds (XLA, a fixed order) and casts to the
+product's output dtype (x's, or fp32); a weight of one split stores its [rows, N_i] result
+in that dtype directly. The
 tiles hold a power of two of at least 16 rows (the tensor cores' minimum): x's rows beyond
 its real ones are masked on load (read as zeros) and on store, so no padded copy of x is
 made.
@@ -97,26 +98,29 @@ def _kernel(x_ref, *refs, config: StreamConfig, starts: tuple[int, ...]):
             plgpu.store(target, acc.astype(out_ref.dtype), mask=valid)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def stream_matmul_pallas(x, weights, *, config: StreamConfig, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("config", "out_dtypes", "interpret"))
+def stream_matmul_pallas(x, weights, *, config: StreamConfig, out_dtypes: tuple | None = None,
+                         interpret: bool):
     """The kernel (operands and tiling already checked by `pallas_kernels.stream_matmul`).
 
-    Args: x [M, K]; weights: tuple of [K, N_i] in x's dtype; config: one tiling per weight.
-    Returns a tuple of [M, N_i] in x.dtype.
+    Args: x [M, K]; weights: tuple of [K, N_i] in x's dtype; config: one tiling per weight;
+    out_dtypes: each product's dtype (None: x.dtype).
+    Returns a tuple of [M, N_i].
     """
+    out_dtypes = out_dtypes or (x.dtype,) * len(weights)
     rows, _ = x.shape
     counts = [t.programs(w.shape[1]) for t, w in zip(config.tilings, weights)]
     starts = tuple(itertools.accumulate(counts, initial=0))
     partials = pl.pallas_call(
         functools.partial(_kernel, config=config, starts=starts),
-        out_shape=tuple(jax.ShapeDtypeStruct((rows, w.shape[1]), x.dtype) if t.splits == 1
+        out_shape=tuple(jax.ShapeDtypeStruct((rows, w.shape[1]), dtype) if t.splits == 1
                         else jax.ShapeDtypeStruct((t.splits, rows, w.shape[1]), jnp.float32)
-                        for t, w in zip(config.tilings, weights)),
+                        for t, w, dtype in zip(config.tilings, weights, out_dtypes)),
         grid=(starts[-1],),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="stream_matmul",
     )(x, *weights)
-    return tuple(p if t.splits == 1 else p.sum(0).astype(x.dtype)
-                 for t, p in zip(config.tilings, partials))
+    return tuple(p if t.splits == 1 else p.sum(0).astype(dtype)
+                 for t, p, dtype in zip(config.tilings, partials, out_dtypes))

@@ -29,6 +29,7 @@ def test_every_kernel_compiles_within_limits(device):
         "sparse_attention",
         "index_scores",
         *(f"select_top_k_{num_keys // 1024}K" for num_keys, _ in aot.TOP_K_SHAPES),
+        *(f"route_top_k_e{shape.experts}" for shape in aot.MOE_SHAPES),
     }
     decode = [r for r in reports if r.kernel.startswith("kda_decode_bv")]
     assert {r.heads for r in decode} == set(aot.HEAD_COUNTS)
@@ -39,7 +40,7 @@ def test_every_kernel_compiles_within_limits(device):
     assert all(r.spill_bytes == 0 for r in decode), triton_compile.format_table(decode)
     segment = {r.heads for r in reports if r.kernel.startswith("kda_segment")}
     assert segment == {aot.SEGMENT_HEADS}
-    top_k = [r for r in reports if r.kernel.startswith("select_top_k")]
+    top_k = [r for r in reports if r.kernel.startswith(("select_top_k", "route_top_k"))]
     assert {r.heads for r in reports if r not in top_k} == {*aot.HEAD_COUNTS,
                                                              aot.SEGMENT_HEADS}
     sparse = [r for r in reports if r.kernel in ("sparse_attention", "index_scores")]

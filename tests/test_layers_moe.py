@@ -3,6 +3,7 @@ per-token, per-expert float64 loops, on every grouped-GEMM implementation that r
 CPU (ours in Pallas interpret mode, with and without its fusions)."""
 
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,8 @@ from glmjax.config import ModelConfig
 from glmjax.layers.moe import MLP, MoE, swiglu
 from glmjax.sharding import ShardingPlan, make_mesh
 from pallas_kernels import gmm_tokamax, moe_experts
+
+projection_module = sys.modules["glmjax.layers.projection"]  # the package exports the function
 
 VARIANTS = {
     "tiny": {},  # 4 experts top-2, clamp 10
@@ -69,12 +72,35 @@ def test_moe_matches_per_token_loop(rng, monkeypatch, variant, backend):
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)
 
 
+def test_few_rows_on_the_stream_route(rng, monkeypatch):
+    """Rows of a decode step as on one GPU (forced on the CPU, interpret mode): the shared
+    expert's gate and up and the router in one stream launch (the logits in fp32), the
+    Pallas routing, the per-row grouped GEMMs; against the float64 loop."""
+    monkeypatch.setattr(projection_module, "default_implementation",
+                        lambda rows, d_in, d_out: "stream")
+    launches = []
+    real = projection_module.stream_matmul
+    monkeypatch.setattr(projection_module, "stream_matmul",
+                        lambda x, weights, **kw: launches.append(len(weights))
+                        or real(x, weights, **kw))
+    monkeypatch.setattr(moe_experts, "sort_by_expert", None)  # the per-row schedule only
+    config = dataclasses.replace(ModelConfig.preset("tiny"), moe_backend="pallas",
+                                 num_experts=16, num_experts_per_token=3)
+    moe = random_module(lambda: MoE(config, rngs=nnx.Rngs(0)), rng)
+    x = (rng.normal(size=(2, config.hidden_size)) * 4).astype(np.float32)
+    y = nnx.jit(lambda m, x: m(x))(moe, jnp.asarray(x))
+    assert launches[0] == 3  # gate, up and router together; then the shared down
+    expected = moe_oracle(moe_params(moe), f64(x), top_k=3,
+                          scaling=config.routed_scaling_factor, limit=config.swiglu_limit)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)
+
+
 def test_router_weights_renormalised_and_bias_only_selects(rng):
     config = ModelConfig.preset("tiny")
     moe = random_module(lambda: MoE(config, rngs=nnx.Rngs(0)), rng)
     x = jnp.asarray(rng.normal(size=(5, config.hidden_size)), jnp.float32)
     moe.e_score_correction_bias[...] = jnp.array([100.0, 100.0, 0, 0])  # forces experts 0, 1
-    weights, experts = moe.route(x)
+    weights, experts = moe.route(moe.router(x))
     np.testing.assert_array_equal(np.sort(experts, axis=-1), [[0, 1]] * 5)
     np.testing.assert_allclose(weights.sum(-1), config.routed_scaling_factor, rtol=1e-6)
     scores = 1 / (1 + np.exp(-f64(x) @ f64(moe.router.kernel)))

@@ -43,15 +43,16 @@ def test_layer_dispatch_and_output(rng):
 
 
 def check_together(rng, lead):
-    """Three projections of one input, one of them in fp32 output (never streamed), against
-    each layer's own XLA product."""
+    """Three projections of one input, one of them in fp32 output (it streams with the
+    others, its sums kept in fp32), against the float64 product."""
     config = ModelConfig.preset("tiny")
     rngs = nnx.Rngs(int(rng.integers(1 << 30)))
     layers = (projection(config, 32, 48, rngs=rngs), projection(config, 32, 16, rngs=rngs),
               projection(config, 32, 64, rngs=rngs, out_dtype=jnp.float32))
     x = jnp.asarray(rng.standard_normal((*lead, 32)), config.dtype)
     outs = project_together(x, layers)
-    assert [layers[i].streams(int(np.prod(lead))) for i in range(3)][2] is False
+    rows = int(np.prod(lead))
+    assert layers[2].streams(rows) == layers[0].streams(rows)
     for out, layer in zip(outs, layers):
         expected = np.asarray(x, np.float64) @ np.asarray(layer.kernel[...], np.float64)
         assert out.shape == (*lead, layer.out_features)
@@ -68,9 +69,10 @@ def test_project_together_forced_stream(rng, monkeypatch, lead):
     calls = []
     real = projection_module.stream_matmul
     monkeypatch.setattr(projection_module, "stream_matmul",
-                        lambda x, weights: calls.append(len(weights)) or real(x, weights))
+                        lambda x, weights, **kw: calls.append(len(weights)) or real(x, weights,
+                                                                                     **kw))
     check_together(rng, lead)
-    assert calls == [2]  # the two streaming projections, one launch
+    assert calls == [3]  # the three projections, one launch
 
 
 @pytest.mark.gpu

@@ -41,15 +41,15 @@ REAL = {
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 
-def check(rng, rows, k, widths, dtype, interpret, config=None):
+def check(rng, rows, k, widths, dtype, interpret, config=None, out_dtypes=None):
     x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
     weights = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype) for n in widths]
-    outs = stream_matmul(x, weights, interpret=interpret, config=config)
+    outs = stream_matmul(x, weights, interpret=interpret, config=config, out_dtypes=out_dtypes)
     assert len(outs) == len(weights)
-    for out, w in zip(outs, weights):
-        assert out.shape == (rows, w.shape[1]) and out.dtype == dtype
+    for out, w, out_dtype in zip(outs, weights, out_dtypes or (dtype,) * len(weights)):
+        assert out.shape == (rows, w.shape[1]) and out.dtype == out_dtype
         expected = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-        if dtype == jnp.float32:  # HIGHEST precision: fp32 sums of fp32 products
+        if out_dtype == jnp.float32:  # fp32 sums of exact (fp32 or bf16 x bf16) products
             np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=1e-5,
                                        atol=1e-5)
         else:  # one bf16 rounding of each output
@@ -75,6 +75,27 @@ def test_stream_gpu(rng, case, dtype):
 @pytest.mark.parametrize("launch", sorted(REAL))
 def test_stream_real_launches_gpu(rng, launch, rows):
     check(rng, rows, *REAL[launch], jnp.bfloat16, interpret=False)
+
+
+# bf16 operands, some products kept in fp32 (the MoE router's logits beside the shared
+# expert's gate and up); the last shape is kimi's launch.
+FP32_OUT = {
+    "small": (3, 64, (48, 32, 16), (jnp.float32, jnp.bfloat16, jnp.float32)),
+    "kimi-shared-router": (1, 2304, (1024, 1024, 256), (jnp.bfloat16,) * 2 + (jnp.float32,)),
+}
+
+
+@pytest.mark.parametrize("case", ["small"])
+def test_fp32_outputs_interpret(rng, case):
+    rows, k, widths, out_dtypes = FP32_OUT[case]
+    check(rng, rows, k, widths, jnp.bfloat16, interpret=True, out_dtypes=out_dtypes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(FP32_OUT))
+def test_fp32_outputs_gpu(rng, case):
+    rows, k, widths, out_dtypes = FP32_OUT[case]
+    check(rng, rows, k, widths, jnp.bfloat16, interpret=False, out_dtypes=out_dtypes)
 
 
 def test_explicit_tiling_interpret(rng):
@@ -135,6 +156,11 @@ def test_bad_operands():
     with pytest.raises(ValueError, match="1 tilings for 2 weights"):
         stream_matmul(x, [jnp.zeros((32, 16), jnp.float32)] * 2,
                       config=StreamConfig((StreamTiling(16, 16, 1),)))
+    with pytest.raises(ValueError, match="out_dtypes has 2 entries for 1 weights"):
+        stream_matmul(x, [jnp.zeros((32, 16), jnp.float32)],
+                      out_dtypes=(jnp.float32, jnp.float32))
+    with pytest.raises(ValueError, match=r"out_dtypes\[0\] must be x's dtype or float32"):
+        stream_matmul(x, [jnp.zeros((32, 16), jnp.float32)], out_dtypes=(jnp.int32,))
     with pytest.raises(ValueError, match="does not divide"):
         stream_matmul(x, [jnp.zeros((32, 16), jnp.float32)],
                       config=StreamConfig((StreamTiling(16, 16, 3),)))

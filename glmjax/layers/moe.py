@@ -24,6 +24,7 @@ from flax import nnx
 from glmjax.config import ModelConfig
 from glmjax.layers.projection import project_together, projection
 from pallas_kernels.gmm import default_implementation
+from pallas_kernels.moe_routing import route_top_k
 from pallas_kernels.moe_experts import routed_experts, swiglu
 
 if TYPE_CHECKING:
@@ -47,8 +48,11 @@ class MLP(nnx.Module):
         """x [T, D] -> [T, D]; XLA partitions the projections on a mesh (`plan` unused)."""
         del plan
         with jax.named_scope("mlp"):
-            gate, up = project_together(x, (self.gate_proj, self.up_proj))
-            return self.down_proj(swiglu(gate, up, self.limit))
+            return self.down(*project_together(x, (self.gate_proj, self.up_proj)))
+
+    def down(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """The down projection of swiglu(gate, up) (gate and up already projected)."""
+        return self.down_proj(swiglu(gate, up, self.limit))
 
 
 class MoE(nnx.Module):
@@ -61,8 +65,8 @@ class MoE(nnx.Module):
         self.scaling = config.routed_scaling_factor
         self.limit = config.swiglu_limit
         self.backend = config.moe_backend or default_implementation()
-        self.router = nnx.Linear(hidden, experts, use_bias=False, dtype=jnp.float32,
-                                 param_dtype=config.param_dtype, rngs=rngs)
+        # fp32 logits: bf16 x bf16 products are exact in fp32, accumulated in fp32.
+        self.router = projection(config, hidden, experts, rngs=rngs, out_dtype=jnp.float32)
         self.e_score_correction_bias = nnx.Param(jnp.zeros((experts,), jnp.float32))
         init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
                                                     in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -72,13 +76,13 @@ class MoE(nnx.Module):
         self.shared_experts = MLP(config, inter * config.num_shared_experts,
                                   limit=config.swiglu_limit, rngs=rngs)
 
-    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x [T, D] -> combine weights fp32 [T, k] and expert ids int32 [T, k]."""
-        scores = jax.nn.sigmoid(self.router(x.astype(jnp.float32)))  # [T, E]
-        _, experts = jax.lax.top_k(scores + self.e_score_correction_bias[...], self.top_k)
-        weights = jnp.take_along_axis(scores, experts, axis=-1)
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-        return weights * self.scaling, experts.astype(jnp.int32)
+    def route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Router logits fp32 [T, E] -> combine weights fp32 [T, k] and expert ids int32
+        [T, k] (`pallas_kernels.moe_routing`: the Pallas kernel where the router streams,
+        few rows on one GPU; XLA's top-k otherwise)."""
+        implementation = "pallas" if self.router.streams(logits.shape[0]) else "xla"
+        return route_top_k(logits, self.e_score_correction_bias[...], top_k=self.top_k,
+                           scaling=self.scaling, implementation=implementation)
 
     def __call__(self, x: jax.Array, *, plan: ShardingPlan | None = None,
                  layer: jax.Array | int | None = None) -> jax.Array:
@@ -90,13 +94,16 @@ class MoE(nnx.Module):
         as `glmjax.layer_scan` leaves them), the entry (int32 [] or int) this layer uses;
         None: they are [E, D, I]."""
         with jax.named_scope("moe"):
+            shared = self.shared_experts
+            with jax.named_scope("shared_experts"):  # with the router: one launch if they stream
+                gate, up, logits = project_together(x, (shared.gate_proj, shared.up_proj,
+                                                        self.router))
             with jax.named_scope("router"):
-                weights, experts = self.route(x)
+                weights, experts = self.route(logits)
             with jax.named_scope("routed_experts"):
                 routed = self._routed(x, weights, experts, plan, layer)
             with jax.named_scope("shared_experts"):
-                shared = self.shared_experts(x)
-            return routed + shared
+                return routed + shared.down(gate, up)
 
     def _routed(self, x, weights, experts, plan, layer):
         stacks = (self.w_gate[...], self.w_up[...], self.w_down[...])

@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
@@ -46,9 +47,15 @@ class Projection(nnx.Linear):
     weight transposed) whose few-row products on one GPU stream the weight (module doc)."""
 
     def streams(self, rows: int) -> bool:
-        """Whether a product of `rows` rows runs as the weight stream."""
-        return (self.preferred_element_type is None
+        """Whether a product of `rows` rows runs as the weight stream (its output in the
+        compute dtype, or in fp32 when `preferred_element_type` asks for it)."""
+        return (self.preferred_element_type in (None, jnp.float32)
                 and default_implementation(rows, self.in_features, self.out_features) == "stream")
+
+    @property
+    def out_dtype(self):
+        """The dtype of this projection's output."""
+        return jnp.dtype(self.preferred_element_type or self.dtype)
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         if out_sharding is not None or not self.streams(math.prod(inputs.shape[:-1])):
@@ -69,7 +76,8 @@ def project_together(inputs: jax.Array, projections: Sequence[Projection]
             raise ValueError(f"project_together needs one dtype, got "
                              f"{sorted({str(p.dtype) for p in streamed})}")
         x = inputs.reshape(rows, inputs.shape[-1]).astype(dtype)
-        products = stream_matmul(x, tuple(p.kernel[...].astype(dtype) for p in streamed))
+        products = stream_matmul(x, tuple(p.kernel[...].astype(dtype) for p in streamed),
+                                 out_dtypes=tuple(p.out_dtype for p in streamed))
         outputs = {id(p): y.reshape(*inputs.shape[:-1], y.shape[-1])
                    for p, y in zip(streamed, products)}
     return tuple(outputs[id(p)] if id(p) in outputs else p(inputs) for p in projections)

@@ -1,0 +1,104 @@
+"""`pallas_kernels.moe_routing.route_top_k` against a float64 NumPy oracle: the Pallas kernel
+in interpret mode on the CPU and compiled on a GPU (marker `gpu`), and the jax.numpy path,
+on the same cases: both presets' expert counts, counts and k that are not powers of two,
+ties (the lower id first), a bias that decides the choice alone, saturated scores."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.moe_routing import route_top_k
+
+# name -> (tokens, experts, top_k)
+CASES = {
+    "kimi": (3, 256, 8),
+    "glm": (2, 288, 8),
+    "k-3-of-16": (5, 16, 3),
+    "k-1-of-7": (4, 7, 1),
+    "all-of-6": (2, 6, 6),
+    "decode-64-rows": (64, 256, 8),
+}
+
+
+def oracle(logits, bias, top_k, scaling):
+    """Stable descending sort of s + bias (ties: the lower id first), in float64."""
+    scores = 1 / (1 + np.exp(-np.asarray(logits, np.float64)))
+    choice = scores + np.asarray(bias, np.float64)
+    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
+    picked = np.take_along_axis(scores, ids, -1)
+    return picked / (picked.sum(-1, keepdims=True) + 1e-20) * scaling, ids
+
+
+def make(rng, tokens, experts, *, spread=2.0):
+    logits = rng.normal(size=(tokens, experts)) * spread
+    bias = rng.normal(size=experts) * 0.1
+    return logits.astype(np.float32), bias.astype(np.float32)
+
+
+class RoutingCases:
+    IMPLEMENTATION: str
+    INTERPRET: bool = False
+
+    def route(self, logits, bias, top_k, scaling=2.5):
+        return route_top_k(jnp.asarray(logits), jnp.asarray(bias), top_k=top_k, scaling=scaling,
+                           implementation=self.IMPLEMENTATION, interpret=self.INTERPRET)
+
+    def check(self, logits, bias, top_k, scaling=2.5):
+        weights, ids = self.route(logits, bias, top_k, scaling)
+        assert weights.dtype == jnp.float32 and ids.dtype == jnp.int32
+        want_weights, want_ids = oracle(logits, bias, top_k, scaling)
+        np.testing.assert_array_equal(np.asarray(ids), want_ids)
+        np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=2e-6, atol=1e-7)
+
+    @pytest.mark.parametrize("case", sorted(CASES))
+    def test_random(self, rng, case):
+        tokens, experts, top_k = CASES[case]
+        self.check(*make(rng, tokens, experts), top_k)
+
+    def test_ties_take_the_lower_id(self, rng):
+        logits, bias = make(rng, 3, 40)
+        bias[:] = 0
+        logits[0, [3, 9, 17, 30]] = 4.0  # four equal leaders, k = 3
+        logits[1, :] = 1.0  # every score equal
+        logits[2, [39, 0]] = 6.0  # equal at both ends
+        self.check(logits, bias, 3)
+
+    def test_bias_decides_the_choice_only(self, rng):
+        logits, bias = make(rng, 4, 32)
+        bias[:] = 0
+        bias[[5, 20]] = 100.0  # forces experts 5 and 20 whatever their scores
+        weights, ids = self.route(logits, bias, 2)
+        np.testing.assert_array_equal(np.sort(np.asarray(ids), -1), [[5, 20]] * 4)
+        self.check(logits, bias, 2)
+
+    def test_saturated_scores(self, rng):
+        # Large logits: sigmoid rounds to 1 for many experts, so the bias breaks the ties.
+        self.check(*make(rng, 3, 64, spread=40.0), 8)
+
+
+@pytest.mark.gpu
+class TestRoutingGpu(RoutingCases):
+    IMPLEMENTATION = "pallas"
+
+
+class TestRoutingInterpret(RoutingCases):
+    IMPLEMENTATION = "pallas"
+    INTERPRET = True
+
+
+class TestRoutingXla(RoutingCases):
+    IMPLEMENTATION = "xla"
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(logits=jnp.zeros((4,))), r"logits must be \[T, E\]"),
+    (dict(bias=jnp.zeros((5,))), r"bias \[E\]"),
+    (dict(top_k=0), "top_k must be in 1..8"),
+    (dict(top_k=9), "top_k must be in 1..8"),
+    (dict(implementation="sort"), "implementation must be one of"),
+])
+def test_bad_arguments_name_the_value(change, message):
+    args = dict(logits=jnp.zeros((2, 8)), bias=jnp.zeros((8,)), top_k=2, scaling=1.0)
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        route_top_k(**args)
