@@ -39,6 +39,7 @@ import argparse
 import collections
 import concurrent.futures
 import dataclasses
+import os
 import platform
 import statistics
 import subprocess
@@ -262,6 +263,10 @@ def _update_totals(result: dict, compile_log: CompileLog, start: float) -> None:
 
 
 def _commit() -> str | None:
+    """GLMJAX_COMMIT if set (a copied tree whose .git is stale or absent, as on the lent
+    device machines), else the checkout's HEAD."""
+    if os.environ.get("GLMJAX_COMMIT"):
+        return os.environ["GLMJAX_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True, cwd=Path(__file__).parent).stdout.strip()

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+
 class FusedDecodeShape(NamedTuple):
     """Static parameters of one launch (hashable: a jit static argument)."""
 

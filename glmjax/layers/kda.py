@@ -22,9 +22,9 @@ from glmjax.layers.conv import ShortConvolution
 from glmjax.layers.norms import GatedRMSNorm, l2_normalize
 from glmjax.layers.projection import project_together, projection
 from pallas_kernels import kda_decode, kda_prefill
+from pallas_kernels.kda import MIN_GATE_LOWER_BOUND
 from pallas_kernels.kda_decode_fused import DecodeLayerGates, DecodeLayerWeights, kda_decode_fused
 from pallas_kernels.tuning import device_spec, use_fused_decode
-from pallas_kernels.kda import MIN_GATE_LOWER_BOUND
 
 if TYPE_CHECKING:
     from glmjax.sharding import ShardingPlan

@@ -24,8 +24,8 @@ from flax import nnx
 from glmjax.config import ModelConfig
 from glmjax.layers.projection import project_together, projection
 from pallas_kernels.gmm import default_implementation
-from pallas_kernels.moe_routing import route_top_k
 from pallas_kernels.moe_experts import routed_experts, swiglu
+from pallas_kernels.moe_routing import route_top_k
 
 if TYPE_CHECKING:
     from glmjax.sharding import ShardingPlan
