@@ -146,6 +146,7 @@ def run_case(session: Session, args, batch: int, rng, config, sizes, compile_log
     times = [case.step() for _ in range(args.steps)]
     wall_s = time.perf_counter() - start
     compiles = compile_log.count - compiles
+    device = device_time(case, args) if args.device_time else {}
     case.close()
     step_s = statistics.median(times)
     floor = {key: statistics.median(f[key] for f in floors) for key in floors[0]}
@@ -154,7 +155,19 @@ def run_case(session: Session, args, batch: int, rng, config, sizes, compile_log
                 mean_step_s=wall_s / args.steps, tokens_per_s=batch * args.steps / wall_s,
                 floor_bytes=floor, floor_s=floor_s,
                 floor_tokens_per_s=batch / floor_s, step_over_floor=step_s / floor_s,
-                compiles_during_timing=compiles)
+                compiles_during_timing=compiles, **device)
+
+
+def device_time(case: Case, args) -> dict:
+    """The device's busy time per step over `ENGINE_STEPS` more steps of the engine's own
+    programs, traced: unlike the wall time, it does not move with the host's speed, which
+    sets a batch-1 step and varies ~3x between lent machines."""
+    trace_dir = Path(tempfile.mkdtemp(prefix="decode_device_", dir=args.trace_dir))
+    path = record_trace(lambda: ([case.step() for _ in range(ENGINE_STEPS)],
+                                 case.session.engine.caches)[1], trace_dir)
+    own = summarize(kernel_events(load_trace(path)))
+    return dict(device_ms_per_step=own["busy_ms"] / ENGINE_STEPS,
+                traced_span_ms_per_step=own["span_ms"] / ENGINE_STEPS)
 
 
 def dry_run_buckets(args, buckets, config) -> dict:
@@ -204,8 +217,11 @@ def profile_step(session: Session, args, batch: int, rng, config, device_kind, s
 
 def run_benchmark(args) -> dict:
     start = time.perf_counter()
+    on_gpu = not args.quick and jax.default_backend() == "gpu"
     if args.profile is None:
-        args.profile = not args.quick and jax.default_backend() == "gpu"
+        args.profile = on_gpu
+    if args.device_time is None:
+        args.device_time = on_gpu
     config = model_config(args)
     sizes = decode_sizes(config)
     abstract = nnx.split(nnx.eval_shape(lambda: HybridModel(config, nnx.Rngs(0))))
@@ -277,12 +293,14 @@ def _commit() -> str | None:
 def print_table(result: dict) -> None:
     print(f"\ndecode at {result['args']['context']} tokens of context, {result['model']['name']}"
           f" on {result['device']} (floor: bytes a step must move at 4.8 TB/s)")
-    print(f"{'batch':>5} {'step ms':>9} {'mean ms':>8} {'tokens/s':>9} {'floor ms':>9} {'x floor':>8} "
-          f"{'floor GB':>9} {'weights':>8} {'experts':>8} {'states':>7} {'kv':>6}")
+    print(f"{'batch':>5} {'step ms':>9} {'mean ms':>8} {'device ms':>9} {'tokens/s':>9} "
+          f"{'floor ms':>9} {'x floor':>8} {'floor GB':>9} {'weights':>8} {'experts':>8} "
+          f"{'states':>7} {'kv':>6}")
     for e in result.get("cases", []):
         gb = {k: v / 1e9 for k, v in e["floor_bytes"].items()}
+        device = e.get("device_ms_per_step")
         print(f"{e['batch']:>5} {e['median_step_s'] * 1e3:>9.2f} {e['mean_step_s'] * 1e3:>8.2f} "
-              f"{e['tokens_per_s']:>9.1f} "
+              f"{'-' if device is None else f'{device:.2f}':>9} {e['tokens_per_s']:>9.1f} "
               f"{e['floor_s'] * 1e3:>9.3f} {e['step_over_floor']:>8.2f} {gb['total']:>9.2f} "
               f"{gb['weights']:>8.2f} {gb['experts']:>8.2f} {gb['states']:>7.2f} "
               f"{gb['kv']:>6.2f}")
@@ -321,6 +339,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--compile-workers", type=int, help="threads compiling buckets ahead (8)")
     add("--profile", action=argparse.BooleanOptionalAction,
         help="trace one decode step (default: on a GPU, off with --quick)")
+    add("--device-time", action=argparse.BooleanOptionalAction,
+        help=f"trace {ENGINE_STEPS} more steps of every batch for the device's busy ms a "
+             "step (default: on a GPU, off with --quick)")
     add("--profile-batch", type=int, help="the batch traced (the largest of --batches)")
     add("--trace-dir", type=Path, help="where the trace goes (a new temp dir)")
     add("--seed", type=int, default=0)

@@ -73,8 +73,8 @@ def test_step_bytes_add_up_the_terms(kimi_sizes):
 @pytest.mark.slow  # ~40-80 s on two busy cores, nearly all of it compiling three programs
 def test_quick_run_times_each_batch_against_its_floor(tmp_path):
     path = tmp_path / "decode.json"
-    main(["--quick", "--batches", "2", "--context", "40", "--steps", "2",
-          "--no-compile-cache", "--json", str(path)])
+    main(["--quick", "--batches", "2", "--context", "40", "--steps", "2", "--device-time",
+          "--no-compile-cache", "--trace-dir", str(tmp_path), "--json", str(path)])
     result = json.loads(path.read_text())
 
     assert result["complete"] and result["compiles_during_timing"] == 0
@@ -92,6 +92,8 @@ def test_quick_run_times_each_batch_against_its_floor(tmp_path):
     per_row = floor["kv"] / (sizes["mla_layers"] * sizes["token_bytes"]) / 2
     assert 41 < per_row < 40 + result["args"]["decode_room"]
     assert not math.isnan(case["median_step_s"])
+    # The device's (here the CPU's) busy time over 4 more traced steps.
+    assert 0 < case["device_ms_per_step"] <= case["traced_span_ms_per_step"]
     assert {b["kind"] for b in result["buckets"]} == {"prefill", "decode"}
     # The engine's calls find the executables compiled ahead (at most once per bucket: none
     # where this process compiled the same bucket before); they compiled twice when the
