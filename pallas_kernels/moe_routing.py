@@ -4,7 +4,8 @@
     chosen = top_k(s + correction_bias)              the bias steers the choice only
     w      = scaling * s[chosen] / (sum(s[chosen]) + 1e-20)
 
-Ties go to the lower expert id, as `jax.lax.top_k`. Two implementations behind one
+Ties go to the lower expert id, as `jax.lax.top_k`; a NaN score ranks below every number
+(XLA's top-k on the CPU), so the ids are always k distinct experts. Two implementations behind one
 signature: jax.numpy (`lax.top_k`, which XLA runs as a sort on a GPU) and a Pallas kernel
 with one program per token that picks the k largest by k rounds of max over the row, for
 the few rows of a decode step, where the sort and the gathers around it were four launches

@@ -25,18 +25,22 @@ def _kernel(logits_ref, bias_ref, weights_ref, ids_ref, *, top_k: int, scaling: 
     logits = plgpu.load(logits_ref.at[t, pl.ds(0, width)], mask=real, other=0.0)
     bias = plgpu.load(bias_ref.at[pl.ds(0, width)], mask=real, other=0.0)
     scores = jax.nn.sigmoid(logits)
-    choice = jnp.where(real, scores + bias, -jnp.inf)
+    # A NaN ranks below every number (it would make every round's max NaN and match no
+    # lane); the lanes not taken yet keep each round's id a real, new expert even when
+    # what is left is all -inf.
+    choice = jnp.where(real & ~jnp.isnan(scores + bias), scores + bias, -jnp.inf)
+    left = real
     slot_count = 1 << (top_k - 1).bit_length()  # a power of two: Triton's block sizes
     slots = iota((slot_count,), 0)
     picked = jnp.zeros((slot_count,), jnp.float32)
     ids = jnp.zeros((slot_count,), jnp.int32)
     for j in range(top_k):
-        best = jnp.max(choice)
-        expert = jnp.min(jnp.where(choice == best, lanes, width))
+        best = jnp.max(jnp.where(left, choice, -jnp.inf))
+        expert = jnp.min(jnp.where(left & (choice == best), lanes, width))
         hit = lanes == expert
         picked = jnp.where(slots == j, jnp.sum(jnp.where(hit, scores, 0.0)), picked)
         ids = jnp.where(slots == j, expert, ids)
-        choice = jnp.where(hit, -jnp.inf, choice)
+        left = left & ~hit
     out = pl.ds(0, slot_count)
     used = slots < top_k
     plgpu.store(weights_ref.at[t, out], picked / (jnp.sum(picked) + 1e-20) * scaling, mask=used)

@@ -75,6 +75,27 @@ class RoutingCases:
         # Large logits: sigmoid rounds to 1 for many experts, so the bias breaks the ties.
         self.check(*make(rng, 3, 64, spread=40.0), 8)
 
+    def test_nan_scores_rank_last_and_ids_stay_in_range(self, rng):
+        """A NaN score ranks below every number (XLA's top-k on the CPU); every id names a
+        real expert, once, even on an all-NaN row (a padding row's NaN input), so no
+        consumer of the ids sees an expert past E."""
+        logits, bias = make(rng, 3, 24)
+        logits[0, [1, 7, 20]] = np.nan  # the finite leaders are chosen, weights finite
+        logits[1, :] = np.nan
+        logits[2, :] = np.nan
+        logits[2, [4, 9]] = 1.0  # two numbers, then the lowest NaN ids
+        weights, ids = (np.asarray(a) for a in self.route(logits, bias, 5))
+        assert ((ids >= 0) & (ids < 24)).all(), ids
+        assert all(len(set(row)) == 5 for row in ids), ids
+        finite = np.where(np.isnan(logits), -np.inf, logits)
+        want_weights, want_ids = oracle(finite, bias, 5, 2.5)
+        np.testing.assert_array_equal(ids[0], want_ids[0])
+        np.testing.assert_allclose(weights[0], want_weights[0], rtol=2e-6, atol=1e-7)
+        np.testing.assert_array_equal(ids[1], [0, 1, 2, 3, 4])
+        np.testing.assert_array_equal(ids[2, :2], [4, 9] if bias[4] >= bias[9] else [9, 4])
+        np.testing.assert_array_equal(ids[2, 2:], [0, 1, 2])
+        assert np.isnan(weights[1:]).all(), "a NaN score chosen makes the row's weights NaN"
+
 
 @pytest.mark.gpu
 class TestRoutingGpu(RoutingCases):
