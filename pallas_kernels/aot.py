@@ -57,6 +57,8 @@ from pallas_kernels.kda_decode_fused import DecodeLayerWeights
 from pallas_kernels.kda_decode_fused_pallas import FusedDecodeShape, kda_decode_fused_pallas
 from pallas_kernels.kda_decode_pallas import kda_decode_pallas
 from pallas_kernels.kda_pallas import kda_prefill_pallas
+from pallas_kernels.mla_decode_pallas import mla_decode_pallas
+from pallas_kernels.mla_decode_pallas import select_tiling as select_mla_decode_tiling
 from pallas_kernels.moe_routing_pallas import route_top_k_pallas
 from pallas_kernels.moe_shapes import MOE_SHAPES, GemmSpec, gemm_specs
 from pallas_kernels.sparse_attention_pallas import (
@@ -94,6 +96,10 @@ DECODE_ROWS = (1, 64)  # the decode kernel's tiling depends on the row count (tu
 DECODE_POOL_SLOTS = 256
 # MLA prefill attention (heads, qk dim, v dim): kimi-linear-48b, glm5.3-flash.
 ATTENTION_SHAPES = ((32, 192, 128), (64, 256, 256))
+# MLA decode attention (heads, kv_lora, rope, DSA mask): kimi-linear-48b, glm5.3-flash; one
+# sequence of 8192 + 512 positions in blocks of 512 (a batch-1 decode step: the most splits).
+MLA_DECODE_SHAPES = ((32, 512, 64, False), (64, 512, 0, True))
+MLA_DECODE_BLOCKS, MLA_DECODE_BLOCK_SIZE = 17, 512
 # DSA sparse attention (heads, kv_lora, rope, top_k): glm5.3-flash.
 SPARSE_SHAPES = ((64, 512, 0, 2048),)
 # DSA index scores (index heads, head dim): glm5.3-flash; 1024 queries (the layer's block).
@@ -203,6 +209,28 @@ def lower_route_top_k(spec: DeviceSpec, num_experts: int, top_k: int,
 
     return [dataclasses.replace(module, name=f"{module.name}_e{num_experts}")
             for module in triton_modules(route, args, spec)]
+
+
+def lower_mla_decode(spec: DeviceSpec, heads: int, kv_lora: int, rope: int, masked: bool,
+                     rows: int = 1) -> list[TritonModule]:
+    """The Triton module of the MLA decode attention (`pallas_kernels.mla_decode`) with the
+    runtime's tiling for `rows` sequences of MLA_DECODE_BLOCKS blocks, bf16 latents."""
+    shape = jax.ShapeDtypeStruct
+    width = MLA_DECODE_BLOCKS * MLA_DECODE_BLOCK_SIZE
+    tiling = select_mla_decode_tiling(spec, rows=rows, heads=heads, width=width,
+                                      block_size=MLA_DECODE_BLOCK_SIZE)
+    args = (shape((rows, heads, kv_lora), jnp.bfloat16),
+            shape((rows, heads, rope), jnp.bfloat16) if rope else None,
+            shape((64, MLA_DECODE_BLOCK_SIZE, kv_lora + rope), jnp.bfloat16),
+            shape((rows, MLA_DECODE_BLOCKS), jnp.int32), shape((rows,), jnp.int32),
+            shape((rows, width), jnp.bool_) if masked else None)
+
+    def decode(q_abs, q_pe, pages, block_table, context_lens, mask):
+        return mla_decode_pallas(q_abs, q_pe, pages, block_table, context_lens, mask,
+                                 scale=0.07, tiling=tiling, interpret=False)
+
+    return [dataclasses.replace(module, name=f"{module.name}_h{heads}")
+            for module in triton_modules(decode, args, spec)]
 
 
 def lower_flash_attention(spec: DeviceSpec, heads: int, head_qk: int, head_v: int,
@@ -323,6 +351,9 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                 reports.append(compile_module(module, spec, SEGMENT_HEADS))
         for num_heads, head_qk, head_v in ATTENTION_SHAPES:
             for module in lower_flash_attention(spec, num_heads, head_qk, head_v):
+                reports.append(compile_module(module, spec, num_heads))
+        for num_heads, *shape in MLA_DECODE_SHAPES:
+            for module in lower_mla_decode(spec, num_heads, *shape):
                 reports.append(compile_module(module, spec, num_heads))
         for num_heads, *shape in SPARSE_SHAPES:
             for module in lower_sparse_attention(spec, num_heads, *shape):

@@ -30,6 +30,7 @@ def test_every_kernel_compiles_within_limits(device):
         "index_scores",
         *(f"select_top_k_{num_keys // 1024}K" for num_keys, _ in aot.TOP_K_SHAPES),
         *(f"route_top_k_e{shape.experts}" for shape in aot.MOE_SHAPES),
+        *(f"mla_decode_h{heads}" for heads, *_ in aot.MLA_DECODE_SHAPES),
     }
     decode = [r for r in reports if r.kernel.startswith("kda_decode_bv")]
     assert {r.heads for r in decode} == set(aot.HEAD_COUNTS)

@@ -57,6 +57,7 @@ from glmjax.layers.paged_cache import (
 from glmjax.layers.prefill_keys import CachedPrefix, PackedKeys, sequence_keys
 from glmjax.layers.projection import projection
 from pallas_kernels.attention import prefill_attention
+from pallas_kernels.mla_decode import mla_decode, visible_positions
 from pallas_kernels.sparse_attention import sparse_attention
 
 if TYPE_CHECKING:
@@ -172,12 +173,21 @@ class MLA(nnx.Module):
             new = NewLatents(latent, self._index_keys(x))
             cache = write_latents(cache, block_table, jnp.arange(num_seqs, dtype=jnp.int32),
                            context_lens, context_lens >= 0, new, None)
-            latent = read_paged(cache.latent, block_table)  # [N, S, L]
-            mask = jnp.arange(latent.shape[1])[None] <= context_lens[:, None]  # [N, S]
+            mask = None
             if self.indexer is not None:
+                width = block_table.shape[1] * cache.latent.shape[1]
                 mask = self.indexer.select(*self.indexer.queries(x, q_latent),
-                                           read_paged(cache.index_keys, block_table), mask)
-            out = self._attend_absorbed(q_nope, q_pe, latent, mask)
+                                           read_paged(cache.index_keys, block_table),
+                                           visible_positions(context_lens, None, width))
+            q_abs, w_uv = self._absorbed_queries(q_nope)
+            # On one GPU the kernel reads the latents in their blocks (flash decoding); its
+            # steps take 16 or 32 positions of one block.
+            kernel = (len(jax.devices()) == 1 and jax.devices()[0].platform == "gpu"
+                      and cache.latent.shape[1] % 16 == 0)
+            out_latent, _ = mla_decode(q_abs, q_pe if self.rope else None, cache.latent,
+                                       block_table, context_lens, mask, scale=self.scale,
+                                       implementation="pallas" if kernel else "xla")
+            out = self._from_latent(out_latent, w_uv, q_nope.dtype)
             return self.o_proj(out.reshape(num_seqs, -1)), cache
 
     def _decode_dcp(self, x, q_nope, q_pe, q_latent, latent, cache, block_table, context_lens,
@@ -192,9 +202,7 @@ class MLA(nnx.Module):
             keys = read_paged(index_keys, block_table)  # [N, S, d_I], global order
             visible = jnp.arange(keys.shape[1])[None] <= context_lens[:, None]
             top = self.indexer.top_keys(*self.indexer.queries(x, q_latent), keys, visible)
-        w_uk, w_uv = self._absorption(q_nope.dtype)
-        q_abs = jnp.einsum("nhd,chd->nhc", q_nope, w_uk,
-                           preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        q_abs, w_uv = self._absorbed_queries(q_nope)
 
         # Zero-width arrays (no rope part) crash XLA's CPU compiler inside a shard_map.
         q_pe = (q_pe,) if self.rope else ()
@@ -224,8 +232,7 @@ class MLA(nnx.Module):
                       specs.replicated),
             out_specs=(specs.mla_latent, specs.heads),
         )(cache.latent, block_table, context_lens, latent, q_abs, q_pe, top)
-        out = jnp.einsum("nhc,chv->nhv", out_latent.astype(w_uv.dtype), w_uv,
-                         preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        out = self._from_latent(out_latent, w_uv, q_nope.dtype)
         return self.o_proj(out.reshape(num_seqs, -1)), MLACache(pages, index_keys)
 
     def _queries(self, x):
@@ -349,11 +356,14 @@ class MLA(nnx.Module):
             self.kv_lora, self.num_heads, self.nope + self.v_dim)
         return w[..., :self.nope], w[..., self.nope:]
 
-    def _attend_absorbed(self, q_nope, q_pe, latent, mask):
-        """Absorbed: q [N, H, *], latent [N, S, L], mask [N, S] -> [N, H, v]."""
+    def _absorbed_queries(self, q_nope):
+        """q_nope [N, H, nope] -> q_abs [N, H, kv_lora] (q_nope W_uk, in its dtype) and W_uv."""
         w_uk, w_uv = self._absorption(q_nope.dtype)
         q_abs = jnp.einsum("nhd,chd->nhc", q_nope, w_uk, preferred_element_type=jnp.float32)
-        out_latent, _ = latent_attention(q_abs.astype(q_nope.dtype), q_pe if self.rope else None,
-                                         latent, mask, kv_lora=self.kv_lora, scale=self.scale)
+        return q_abs.astype(q_nope.dtype), w_uv
+
+    @staticmethod
+    def _from_latent(out_latent, w_uv, dtype):
+        """The attention's output latent fp32 [N, H, kv_lora] -> [N, H, v] (W_uv) in dtype."""
         return jnp.einsum("nhc,chv->nhv", out_latent.astype(w_uv.dtype), w_uv,
-                          preferred_element_type=jnp.float32).astype(q_nope.dtype)
+                          preferred_element_type=jnp.float32).astype(dtype)
