@@ -194,7 +194,8 @@ def lower_kda_decode_fused(spec: DeviceSpec, heads: int, *, rows: int = 1,
     def decode(*arrays):
         return kda_decode_fused_pallas(*arrays, shape=launch, interpret=False)
 
-    return triton_modules(decode, args, spec)
+    return [dataclasses.replace(module, name=f"{module.name}_{gate}")
+            for module in triton_modules(decode, args, spec)]
 
 
 def lower_route_top_k(spec: DeviceSpec, num_experts: int, top_k: int,
@@ -342,8 +343,9 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
             for rows in DECODE_ROWS:
                 for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)
-            for module in lower_kda_decode_fused(spec, num_heads):  # tiling: row-independent
-                modules.setdefault(module.name, module)
+            for gate in ("softplus", "sigmoid_bound"):  # kimi's and glm's (tiling: any rows)
+                for module in lower_kda_decode_fused(spec, num_heads, gate=gate):
+                    modules.setdefault(module.name, module)
             reports.extend(compile_module(module, spec, num_heads) for module in modules.values())
         for module in lower_kda_prefill(spec, SEGMENT_HEADS, segment_config(spec),
                                         bounded_gates=True):
