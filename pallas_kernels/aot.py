@@ -94,6 +94,7 @@ NUM_TOKENS = 8192
 CAPACITY = 4
 DECODE_ROWS = (1, 64)  # the decode kernel's tiling depends on the row count (tuning.py)
 DECODE_POOL_SLOTS = 256
+FUSED_DECODE_GATES = {32: "softplus", 64: "sigmoid_bound"}  # kimi-linear-48b, glm5.3-flash
 # MLA prefill attention (heads, qk dim, v dim): kimi-linear-48b, glm5.3-flash.
 ATTENTION_SHAPES = ((32, 192, 128), (64, 256, 256))
 # MLA decode attention (heads, kv_lora, rope, DSA mask): kimi-linear-48b, glm5.3-flash; one
@@ -343,9 +344,10 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
             for rows in DECODE_ROWS:
                 for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)
-            for gate in ("softplus", "sigmoid_bound"):  # kimi's and glm's (tiling: any rows)
-                for module in lower_kda_decode_fused(spec, num_heads, gate=gate):
-                    modules.setdefault(module.name, module)
+            # The fused step with each preset's gate at its head count (tiling: any rows).
+            gate = FUSED_DECODE_GATES[num_heads]
+            for module in lower_kda_decode_fused(spec, num_heads, gate=gate):
+                modules.setdefault(module.name, module)
             reports.extend(compile_module(module, spec, num_heads) for module in modules.values())
         for module in lower_kda_prefill(spec, SEGMENT_HEADS, segment_config(spec),
                                         bounded_gates=True):

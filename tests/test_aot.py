@@ -36,8 +36,7 @@ def test_every_kernel_compiles_within_limits(device):
     assert {r.heads for r in decode} == set(aot.HEAD_COUNTS)
     fused = [r for r in reports if r.kernel.startswith("kda_decode_fused")]
     assert {(r.kernel, r.heads) for r in fused} == {
-        (f"kda_decode_fused_{gate}", heads) for gate in ("softplus", "sigmoid_bound")
-        for heads in aot.HEAD_COUNTS}
+        (f"kda_decode_fused_{gate}", heads) for heads, gate in aot.FUSED_DECODE_GATES.items()}
     # The fused step holds a head's whole state over 16 warps (128 registers): kimi's
     # softplus gate spills a little (88 B on sm_90, 64 B on sm_121; the 14.8 us a layer
     # measured on the H200 includes it), never more.

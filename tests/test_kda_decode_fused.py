@@ -151,15 +151,16 @@ class FusedCases:
         assert_bits_equal(np.asarray(pools[0])[others], recurrent0.astype(np.float32)[others])
         assert_bits_equal(np.asarray(pools[1])[others], np.asarray(jnp.asarray(conv0, dtype))[others])
 
-    @pytest.mark.parametrize("gate", sorted(GATES))
-    @pytest.mark.parametrize("slots", [[3], [5, -1, 0, 7, 2, -1], [-1, -1]])
+    @pytest.mark.parametrize("gate, slots", [
+        ("sigmoid_bound", [3]), ("softplus", [5, -1, 0, 7, 2, -1]),
+        ("sigmoid_bound", [5, -1, 0, 7, 2, -1]), ("softplus", [-1, -1])])
     def test_one_step(self, rng, slots, gate):
         self.check(rng, slots, gate=gate)
 
     def test_chained_steps_with_rows_reordered(self, rng):
         self.check(rng, [6, -1, 1, 4], steps=3)
 
-    @pytest.mark.parametrize("heads, dim, width", [(1, 64, 2), (3, 32, 3), (2, 128, 4)])
+    @pytest.mark.parametrize("heads, dim, width", [(1, 64, 2), (3, 32, 3)])
     def test_shapes(self, rng, heads, dim, width):
         self.check(rng, [0, -1, 2], heads=heads, dim=dim, width=width, num_slots=3)
 
