@@ -163,11 +163,18 @@ def device_time(case: Case, args) -> dict:
     programs, traced: unlike the wall time, it does not move with the host's speed, which
     sets a batch-1 step and varies ~3x between lent machines."""
     trace_dir = Path(tempfile.mkdtemp(prefix="decode_device_", dir=args.trace_dir))
-    path = record_trace(lambda: ([case.step() for _ in range(ENGINE_STEPS)],
-                                 case.session.engine.caches)[1], trace_dir)
-    own = summarize(kernel_events(load_trace(path)))
+    _, _, own = trace_engine_steps(case, trace_dir)
     return dict(device_ms_per_step=own["busy_ms"] / ENGINE_STEPS,
                 traced_span_ms_per_step=own["span_ms"] / ENGINE_STEPS)
+
+
+def trace_engine_steps(case: Case, trace_dir: Path):
+    """`ENGINE_STEPS` steps of the engine's own programs (its CUDA graphs) under the
+    profiler: the trace's path, its device ops and their summary (`bench.profile`)."""
+    path = record_trace(lambda: ([case.step() for _ in range(ENGINE_STEPS)],
+                                 case.session.engine.caches)[1], trace_dir)
+    events = kernel_events(load_trace(path))
+    return path, events, summarize(events)
 
 
 def dry_run_buckets(args, buckets, config) -> dict:
@@ -198,10 +205,7 @@ def profile_step(session: Session, args, batch: int, rng, config, device_kind, s
                                flops=None, device_kind=device_kind, step_s=step_s)
         engine.steps = timed
         case.step()
-        path = record_trace(lambda: ([case.step() for _ in range(ENGINE_STEPS)],
-                                     engine.caches)[1], trace_dir / "engine")
-        events = kernel_events(load_trace(path))
-        own = summarize(events, device_kind=device_kind)
+        path, events, own = trace_engine_steps(case, trace_dir / "engine")
         modules = collections.Counter()
         for e in events:
             modules[e.hlo_module or "(unnamed)"] += e.duration_us / 1e3 / ENGINE_STEPS

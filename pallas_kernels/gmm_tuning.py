@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.tiles import check_tile_sizes
 from pallas_kernels.tuning import DeviceSpec
 
 BF16_BYTES = 2
@@ -33,10 +34,7 @@ class GmmConfig:
     swizzle: int = 8
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        check_tile_sizes(self, ("block_m", "block_n", "block_k"))
         if self.swizzle < 1:
             raise ValueError(f"swizzle must be >= 1, got {self.swizzle}")
 

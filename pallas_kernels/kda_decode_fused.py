@@ -83,12 +83,16 @@ def _check(qkv, f_a, g_a, beta, weights, state_slots, recurrent, conv, gates):
         raise ValueError(f"gate must be one of {GATES}, got {gates.gate!r}")
 
 
-def decay(f: jax.Array, a_log: jax.Array, gates: DecodeLayerGates) -> jax.Array:
-    """Log-decay g <= 0 from f = f_b(f_a) + dt_bias, fp32 [N, H, K] (`KDA.decay`)."""
+def decay(f: jax.Array, a_log: jax.Array, gate: str, gate_bound: float) -> jax.Array:
+    """Per-channel log-decay g <= 0 from f = f_b(f_a) + dt_bias, fp32 [N, H, K]; a_log [H]:
+
+        softplus (Kimi):      g = -exp(A_log) * softplus(f)
+        sigmoid_bound (GLM):  g = bound * sigmoid(exp(A_log) * f)
+    """
     a = jnp.exp(a_log)[:, None]
-    if gates.gate == "softplus":
+    if gate == "softplus":
         return -a * jax.nn.softplus(f)
-    return gates.gate_bound * jax.nn.sigmoid(a * f)
+    return gate_bound * jax.nn.sigmoid(a * f)
 
 
 def kda_decode_fused_reference(qkv, f_a, g_a, beta, weights: DecodeLayerWeights, state_slots,
@@ -114,7 +118,7 @@ def kda_decode_fused_reference(qkv, f_a, g_a, beta, weights: DecodeLayerWeights,
         return jnp.dot(x.astype(f32), w.astype(f32), precision=_HIGHEST).astype(dtype)
 
     f = up(f_a, weights.f_b).astype(f32) + weights.dt_bias
-    g = decay(f.reshape(rows, heads, dim), weights.a_log, gates)
+    g = decay(f.reshape(rows, heads, dim), weights.a_log, gates.gate, gates.gate_bound)
     o, recurrent = kda_decode_reference(l2(mixed[:, 0]), l2(mixed[:, 1]), mixed[:, 2], g, beta,
                                         state_slots, recurrent, scale=dim ** -0.5)
     o = o.astype(dtype).astype(f32)

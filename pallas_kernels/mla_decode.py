@@ -35,30 +35,48 @@ def visible_positions(context_lens, mask, width: int) -> jax.Array:
     return visible if mask is None else visible & mask
 
 
-def mla_decode_reference(q_abs, q_pe, pages, block_table, context_lens, mask=None, *,
-                         scale: float):
-    """The jax.numpy path: (out fp32 [N, H, C], lse fp32 [N, H])."""
-    num_blocks, block_size, _ = pages.shape
-    kv_lora = q_abs.shape[-1]
-    blocks = jnp.where(block_table >= 0, block_table, num_blocks)
-    latent = pages.at[blocks].get(mode="fill", fill_value=0)
-    latent = latent.reshape(block_table.shape[0], -1, pages.shape[-1])  # [N, M P, C + R]
-    c_kv = latent[..., :kv_lora].astype(q_abs.dtype)
-    scores = jnp.einsum("nhc,nsc->nhs", q_abs, c_kv, preferred_element_type=jnp.float32)
-    if q_pe is not None:
-        scores += jnp.einsum("nhr,nsr->nhs", q_pe, latent[..., kv_lora:].astype(q_pe.dtype),
-                             preferred_element_type=jnp.float32)
-    visible = visible_positions(context_lens, mask, latent.shape[1])[:, None]
-    scores = jnp.where(visible, scores * scale, -jnp.inf)
+def softmax_with_lse(scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Softmax over the last axis restricted to `mask`, and its log-sum-exp (the last axis
+    dropped). Fully masked rows give zeros and an LSE of -inf."""
+    scores = jnp.where(mask, scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     peak = jnp.where(jnp.isfinite(peak), peak, 0)
     weights = jnp.exp(scores - peak)
     total = jnp.sum(weights, axis=-1, keepdims=True)
-    safe = jnp.where(total > 0, total, 1)
-    out = jnp.einsum("nhs,nsc->nhc", (weights / safe).astype(c_kv.dtype), c_kv,
+    lse = jnp.where(total > 0, peak + jnp.log(jnp.where(total > 0, total, 1)), -jnp.inf)
+    return weights / jnp.where(total > 0, total, 1), lse[..., 0]
+
+
+def latent_attention(q_abs: jax.Array, q_pe: jax.Array | None, latent: jax.Array,
+                     mask: jax.Array, *, kv_lora: int, scale: float
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Absorbed attention over gathered latents: q_abs [N, H, C] (q_nope W_uk), q_pe
+    [N, H, R] (None when R = 0), latent [N, S, C + R], mask [N, S] -> output latent fp32
+    [N, H, C] (before W_uv) and its log-sum-exp fp32 [N, H] (-inf where no key is visible).
+    The dense form behind `mla_decode_reference`, and what a dcp rank runs on its shard."""
+    c_kv = latent[..., :kv_lora].astype(q_abs.dtype)
+    scores = jnp.einsum("nhc,nsc->nhs", q_abs, c_kv, preferred_element_type=jnp.float32)
+    if q_pe is not None:
+        k_pe = latent[..., kv_lora:].astype(q_pe.dtype)
+        scores = scores + jnp.einsum("nhr,nsr->nhs", q_pe, k_pe,
+                                     preferred_element_type=jnp.float32)
+    probs, lse = softmax_with_lse(scores * scale, mask[:, None])
+    out = jnp.einsum("nhs,nsc->nhc", probs.astype(c_kv.dtype), c_kv,
                      preferred_element_type=jnp.float32)
-    lse = jnp.where(total > 0, peak + jnp.log(safe), -jnp.inf)[..., 0]
     return out, lse
+
+
+def mla_decode_reference(q_abs, q_pe, pages, block_table, context_lens, mask=None, *,
+                         scale: float):
+    """The jax.numpy path: the pages gathered in position order (missing blocks as zeros),
+    then `latent_attention`. (out fp32 [N, H, C], lse fp32 [N, H])."""
+    num_blocks = pages.shape[0]
+    blocks = jnp.where(block_table >= 0, block_table, num_blocks)
+    latent = pages.at[blocks].get(mode="fill", fill_value=0)
+    latent = latent.reshape(block_table.shape[0], -1, pages.shape[-1])  # [N, M P, C + R]
+    visible = visible_positions(context_lens, mask, latent.shape[1])
+    return latent_attention(q_abs, q_pe, latent, visible, kv_lora=q_abs.shape[-1],
+                            scale=scale)
 
 
 def _check(q_abs, q_pe, pages, block_table, context_lens, mask):

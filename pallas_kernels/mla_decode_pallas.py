@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.tiles import dot_nt, iota
+from pallas_kernels.tiles import check_tile_sizes, dot_nt, iota
 from pallas_kernels.tuning import DeviceSpec
 
 PROGRAMS_PER_SM = 2
@@ -38,10 +38,7 @@ class DecodeTiling:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_t", "block_h"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        check_tile_sizes(self, ("block_t", "block_h"))
         if self.split < self.block_t or self.split % self.block_t:
             raise ValueError(f"split {self.split} must be a positive multiple of block_t "
                              f"{self.block_t}")

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gmm_tuning import pow2_at_least_16
-from pallas_kernels.tiles import iota
+from pallas_kernels.tiles import check_tile_sizes, iota
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +38,7 @@ class StreamTiling:
     splits: int
 
     def __post_init__(self):
-        for name in ("block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        check_tile_sizes(self, ("block_n", "block_k"))
         if self.splits < 1:
             raise ValueError(f"splits must be >= 1, got {self.splits}")
 

@@ -25,6 +25,15 @@ def dot_nt(a, b, precision):
                            preferred_element_type=jnp.float32)
 
 
+def check_tile_sizes(config, names) -> None:
+    """ValueError unless each named field of `config` is a power of two >= 16 (a tile edge
+    Triton and the tensor cores take)."""
+    for name in names:
+        value = getattr(config, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+
 def iota(shape, dim):
     """int32 indices along `dim` of an array of `shape` (rows / columns of a tile)."""
     return lax.broadcasted_iota(jnp.int32, shape, dim)

@@ -23,7 +23,12 @@ from glmjax.layers.norms import GatedRMSNorm, l2_normalize
 from glmjax.layers.projection import project_together, projection
 from pallas_kernels import kda_decode, kda_prefill
 from pallas_kernels.kda import MIN_GATE_LOWER_BOUND
-from pallas_kernels.kda_decode_fused import DecodeLayerGates, DecodeLayerWeights, kda_decode_fused
+from pallas_kernels.kda_decode_fused import (
+    DecodeLayerGates,
+    DecodeLayerWeights,
+    decay,
+    kda_decode_fused,
+)
 from pallas_kernels.tuning import device_spec, use_fused_decode
 
 if TYPE_CHECKING:
@@ -90,18 +95,12 @@ class KDA(nnx.Module):
         return jnp.concatenate([q, k, v], axis=-1), f_a, g_a, beta
 
     def decay(self, f_a: jax.Array) -> jax.Array:
-        """Per-channel log-decay g <= 0, fp32 [T, H, K], from f_a = f_a_proj(x) [T, K].
-
-        softplus (Kimi):      g = -exp(A_log) * softplus(f + dt_bias)
-        sigmoid_bound (GLM):  g = bound * sigmoid(exp(A_log) * (f + dt_bias)), bound = -5
-        with f = f_b(f_a).
-        """
+        """Per-channel log-decay g <= 0, fp32 [T, H, K], from f_a = f_a_proj(x) [T, K]: the
+        gate (`pallas_kernels.kda_decode_fused.decay`) of f_b(f_a) + dt_bias (GLM's bound:
+        -5)."""
         f = self.f_b_proj(f_a).astype(jnp.float32) + self.dt_bias[...]
         f = f.reshape(f_a.shape[0], self.num_heads, self.head_dim)
-        a = jnp.exp(self.A_log[...])[:, None]  # [H, 1]
-        if self.gate == "softplus":
-            return -a * jax.nn.softplus(f)
-        return self.gate_bound * jax.nn.sigmoid(a * f)
+        return decay(f, self.A_log[...], self.gate, self.gate_bound)
 
     def __call__(self, x: jax.Array, cu_seqlens: jax.Array, state: KDAState,
                  checkpoint_offsets: jax.Array, *, plan: ShardingPlan | None = None

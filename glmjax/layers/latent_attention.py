@@ -1,7 +1,7 @@
-"""Absorbed MLA attention over latents, as decode and DCP use it: a masked softmax with its
-log-sum-exp, the attention itself, the merge of the dcp ranks' partial results, the DSA
-selection as one dcp rank sees it, and a helper that maps a function over blocks of query
-rows (`glmjax.layers.mla` holds the layer)."""
+"""Absorbed MLA attention over latents as DCP uses it: the attention itself
+(`pallas_kernels.mla_decode.latent_attention`, re-exported), the merge of the dcp ranks'
+partial results, the DSA selection as one dcp rank sees it, and a helper that maps a function
+over blocks of query rows (`glmjax.layers.mla` holds the layer)."""
 
 from __future__ import annotations
 
@@ -10,36 +10,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from glmjax.layers.paged_cache import DCPLayout
+from pallas_kernels.mla_decode import latent_attention
 
-
-def softmax_with_lse(scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Softmax over the last axis restricted to `mask`, and its log-sum-exp (the last axis
-    dropped). Fully masked rows give zeros and an LSE of -inf."""
-    scores = jnp.where(mask, scores, -jnp.inf)
-    peak = jnp.max(scores, axis=-1, keepdims=True)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0)
-    weights = jnp.exp(scores - peak)
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    lse = jnp.where(total > 0, peak + jnp.log(jnp.where(total > 0, total, 1)), -jnp.inf)
-    return weights / jnp.where(total > 0, total, 1), lse[..., 0]
-
-
-def latent_attention(q_abs: jax.Array, q_pe: jax.Array | None, latent: jax.Array,
-                     mask: jax.Array, *, kv_lora: int, scale: float
-                     ) -> tuple[jax.Array, jax.Array]:
-    """Absorbed attention over latents: q_abs [N, H, C] (q_nope W_uk), q_pe [N, H, R] (None
-    when R = 0), latent [N, S, C + R], mask [N, S] -> output latent fp32 [N, H, C] (before
-    W_uv) and its log-sum-exp fp32 [N, H] (-inf where no key is visible)."""
-    c_kv = latent[..., :kv_lora].astype(q_abs.dtype)
-    scores = jnp.einsum("nhc,nsc->nhs", q_abs, c_kv, preferred_element_type=jnp.float32)
-    if q_pe is not None:
-        k_pe = latent[..., kv_lora:].astype(q_pe.dtype)
-        scores = scores + jnp.einsum("nhr,nsr->nhs", q_pe, k_pe,
-                                     preferred_element_type=jnp.float32)
-    probs, lse = softmax_with_lse(scores * scale, mask[:, None])
-    out = jnp.einsum("nhs,nsc->nhc", probs.astype(c_kv.dtype), c_kv,
-                     preferred_element_type=jnp.float32)
-    return out, lse
+__all__ = ["in_query_blocks", "latent_attention", "merge_partial_attention",
+           "owned_top_k_mask"]
 
 
 def merge_partial_attention(out: jax.Array, lse: jax.Array, axis_name: str) -> jax.Array:

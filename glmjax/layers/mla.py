@@ -55,7 +55,7 @@ from glmjax.layers.paged_cache import (
     write_paged_local,
 )
 from glmjax.layers.prefill_keys import CachedPrefix, PackedKeys, sequence_keys
-from glmjax.layers.projection import projection
+from glmjax.layers.projection import on_one_gpu, projection
 from pallas_kernels.attention import prefill_attention
 from pallas_kernels.mla_decode import mla_decode, visible_positions
 from pallas_kernels.sparse_attention import sparse_attention
@@ -182,8 +182,7 @@ class MLA(nnx.Module):
             q_abs, w_uv = self._absorbed_queries(q_nope)
             # On one GPU the kernel reads the latents in their blocks (flash decoding); its
             # steps take 16 or 32 positions of one block.
-            kernel = (len(jax.devices()) == 1 and jax.devices()[0].platform == "gpu"
-                      and cache.latent.shape[1] % 16 == 0)
+            kernel = on_one_gpu() and cache.latent.shape[1] % 16 == 0
             out_latent, _ = mla_decode(q_abs, q_pe if self.rope else None, cache.latent,
                                        block_table, context_lens, mask, scale=self.scale,
                                        implementation="pallas" if kernel else "xla")

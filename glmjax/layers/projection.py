@@ -30,12 +30,18 @@ from pallas_kernels.stream_matmul import STREAM_ROWS, stream_matmul
 XLA_REDUCTION_THRESHOLD = 10_000_000
 
 
+def on_one_gpu() -> bool:
+    """Whether the process has one device, a GPU: where our Pallas kernels replace XLA's ops
+    without a partitioning of their own."""
+    devices = jax.devices()
+    return len(devices) == 1 and devices[0].platform == "gpu"
+
+
 def default_implementation(rows: int, d_in: int, d_out: int) -> str:
     """"stream" for a product XLA would turn into a reduction, of at most STREAM_ROWS rows,
     on a process with one device, a GPU, in widths the kernel tiles (multiples of 16);
     "xla" otherwise."""
-    devices = jax.devices()
-    if (len(devices) == 1 and devices[0].platform == "gpu" and 1 <= rows <= STREAM_ROWS
+    if (on_one_gpu() and 1 <= rows <= STREAM_ROWS
             and rows * d_in + d_in * d_out < XLA_REDUCTION_THRESHOLD
             and d_in % 16 == 0 and d_out % 16 == 0):
         return "stream"
