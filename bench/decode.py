@@ -162,6 +162,8 @@ def device_time(case: Case, args) -> dict:
     """The device's busy time per step over `ENGINE_STEPS` more steps of the engine's own
     programs, traced: unlike the wall time, it does not move with the host's speed, which
     sets a batch-1 step and varies ~3x between lent machines."""
+    if args.trace_dir:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
     trace_dir = Path(tempfile.mkdtemp(prefix="decode_device_", dir=args.trace_dir))
     _, _, own = trace_engine_steps(case, trace_dir)
     return dict(device_ms_per_step=own["busy_ms"] / ENGINE_STEPS,
