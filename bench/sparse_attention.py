@@ -69,7 +69,7 @@ CASES = {"8K": 8192, "16K": 16384, "32K": 32768}
 QUICK = {"tiny-48": 48}
 BAR = 0.6
 SPARSE_SWEEP = (SparseConfig(64, 32, 8, 2), SparseConfig(64, 32, 8, 3),
-                SparseConfig(64, 16, 8, 2), SparseConfig(32, 32, 4, 2),
+                SparseConfig(64, 16, 8, 2), SparseConfig(64, 64, 8, 2), SparseConfig(32, 32, 4, 2),
                 SparseConfig(32, 32, 8, 2), SparseConfig(16, 32, 4, 2))
 QUERY_BLOCK_SWEEP = (256, 512, 2048)  # queries per selection block (MLA.query_block)
 # (tile, resident, streamed_digit_bits, num_warps): 16 warps hold a 32K row at 64 keys a
@@ -178,10 +178,10 @@ def run_case(name, tokens, args):
                                               implementation="reference"),
         "top_k-pallas": lambda s: select_top_k(s, k, lengths=lengths, implementation="pallas"),
     }
-    for config in TOP_K_SWEEP if args.sweep else ():
-        selections[f"top_k-pallas {tiling(config)}"] = functools.partial(
+    for top_k_config in TOP_K_SWEEP if args.sweep else ():
+        selections[f"top_k-pallas {tiling(top_k_config)}"] = functools.partial(
             lambda s, c: select_top_k(s, k, lengths=lengths, implementation="pallas",
-                                      config=c), c=config)
+                                      config=c), c=top_k_config)
     expected = None  # the sort's set of each row
     for row, fn in selections.items():
         fn = jax.jit(fn)

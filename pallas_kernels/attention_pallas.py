@@ -46,18 +46,20 @@ class FlashConfig:
 
 # Per compute capability major, then by the widest head dim (qk or v) up to the key.
 # sm_12x (GB10) has 99 KB of shared memory per block, sm_90/sm_100 227 KB, sm_80 163 KB.
-# Shared memory, registers and spills come from `python -m pallas_kernels.aot` (Triton 3.9):
+# Shared memory, registers and spills come from `python -m pallas_kernels.aot`:
 # GB10 qk 192 / v 128: 73,728 B, 168 registers; qk 256 / v 256: 69,632 B, 172 registers
-# (64 x 64 blocks with 8 warps need 106,496 B there; 4 warps spill); H200: 131,072 B, 253
-# registers and 163,840 B, 253 registers, no spills (128 x 64 blocks at 256 spill 1.7 KB).
-# Speed on the H200: `python -m bench.attention`.
+# (64 x 64 blocks with 8 warps need 106,496 B there; 4 warps spill). H200, picked by
+# `python -m bench.attention --sweep` (bench/results/attention_sweep_2026-12-02.json):
+# qk 192 / v 128 at 128 x 128 (212,992 B, 228 registers; 8K causal 1.78 ms, 8 x 1K 0.40)
+# and qk 256 / v 256 at 128 x 64 (196,608 B, 239 registers; 4.71 / 0.97 ms, where 64 x 64
+# took 10.0 / 1.67), no spills. sm_100 shares sm_90's limits and table (not measured).
 _SMALL = FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)
+_HOPPER = {128: FlashConfig(128, 64, 8, 2), 192: FlashConfig(128, 128, 8, 2),
+           256: FlashConfig(128, 64, 8, 2)}
 TUNING = {
     12: {128: _SMALL, 192: FlashConfig(64, 64, 8, 2), 256: FlashConfig(64, 32, 8, 2)},
-    9: {128: FlashConfig(128, 64, 8, 2), 192: FlashConfig(128, 64, 8, 2),
-        256: FlashConfig(64, 64, 8, 2)},
-    10: {128: FlashConfig(128, 64, 8, 2), 192: FlashConfig(128, 64, 8, 2),
-         256: FlashConfig(64, 64, 8, 2)},
+    9: _HOPPER,
+    10: _HOPPER,
     8: {128: _SMALL, 192: FlashConfig(64, 64, 8, 2), 256: FlashConfig(64, 32, 8, 2)},
 }
 

@@ -38,13 +38,14 @@ class SparseConfig:
     num_stages: int = 2
 
 
-# Per compute capability major. From `python -m pallas_kernels.aot` (Triton 3.9) at the
-# glm5.3-flash shape (64 heads, latent 512), all 64 heads in one program so each selected row
-# is gathered once per query: H200 64 x 32, 8 warps: 131,200 B shared, 254 registers, no
-# spills (64 x 64 spills 248 B; 4 warps spill 5.6 KB); GB10 64 x 16, 8 warps: 84,032 B of
-# its 99 KB, 224 registers (64 x 32 needs 102,528 B). Speed: `python -m bench.sparse_attention`.
+# Per compute capability major. All 64 heads of glm5.3-flash (latent 512) in one program, so
+# each selected row is gathered once per query. H200: 64 x 64, 8 warps, 3 stages, picked by
+# a sweep at 32K (bench/results/sparse_op_sweep_32K_2026-12-02.json: 38.0 ms, 238 TFLOP/s,
+# where 64 x 32 took 51.1 and 16 warps or 128-row blocks were slower or did not fit); it
+# spills ~250 B (`python -m pallas_kernels.aot`). GB10: 64 x 16, 8 warps, 84,032 B of its
+# 99 KB, 224 registers (64 x 32 needs 102,528 B). Speed: `python -m bench.sparse_attention`.
 MIN_BLOCK_H = 16  # a Triton dot's smallest M
-_WIDE = SparseConfig(block_h=64, block_k=32, num_warps=8, num_stages=2)
+_WIDE = SparseConfig(block_h=64, block_k=64, num_warps=8, num_stages=3)
 TUNING = {
     12: SparseConfig(block_h=64, block_k=16, num_warps=8, num_stages=2),
     9: _WIDE,
