@@ -42,15 +42,16 @@ class SparseConfig:
 # each selected row is gathered once per query. H200: 64 x 64, 8 warps, 3 stages, picked by
 # a sweep at 32K (bench/results/sparse_op_sweep_32K_2026-12-02.json: 38.0 ms, 238 TFLOP/s,
 # where 64 x 32 took 51.1 and 16 warps or 128-row blocks were slower or did not fit); it
-# spills ~250 B (`python -m pallas_kernels.aot`). GB10: 64 x 16, 8 warps, 84,032 B of its
-# 99 KB, 224 registers (64 x 32 needs 102,528 B). Speed: `python -m bench.sparse_attention`.
+# needs 197,120 B and spills 104 B on sm_90 (`python -m pallas_kernels.aot`). sm_80 (163 KB)
+# keeps 64 x 32 (131,200 B, no spills). GB10: 64 x 16, 8 warps, 84,032 B of its 99 KB, 224
+# registers (64 x 32 needs 102,528 B). Speed: `python -m bench.sparse_attention`.
 MIN_BLOCK_H = 16  # a Triton dot's smallest M
-_WIDE = SparseConfig(block_h=64, block_k=64, num_warps=8, num_stages=3)
+_HOPPER = SparseConfig(block_h=64, block_k=64, num_warps=8, num_stages=3)
 TUNING = {
     12: SparseConfig(block_h=64, block_k=16, num_warps=8, num_stages=2),
-    9: _WIDE,
-    10: _WIDE,
-    8: _WIDE,
+    9: _HOPPER,
+    10: _HOPPER,
+    8: SparseConfig(block_h=64, block_k=32, num_warps=8, num_stages=2),
 }
 
 
