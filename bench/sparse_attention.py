@@ -105,7 +105,8 @@ def random_selection(rng, tokens, top_k):
     return np.where(t + 1 >= top_k, strata, np.where(j <= t, j, -1)).astype(np.int32)
 
 
-def run_case(name, tokens, args):
+def run_case(name, tokens, args, save=lambda rows: None):
+    """One case's rows; `save(rows)` after each, so a run cut short keeps what it timed."""
     rng = np.random.default_rng(0)
     dense_impls = ["reference"] if args.quick else ["pallas"] + (
         ["cudnn"] if cudnn_available() else [])
@@ -127,11 +128,13 @@ def run_case(name, tokens, args):
         except Exception as error:  # out of memory, a shape refused: the row says so
             rows[row] = {"error": f"{type(error).__name__}: {error}"[:300]}
             print(f"{name} {row}: {rows[row]['error']}", flush=True)
+            save(rows)
             return
         rows[row] = {"ms": ms}
         if flops:
             rows[row]["tflops"] = flops / (ms * 1e-3) / 1e12
         print(f"{name} {row}: {ms:.3f} ms", flush=True)
+        save(rows)
 
     @nnx.jit
     def prefill(layer, x):
@@ -297,7 +300,11 @@ def main(argv=None) -> int:
               "host": platform.node(), "args": {k: str(v) for k, v in vars(args).items()},
               "cases": {}}
     for name, tokens in cases.items():
-        record["cases"][name] = run_case(name, tokens, args)
+        def save(rows, name=name, tokens=tokens):
+            record["cases"][name] = {"tokens": tokens, "complete": False, "rows": rows}
+            write_json(record, args.out)
+
+        record["cases"][name] = run_case(name, tokens, args, save)
         write_json(record, args.out)
     print(format_table(record["cases"]))
     print(f"wrote {args.out}")
