@@ -18,6 +18,7 @@ from glmjax.sharding import ShardingPlan, make_mesh
 from pallas_kernels import gmm_tokamax, moe_experts
 
 projection_module = sys.modules["glmjax.layers.projection"]  # the package exports the function
+moe_module = sys.modules["glmjax.layers.moe"]
 
 VARIANTS = {
     "tiny": {},  # 4 experts top-2, clamp 10
@@ -56,6 +57,8 @@ BACKENDS = {
 def test_moe_matches_per_token_loop(rng, monkeypatch, variant, backend):
     moe_backend, fusions = BACKENDS[backend]
     monkeypatch.setattr(moe_experts, "DEFAULT_FUSIONS", fusions)
+    # The Pallas backends route as on one GPU (the routing kernel in interpret mode).
+    monkeypatch.setattr(moe_module, "on_one_gpu", lambda: moe_backend == "pallas")
     config = dataclasses.replace(
         ModelConfig.preset("tiny"), moe_backend=moe_backend, **VARIANTS[variant]
     )
@@ -84,12 +87,15 @@ def test_few_rows_on_the_stream_route(rng, monkeypatch):
                         lambda x, weights, **kw: launches.append(len(weights))
                         or real(x, weights, **kw))
     monkeypatch.setattr(moe_experts, "sort_by_expert", None)  # the per-row schedule only
+    routing = []
+    monkeypatch.setattr(moe_module, "on_one_gpu", lambda: routing.append(1) or True)
     config = dataclasses.replace(ModelConfig.preset("tiny"), moe_backend="pallas",
                                  num_experts=16, num_experts_per_token=3)
     moe = random_module(lambda: MoE(config, rngs=nnx.Rngs(0)), rng)
     x = (rng.normal(size=(2, config.hidden_size)) * 4).astype(np.float32)
     y = nnx.jit(lambda m, x: m(x))(moe, jnp.asarray(x))
     assert launches[0] == 3  # gate, up and router together; then the shared down
+    assert routing  # the Pallas routing
     expected = moe_oracle(moe_params(moe), f64(x), top_k=3,
                           scaling=config.routed_scaling_factor, limit=config.swiglu_limit)
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
-from glmjax.layers.projection import project_together, projection
+from glmjax.layers.projection import on_one_gpu, project_together, projection
 from pallas_kernels.gmm import default_implementation
 from pallas_kernels.moe_experts import routed_experts, swiglu
 from pallas_kernels.moe_routing import route_top_k
@@ -78,9 +78,9 @@ class MoE(nnx.Module):
 
     def route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Router logits fp32 [T, E] -> combine weights fp32 [T, k] and expert ids int32
-        [T, k] (`pallas_kernels.moe_routing`: the Pallas kernel where the router streams,
-        few rows on one GPU; XLA's top-k otherwise)."""
-        implementation = "pallas" if self.router.streams(logits.shape[0]) else "xla"
+        [T, k] (`pallas_kernels.moe_routing`: the Pallas kernel on one GPU, for decode rows
+        and prefill alike, where XLA sorts every row; XLA's top-k on a mesh or a CPU)."""
+        implementation = "pallas" if on_one_gpu() else "xla"
         return route_top_k(logits, self.e_score_correction_bias[...], top_k=self.top_k,
                            scaling=self.scaling, implementation=implementation)
 
