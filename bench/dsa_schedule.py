@@ -19,6 +19,15 @@ shrinking continuations. Per prompt length:
   the same statistics, with DSA and dense. Their ratio is how much the discrete selection
   amplifies rounding noise in y.
 
+- model (--model-layers N > 0): the whole model (glm5.3-flash cut to N layers and
+  --model-experts experts, random weights; `glmjax.random_weights`) over random tokens,
+  through `glmjax.prefill_loop.run_prefill` along both schedules (each pads its steps to
+  its longest span): the next-token logprobs (max difference, both argmaxes, each run's
+  gap between them), every KDA layer's recurrent state at each position both retain
+  (fraction of elements whose bits differ), and every MLA layer's cached latents and
+  index keys (fraction of positions with a differing bit, the first one). The first
+  layer and position that differ locate where the schedules part.
+
 With identical inputs and exact kernels the schedule rows are all zero (the CPU run is);
 non-zero cached-key rows mean the projections are not shape-invariant on the device.
 The JSON (--out) is rewritten after every length.
@@ -34,6 +43,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from bench.common import fill_defaults, positive_sizes, write_json
@@ -42,11 +52,15 @@ from glmjax.layers.mla import MLA
 from glmjax.layers.mla_cache import read_prefix
 from glmjax.layers.paged_cache import MLACache
 from glmjax.layers.prefill_keys import sequence_keys
+from glmjax.prefill_loop import run_prefill
+from glmjax.random_weights import random_model
 from serving.plan import plan_prefill
 
 RESULTS = Path(__file__).parent / "results"
-QUICK = dict(lengths="64", block_size=8, budget=64, ulp_fraction=0.01, pad_to=64)
-FULL = dict(lengths="8192,16384", block_size=512, budget=8192, ulp_fraction=0.01, pad_to=0)
+QUICK = dict(lengths="64", block_size=8, budget=64, ulp_fraction=0.01, pad_to=64,
+             model_layers=2, model_experts=4)
+FULL = dict(lengths="8192,16384", block_size=512, budget=8192, ulp_fraction=0.01, pad_to=0,
+            model_layers=6, model_experts=288)
 
 
 def layer_config(quick: bool, block_size: int) -> ModelConfig:
@@ -55,6 +69,20 @@ def layer_config(quick: bool, block_size: int) -> ModelConfig:
                                   param_dtype=jnp.bfloat16)
               if quick else ModelConfig.preset("glm5.3-flash"))
     return dataclasses.replace(config, kv_block_size=block_size)
+
+
+def model_config(args) -> ModelConfig:
+    """The model of the model rows; quick: the tiny preset as one dense KDA layer and one
+    MLA layer with DSA and MoE, bf16."""
+    if args.quick:
+        config = dataclasses.replace(layer_config(True, args.block_size),
+                                     num_layers=args.model_layers, full_attn_last=True,
+                                     num_experts=args.model_experts,
+                                     num_experts_per_token=min(2, args.model_experts))
+    else:
+        config = ModelConfig.preset("glm5.3-flash").replace_depth(args.model_layers,
+                                                                  args.model_experts)
+    return dataclasses.replace(config, kv_block_size=args.block_size)
 
 
 @nnx.jit(static_argnames="select")
@@ -170,6 +198,41 @@ def run_length(length: int, args) -> dict:
     return result
 
 
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+def run_model(length: int, args, config: ModelConfig, model_state) -> dict:
+    tokens = np.random.default_rng(args.seed).integers(0, config.vocab_size, length)
+    runs = {mode: run_prefill(model_state, config, tokens, plan_prefill(
+        length, 0, block_size=args.block_size, budget=args.budget,
+        coalesce=mode == "coalesced"), keep_states=True) for mode in ("coalesced", "ladder")}
+    a, b = runs["coalesced"], runs["ladder"]
+    lp_a, lp_b = _log_softmax(a.logits), _log_softmax(b.logits)
+    top_a, top_b = int(lp_a.argmax()), int(lp_b.argmax())
+    out = {"logprobs": {"max_abs_diff": float(np.abs(lp_a - lp_b).max()),
+                        "argmax": [top_a, top_b],
+                        "gaps": [float(lp_a[top_a] - lp_a[top_b]),
+                                 float(lp_b[top_b] - lp_b[top_a])]}}
+    sa, sb = a.states, b.states
+    common = sorted(set(sa.positions) & set(sb.positions))
+    out["kda_recurrent_bits_differing"] = [
+        {str(p): float(np.mean(ra[sa.positions.index(p)] != rb[sb.positions.index(p)]))
+         for p in common} for ra, rb in zip(sa.recurrent, sb.recurrent, strict=True)]
+    out["mla"] = []
+    for ma, mb in zip(sa.mla, sb.mla, strict=True):
+        layer = {}
+        for name in ma:
+            rows = [m[name].reshape(-1, m[name].shape[-1])[:length] for m in (ma, mb)]
+            differ = np.any(rows[0] != rows[1], axis=1)
+            layer[name] = {"positions_differing": float(differ.mean()),
+                           "first_differing": int(differ.argmax()) if differ.any() else None}
+        out["mla"].append(layer)
+    print(f"{length} model: {out}", flush=True)
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.dsa_schedule",
                                      description=__doc__.splitlines()[0])
@@ -181,6 +244,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--ulp-fraction", type=float, help="x elements moved one bf16 step (0.01)")
     add("--pad-to", type=int,
         help="rows every step is padded to, as one engine bucket (0: each span's own size)")
+    add("--model-layers", type=int,
+        help="layers of the model rows (6; 0: no model rows)")
+    add("--model-experts", type=int, help="routed experts of the model rows (288)")
     add("--seed", type=int, default=0)
     add("--out", type=Path, help="output (bench/results/dsa_schedule.json)")
     args = parser.parse_args(argv)
@@ -197,6 +263,15 @@ def main(argv=None) -> dict:
     for length in args.lengths:
         result["lengths"].append(run_length(length, args))
         write_json(result, args.out)
+    if args.model_layers:
+        config = model_config(args)
+        model_state = nnx.split(random_model(config, args.seed))
+        result["model"] = {"config": config.name, "layer_types": config.layer_types,
+                           "lengths": []}
+        for length in args.lengths:
+            result["model"]["lengths"].append({"length": length} | run_model(
+                length, args, config, model_state))
+            write_json(result, args.out)
     print(f"wrote {args.out}")
     return result
 
