@@ -13,7 +13,7 @@ shrinking continuations. Per prompt length:
   a GEMM whose rounding depends on its shape shows here); the queries whose selected key
   sets differ and the keys swapped per query; the rows of the layer output y that differ
   bitwise, and the median / max relative difference of a row. "dense": the same with the
-  indexer skipped (top-k above every context), the layer's flash attention instead.
+  indexer removed (the same other weights), the layer's flash attention instead.
 - perturbed: x against x with a fraction --ulp-fraction of its elements moved by one bf16
   step (rounding noise, as a different upstream schedule leaves it), coalesced both times:
   the same statistics, with DSA and dense. Their ratio is how much the discrete selection
@@ -115,7 +115,7 @@ def prefill(layer, config, x, spans, *, select: bool, pad_to: int = 0):
     num_blocks = -(-length // block)
     cache = MLACache.zeros(config, num_blocks)
     table = jnp.arange(num_blocks, dtype=jnp.int32)[None]
-    width = min(layer.indexer.top_k, length)
+    width = min(config.dsa_top_k, length) if select else 0
     ys, selections = [], []
     for start, end in spans:
         span = jnp.pad(x[start:end], ((0, max(pad_to - (end - start), 0)), (0, 0)))
@@ -126,7 +126,8 @@ def prefill(layer, config, x, spans, *, select: bool, pad_to: int = 0):
             positions = positions[:end - start, :width]
             selections.append(jnp.pad(positions, ((0, 0), (0, width - positions.shape[1])),
                                       constant_values=-1))
-    cached = [a.reshape(-1, a.shape[-1])[:length] for a in (cache.latent, cache.index_keys)]
+    cached = [None if a is None else a.reshape(-1, a.shape[-1])[:length]
+              for a in (cache.latent, cache.index_keys)]
     return (jnp.concatenate(ys), cached,
             jnp.concatenate(selections) if select else None)
 
@@ -181,15 +182,20 @@ def run_length(length: int, args) -> dict:
     noisy = one_ulp(x, args.ulp_fraction, jax.random.fold_in(key, 1))
     result = {"length": length, "top_k": config.dsa_top_k, "spans": plan,
               "x_elements_moved": float(jnp.mean(noisy != x))}
-    for name, top_k in (("dsa", config.dsa_top_k), ("dense", length + 1)):
-        layer.indexer.top_k = top_k  # above every context: the layer skips its indexer
+    # The same weights without the indexer: dense flash attention over every visible key.
+    dense_config = dataclasses.replace(config, dsa_top_k=None)
+    dense = nnx.eval_shape(lambda: MLA(dense_config, rngs=nnx.Rngs(0)))
+    nnx.update(dense, nnx.State({k: v for k, v in nnx.state(layer).items() if k != "indexer"}))
+    for name, module, module_config in (("dsa", layer, config), ("dense", dense, dense_config)):
         select = name == "dsa"
-        run = functools.partial(prefill, layer, config, select=select, pad_to=args.pad_to)
+        run = functools.partial(prefill, module, module_config, select=select,
+                                pad_to=args.pad_to)
         y, cached, sel = run(x, plan["coalesced"])
         y_ladder, cached_ladder, sel_ladder = run(x, plan["ladder"])
         schedule = differences(y, y_ladder, sel, sel_ladder)
         for what, a, b in zip(("latent", "index_keys"), cached, cached_ladder, strict=True):
-            schedule[f"cached_{what}_bits_differing"] = float(jnp.mean(a != b))
+            if a is not None:
+                schedule[f"cached_{what}_bits_differing"] = float(jnp.mean(a != b))
         y_noisy, _, sel_noisy = run(noisy, plan["coalesced"])
         result[name] = {"schedule": schedule,
                         "perturbed": differences(y, y_noisy, sel, sel_noisy)}
