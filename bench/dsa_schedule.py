@@ -110,7 +110,8 @@ def _step(layer, x, length, cache, table, prefix_len, select: bool):
 def prefill(layer, config, x, spans, *, select: bool, pad_to: int = 0):
     """x [S, D] through `spans` ((start, end) tiling [0, S)) over a fresh cache, each span
     padded with zero rows to pad_to rows (0: none): y [S, D], the cache's latents and index
-    keys [S, ...] in position order, and the selections [S, k] (None without `select`)."""
+    keys [S, ...] in position order (None: no indexer), and the selections [S, k] (None
+    without `select`)."""
     length, block = x.shape[0], config.kv_block_size
     num_blocks = -(-length // block)
     cache = MLACache.zeros(config, num_blocks)
