@@ -1,12 +1,15 @@
 """DSA selection across prefill schedules: is a ladder's selection the coalesced span's?
 
-    python -m bench.dsa_schedule --out $OUT/dsa_schedule.json   # 8K, 16K on a GPU
+    python -m bench.dsa_schedule --out $OUT/dsa_schedule.json   # 3K, 8K, 16K on a GPU
     python -m bench.dsa_schedule --quick                        # CPU smoke: tiny shapes
 
 One glm5.3-flash MLA layer with its DSA indexer (bf16, random weights, top-k 2048) over one
 random prompt x [S, hidden], prefilled through its paged cache as the engine plans it
 (`serving.plan.plan_prefill`): coalesced spans of up to --budget tokens, and the ladder of
-shrinking continuations. Per prompt length:
+shrinking continuations. At 3K the ladder's first step (2048 tokens) sees at most top-k
+keys, so the layer skips its indexer there (dense flash attention, non-absorbed) where the
+coalesced span selects (sparse attention, absorbed): the same keys, rounded differently.
+Per prompt length:
 
 - schedule: the same bf16 x through both schedules. Of the cached latents and index keys,
   the fraction of elements whose bits differ (the projections run at each step's row count:
@@ -59,7 +62,7 @@ from serving.plan import plan_prefill
 RESULTS = Path(__file__).parent / "results"
 QUICK = dict(lengths="64", block_size=8, budget=64, ulp_fraction=0.01, pad_to=64,
              model_layers=2, model_experts=4)
-FULL = dict(lengths="8192,16384", block_size=512, budget=8192, ulp_fraction=0.01, pad_to=0,
+FULL = dict(lengths="3072,8192,16384", block_size=512, budget=8192, ulp_fraction=0.01, pad_to=0,
             model_layers=6, model_experts=288)
 
 
@@ -246,7 +249,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--quick", action="store_true", help="CPU smoke: the tiny preset's MLA, short prompts")
-    add("--lengths", help="prompt lengths, comma-separated (8192,16384)")
+    add("--lengths", help="prompt lengths, comma-separated (3072,8192,16384)")
     add("--block-size", type=int, help="P, tokens per KV block (512)")
     add("--budget", type=int, help="tokens per step (8192)")
     add("--ulp-fraction", type=float, help="x elements moved one bf16 step (0.01)")
