@@ -21,7 +21,6 @@ Per prompt length:
   step (rounding noise, as a different upstream schedule leaves it), coalesced both times:
   the same statistics, with DSA and dense. Their ratio is how much the discrete selection
   amplifies rounding noise in y.
-
 - model (--model-layers N > 0): the whole model (glm5.3-flash cut to N layers and
   --model-experts experts, random weights; `glmjax.random_weights`) over random tokens,
   through `glmjax.prefill_loop.run_prefill` along both schedules (each pads its steps to
@@ -31,8 +30,10 @@ Per prompt length:
   index keys (fraction of positions with a differing bit, the first one). The first
   layer and position that differ locate where the schedules part.
 
-With identical inputs and exact kernels the schedule rows are all zero (the CPU run is);
-non-zero cached-key rows mean the projections are not shape-invariant on the device.
+Where both schedules take the same attention path, identical inputs give schedule rows of
+zero with kernels whose rows do not depend on the step's shape (the CPU's do: the quick
+run's are zero); non-zero cached-key rows mean the projections are not shape-invariant on
+the device.
 The JSON (--out) is rewritten after every length.
 """
 
