@@ -31,7 +31,7 @@ Per prompt length:
   layer and position that differ locate where the schedules part.
 
 Where both schedules take the same attention path, identical inputs give schedule rows of
-zero with kernels whose rows do not depend on the step's shape (the CPU's do: the quick
+zero with kernels whose rows do not depend on the step's shape (as the CPU's: the quick
 run's are zero); non-zero cached-key rows mean the projections are not shape-invariant on
 the device.
 The JSON (--out) is rewritten after every length.
