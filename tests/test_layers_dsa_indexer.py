@@ -1,5 +1,6 @@
 """The DSA indexer inside MLA: dense when top-k covers the context, and the oracle's own
-top-k selection otherwise, in continuation prefill and in decode."""
+top-k selection otherwise, in continuation prefill and in decode; a ladder of continuations
+selects what one coalesced span selects."""
 
 import dataclasses
 
@@ -165,6 +166,43 @@ def test_skipping_the_indexer_equals_selecting(rng):
     np.testing.assert_allclose(y_skip, y_select, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(y_skip[cu[0]:cu[1]], oracle(layer, config, seqs[0])[8:],
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", [
+    "reference", "pallas", pytest.param("pallas", marks=pytest.mark.gpu, id="pallas-gpu")])
+def test_a_ladder_selects_what_one_coalesced_span_selects(rng, implementation):
+    """Issue 18's greedy bar, in fp32: prompts prefilled as a ladder of shrinking chunks,
+    each continuing its cached prefix (visible key range, the prefix's index keys from the
+    cache, query positions), attend to the same top_k keys as one coalesced span. The
+    indexer drops keys here (the dense output is far away), so a single differing key
+    would move an output far beyond fp32 rounding. "pallas": the DSA kernels
+    (`index_scores`, `select_top_k`, `sparse_attention`), interpreted on the CPU."""
+    config = dsa_config(top_k=5)
+    layer = make_layer(config, rng)
+    layer.dsa_implementation = implementation
+    lens = (31, 22, 13, 0)  # capacity 40 each; an empty row
+    seqs = [rng.normal(size=(n, config.hidden_size)) for n in lens]
+    table = random_block_table(rng)
+
+    def coalesced():
+        return prefill(layer, *pack(seqs, 72), MLACache.zeros(config, NUM_BLOCKS), table,
+                       jnp.zeros((NUM_SEQS,), jnp.int32))[0][:sum(lens)]
+
+    # On a GPU XLA's fp32 matmuls would be TF32: rounding that can flip a selection.
+    with jax.default_matmul_precision("highest"):
+        cache, ladder = MLACache.zeros(config, NUM_BLOCKS), []
+        for start, end in ((0, 16), (16, 24), (24, 28), (28, 40)):
+            x, cu = pack([s[start:end] for s in seqs], 72)
+            y, cache = prefill(layer, x, cu, cache, table,
+                               jnp.asarray([min(start, n) for n in lens], jnp.int32))
+            ladder.append([np.asarray(y[cu[n]:cu[n + 1]]) for n in range(NUM_SEQS)])
+        ladder = np.concatenate([np.concatenate(chunk) for chunk in zip(*ladder)])
+        selected = coalesced()
+        np.testing.assert_allclose(ladder, selected, rtol=1e-5, atol=1e-6)
+        if implementation == "reference":
+            layer.indexer.top_k = max(lens)  # covers every context: dense
+            dense = coalesced()
+            assert np.max(np.abs(dense - selected)) > 1e-2 * np.max(np.abs(dense))
 
 
 @pytest.mark.gpu

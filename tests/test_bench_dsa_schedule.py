@@ -1,0 +1,35 @@
+"""`python -m bench.dsa_schedule --quick` on the CPU: a 64-token prompt through the tiny
+preset's MLA with DSA (bf16, top-k 8), one coalesced span against the ladder 32, 16, 8, 8.
+The CPU's kernels give every row the same bits whatever the span, so the ladder selects
+exactly the coalesced keys and writes the same cache; a one-step perturbation of 1% of
+the input moves every output row. The model rows: a KDA + MLA tiny model along both
+schedules, every retained state and cached key compared."""
+
+import json
+
+from bench.dsa_schedule import main
+
+
+def test_quick_run_layer_ladder_is_coalesced_bit_for_bit_and_model_rows_filled(tmp_path):
+    path = tmp_path / "dsa_schedule.json"
+    main(["--quick", "--out", str(path)])
+    (case,) = json.loads(path.read_text())["lengths"]
+    assert case["spans"] == {"coalesced": [[0, 64]], "ladder": [[0, 32], [32, 48], [48, 56],
+                                                                 [56, 64]]}
+    assert 0.005 < case["x_elements_moved"] < 0.02
+    for name in ("dsa", "dense"):
+        schedule, perturbed = case[name]["schedule"], case[name]["perturbed"]
+        assert all(v == 0 for v in schedule.values()), (name, schedule)
+        assert perturbed["rows_differing"] > 0.5 and perturbed["row_rel_diff_median"] > 0
+    assert case["dsa"]["schedule"]["swaps_max"] == 0
+    assert case["perturbed_amplification"] > 0
+    model = json.loads(path.read_text())["model"]
+    assert model["layer_types"] == ["kda", "mla"]
+    (run,) = model["lengths"]
+    assert run["logprobs"]["max_abs_diff"] < 0.1 and len(run["logprobs"]["gaps"]) == 2
+    (kda,) = run["kda_recurrent_bits_differing"]
+    assert set(kda) == {"48", "56", "64"}  # the ladder's last boundaries and the end
+    assert all(0 <= v <= 1 for v in kda.values())
+    (mla,) = run["mla"]
+    assert set(mla) == {"latent", "index_keys"}
+    assert all(0 <= v["positions_differing"] <= 1 for v in mla.values())
