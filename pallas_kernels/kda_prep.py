@@ -135,8 +135,9 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
 
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, *refs,
                        scale, chunk, block_k, precision, bounded):
-    """One chunk of one head: G, Qg, Kg, Aqk (operand dtype, scaled) and T = (I + L)^-1
-    (fp32), all by 16 x 16 blocks and key slices of `block_k` columns.
+    """One chunk of one head: G (fp32), Qg, Kg, Aqk (scaled) and T = (I + L)^-1 (the
+    last four in the operand dtype), all by 16 x 16 blocks and key slices of `block_k`
+    columns.
 
     Refs are whole arrays [T', H, ...]; rows past the chunk's length load as zeros
     (g = 0 keeps G flat there, k = beta = 0 adds nothing). bounded: the diagonal blocks
@@ -247,7 +248,7 @@ def _w_u_kernel(chunk_start_ref, chunk_len_ref, k_ref, v_ref, beta_ref, gcum_ref
                 w_ref, u_ref, *, chunk, precision):
     """One chunk of one head: W = T diag(beta) (k * exp(G)), U = T diag(beta) v.
 
-    T (stored fp32) and the right-hand sides are rounded to the operand dtype, so the
+    T (stored in the operand dtype) and the right-hand sides are in the operand dtype, so the
     products run on bf16 tensor cores on the fast path (fla does the same with its
     inverse); the exact path keeps fp32 and IEEE products."""
     slot, h = pl.program_id(0), pl.program_id(1)
@@ -274,7 +275,7 @@ class ChunkMatrices(NamedTuple):
     """What `chunk_matrices` hands `chunk_w_u`, per row and head ([T', H, ...])."""
 
     aqk: jax.Array     # [T', H, C] operand dtype
-    t: jax.Array       # [T', H, C] fp32: T = (I + L)^-1, by chunk rows
+    t: jax.Array       # [T', H, C] operand dtype: T = (I + L)^-1, by chunk rows
     qg: jax.Array      # [T', H, K] operand dtype
     kg: jax.Array      # [T', H, K] operand dtype
     g_cum: jax.Array   # [T', H, K] fp32
@@ -314,7 +315,7 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
                           block_k=min(config.prep_block_k, head_k),
                           precision=matmul_precision(exact), bounded=bounded_gates),
         out_shape=ChunkMatrices(
-            _rows_of(q, chunk, inter), _rows_of(q, chunk, f32), _rows_of(q, head_k, inter),
+            _rows_of(q, chunk, inter), _rows_of(q, chunk, inter), _rows_of(q, head_k, inter),
             _rows_of(q, head_k, inter), _rows_of(q, head_k, f32),
             jax.ShapeDtypeStruct((num_slots, q.shape[1], head_k), f32)),
         grid=(num_slots, q.shape[1]),
