@@ -3,11 +3,11 @@
 Each pass's reads and writes of per-row tensors, every tensor counted once per pass (the
 value-block programs of one head that load the same W or Kg tile are assumed to share it
 through L2), on the fast path: bf16 q, k, v, beta and matmul operands (T among them),
-fp32 g and G (see `pallas_kernels.kda_prep`). Per-chunk tensors (G_last, the entry states) count 1/C
-of their size per token; per-sequence ones (states, snapshots, segment transitions) are
-left out: they do not grow with the tokens. GB10's 273 GB/s turns the total into the
-time a bandwidth-bound kernel cannot beat there. `tuning.select_segments` uses the scan's
-share; `bench.kda_kernel` prints it all.
+fp32 g and G (see `pallas_kernels.kda_prep`). Per-chunk tensors (G_last, the entry
+states) count 1/C of their size per token; per-sequence ones (states, snapshots, segment
+transitions) are left out: they do not grow with the tokens. GB10's 273 GB/s turns the
+total into the time a bandwidth-bound kernel cannot beat there. `tuning.select_segments`
+uses the scan's share; `bench.kda_kernel` prints it all.
 """
 
 from __future__ import annotations
