@@ -1,10 +1,12 @@
 """What the benchmarks share: timing queued calls, the relative error they report, and
-writing their JSON."""
+writing their JSON, and the commit a result comes from."""
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -54,3 +56,15 @@ def write_json(result: dict, path: Path) -> None:
     """`result` to `path` (its folder made if missing); values JSON cannot hold as strings."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=str))
+
+
+def git_commit() -> str | None:
+    """GLMJAX_COMMIT if set (a copied tree whose .git is stale or absent, as on the lent
+    device machines), else the checkout's HEAD."""
+    if os.environ.get("GLMJAX_COMMIT"):
+        return os.environ["GLMJAX_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None

@@ -39,10 +39,8 @@ import argparse
 import collections
 import concurrent.futures
 import dataclasses
-import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -53,7 +51,7 @@ import numpy as np
 from flax import nnx
 
 from bench.buckets import DryRun, log, precompile, step_functions
-from bench.common import fill_defaults, positive_sizes, write_json
+from bench.common import fill_defaults, git_commit, positive_sizes, write_json
 from bench.decode_floor import decode_sizes, decode_step_bytes, floor_seconds
 from bench.prefill import RESULTS, model_config
 from bench.prefill_cases import Session
@@ -233,7 +231,7 @@ def run_benchmark(args) -> dict:
     abstract = nnx.split(nnx.eval_shape(lambda: HybridModel(config, nnx.Rngs(0))))
     result = dict(
         device=jax.devices()[0].device_kind, platform=platform.platform(), jax=jax.__version__,
-        commit=_commit(), args=vars(args), complete=False,
+        commit=git_commit(), args=vars(args), complete=False,
         model=dict(name=config.name, num_layers=config.num_layers,
                    num_experts=config.num_experts,
                    experts_per_token=config.num_experts_per_token,
@@ -282,18 +280,6 @@ def _update_totals(result: dict, compile_log: CompileLog, start: float) -> None:
                                              for c in result.get("cases", [])),
                   peak_bytes_in_use=stats.get("peak_bytes_in_use"),
                   bytes_limit=stats.get("bytes_limit"), wall_s=time.perf_counter() - start)
-
-
-def _commit() -> str | None:
-    """GLMJAX_COMMIT if set (a copied tree whose .git is stale or absent, as on the lent
-    device machines), else the checkout's HEAD."""
-    if os.environ.get("GLMJAX_COMMIT"):
-        return os.environ["GLMJAX_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def print_table(result: dict) -> None:

@@ -60,7 +60,7 @@ import numpy as np
 from flax import nnx
 
 from bench.buckets import DryRun, log, precompile, step_functions
-from bench.common import fill_defaults, write_json
+from bench.common import fill_defaults, git_commit, write_json
 from bench.prefill_cases import CASES, MODES, Run, Session, compare_greedy, profile_case
 from bench.profile import print_profile
 from glmjax import compile_cache
@@ -149,7 +149,7 @@ def run_benchmark(args) -> dict:
     leaves = jax.tree.leaves(abstract[1])
     result = dict(
         device=jax.devices()[0].device_kind, platform=platform.platform(), jax=jax.__version__,
-        args=vars(args), complete=False,
+        commit=git_commit(), args=vars(args), complete=False,
         model=dict(name=config.name, layer_types=list(config.layer_types),
                    num_layers=config.num_layers, num_experts=config.num_experts,
                    experts_per_token=config.num_experts_per_token,
