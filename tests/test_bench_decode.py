@@ -92,8 +92,10 @@ def test_quick_run_times_each_batch_against_its_floor(tmp_path):
     per_row = floor["kv"] / (sizes["mla_layers"] * sizes["token_bytes"]) / 2
     assert 41 < per_row < 40 + result["args"]["decode_room"]
     assert not math.isnan(case["median_step_s"])
-    # The device's (here the CPU's) busy time over 4 more traced steps.
-    assert 0 < case["device_ms_per_step"] <= case["traced_span_ms_per_step"]
+    # The device's (here the CPU's) busy time over 4 more traced steps: the sum of its ops'
+    # times, which on the CPU can exceed the span (ops overlap on the host's threads; a
+    # GPU's one stream runs them one after another).
+    assert case["device_ms_per_step"] > 0 and case["traced_span_ms_per_step"] > 0
     assert {b["kind"] for b in result["buckets"]} == {"prefill", "decode"}
     # The engine's calls find the executables compiled ahead (at most once per bucket: none
     # where this process compiled the same bucket before); they compiled twice when the
