@@ -160,8 +160,6 @@ def device_time(case: Case, args) -> dict:
     """The device's busy time per step over `ENGINE_STEPS` more steps of the engine's own
     programs, traced: unlike the wall time, it does not move with the host's speed, which
     sets a batch-1 step and varies ~3x between lent machines."""
-    if args.trace_dir:
-        args.trace_dir.mkdir(parents=True, exist_ok=True)
     trace_dir = Path(tempfile.mkdtemp(prefix="decode_device_", dir=args.trace_dir))
     _, _, own = trace_engine_steps(case, trace_dir)
     return dict(device_ms_per_step=own["busy_ms"] / ENGINE_STEPS,
@@ -226,6 +224,8 @@ def run_benchmark(args) -> dict:
         args.profile = on_gpu
     if args.device_time is None:
         args.device_time = on_gpu
+    if args.trace_dir:  # the device-time traces go in folders made inside it
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
     config = model_config(args)
     sizes = decode_sizes(config)
     abstract = nnx.split(nnx.eval_shape(lambda: HybridModel(config, nnx.Rngs(0))))

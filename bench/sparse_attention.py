@@ -69,8 +69,8 @@ CASES = {"8K": 8192, "16K": 16384, "32K": 32768}
 QUICK = {"tiny-48": 48}
 BAR = 0.6
 SPARSE_SWEEP = (SparseConfig(64, 32, 8, 2), SparseConfig(64, 32, 8, 3),
-                SparseConfig(64, 16, 8, 2), SparseConfig(64, 64, 8, 2), SparseConfig(64, 64, 8, 3),
-                SparseConfig(32, 32, 4, 2),
+                SparseConfig(64, 16, 8, 2), SparseConfig(64, 64, 8, 2),
+                SparseConfig(64, 64, 8, 3), SparseConfig(32, 32, 4, 2),
                 SparseConfig(32, 32, 8, 2), SparseConfig(16, 32, 4, 2))
 QUERY_BLOCK_SWEEP = (256, 512, 2048)  # queries per selection block (MLA.query_block)
 # (tile, resident, streamed_digit_bits, num_warps): 16 warps hold a 32K row at 64 keys a

@@ -248,7 +248,7 @@ def _w_u_kernel(chunk_start_ref, chunk_len_ref, k_ref, v_ref, beta_ref, gcum_ref
                 w_ref, u_ref, *, chunk, precision):
     """One chunk of one head: W = T diag(beta) (k * exp(G)), U = T diag(beta) v.
 
-    T (stored in the operand dtype) and the right-hand sides are in the operand dtype, so the
+    T comes stored in the operand dtype and the right-hand sides are rounded to it, so the
     products run on bf16 tensor cores on the fast path (fla does the same with its
     inverse); the exact path keeps fp32 and IEEE products."""
     slot, h = pl.program_id(0), pl.program_id(1)

@@ -199,8 +199,8 @@ class MLA(nnx.Module):
             index_keys = write_paged(index_keys, block_table, seqs, context_lens,
                                      self._index_keys(x), context_lens >= 0)
             keys = read_paged(index_keys, block_table)  # [N, S, d_I], global order
-            visible = jnp.arange(keys.shape[1])[None] <= context_lens[:, None]
-            top = self.indexer.top_keys(*self.indexer.queries(x, q_latent), keys, visible)
+            top = self.indexer.top_keys(*self.indexer.queries(x, q_latent), keys,
+                                        visible_positions(context_lens, None, keys.shape[1]))
         q_abs, w_uv = self._absorbed_queries(q_nope)
 
         # Zero-width arrays (no rope part) crash XLA's CPU compiler inside a shard_map.
