@@ -92,8 +92,11 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
     before scale) and the inverse (I + diag(beta) L_bb)^-1 of its block of I + L, both
     stored at the sub-chunk's rows ([T', H, 16], fp32).
 
-    Formed column by column from register tiles, every exponent <= 0 (exact for any
-    decay); small programs, so many share an SM and hide each other's latency.
+    Formed one sub-diagonal at a time: entry (j + d, j) pairs key row j with the rows d
+    below it, loaded again at that offset, so no step reduces across rows. The decay
+    between them, g summed over rows j + 1 .. j + d, is carried from one offset to the next:
+    every exponent is <= 0 (exact for any decay). The blocks are built transposed (row j,
+    column j + d) and transposed once at the end.
     """
     sub, h = pl.program_id(0), pl.program_id(1)
     slot = sub // (chunk // SUB_CHUNK)
@@ -104,33 +107,32 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
     @pl.when(first < clen)
     def _():
         sub_row = iota((SUB_CHUNK, 1), 0)
+        start = chunk_start_ref[slot] + first
         valid = sub_row + first < clen
-        rows = pl.ds(chunk_start_ref[slot] + first, SUB_CHUNK)
 
-        def load(ref):
-            return load_rows(ref, rows, h, valid)
+        def load(ref, d, keep):
+            return load_rows(ref, pl.ds(start + d, SUB_CHUNK), h, keep)
 
-        q, k = load(q_ref), load(k_ref)
-        g_blk = lax.cumsum(load(g_ref), axis=0)  # G relative to the sub-chunk's start
-        beta = load(beta_ref)                    # [16, 1]
+        k, beta = load(k_ref, 0, valid), load(beta_ref, 0, valid)  # row j; beta [16, 1]
         cols = iota((1, SUB_CHUNK), 1)
 
-        def column(j, blocks):
-            """Column j of both blocks (a loop, not unrolled: the code stays small)."""
-            a_blk, l_blk = blocks
-            at_j = sub_row == j
-            k_j = jnp.sum(jnp.where(at_j, k, 0.0), axis=0, keepdims=True)  # [1, K]
-            g_j = jnp.sum(jnp.where(at_j, g_blk, 0.0), axis=0, keepdims=True)
-            k_dec = k_j * jnp.exp(jnp.minimum(g_blk - g_j, 0.0))  # [16, K]
-            a_col = jnp.sum(q * k_dec, axis=1, keepdims=True)  # [16, 1]
-            l_col = jnp.sum(k * k_dec, axis=1, keepdims=True)
-            return (jnp.where(cols == j, jnp.where(sub_row >= j, a_col, 0.0), a_blk),
-                    jnp.where(cols == j, jnp.where(sub_row > j, l_col, 0.0), l_blk))
+        def offset(d, carry):
+            """Sub-diagonal d: the rows j + d, still in this sub-chunk and the chunk."""
+            a_t, l_t, decay = carry
+            keep = (sub_row + d < SUB_CHUNK) & (sub_row + first + d < clen)
+            decay = decay + load(g_ref, d, keep & (d > 0))       # sum of g over j+1 .. j+d
+            k_dec = k * jnp.exp(jnp.minimum(decay, 0.0))          # [16, K]
+            a_d = jnp.sum(load(q_ref, d, keep) * k_dec, axis=1, keepdims=True)  # [16, 1]
+            l_d = jnp.sum(load(k_ref, d, keep) * k_dec, axis=1, keepdims=True)
+            at_d = cols == sub_row + d
+            return (jnp.where(at_d, a_d, a_t), jnp.where(at_d & (d > 0), l_d, l_t), decay)
 
         zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
-        a_blk, l_blk = lax.fori_loop(0, SUB_CHUNK, column, (zeros, zeros))
-        plgpu.store(a_ref.at[rows, h, :], a_blk, mask=valid)
-        plgpu.store(inv_ref.at[rows, h, :], _invert_by_products(beta * l_blk), mask=valid)
+        a_t, l_t, _ = lax.fori_loop(0, SUB_CHUNK, offset,
+                                    (zeros, zeros, jnp.zeros(k.shape, f32)))
+        rows = pl.ds(start, SUB_CHUNK)
+        plgpu.store(a_ref.at[rows, h, :], a_t.T, mask=valid)
+        plgpu.store(inv_ref.at[rows, h, :], _invert_by_products(beta * l_t.T), mask=valid)
 
 
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, *refs,
