@@ -137,9 +137,9 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
 
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, *refs,
                        scale, chunk, block_k, precision, bounded):
-    """One chunk of one head: G (fp32), Qg, Kg, Aqk (scaled) and T = (I + L)^-1 (the
-    last four in the operand dtype), all by 16 x 16 blocks and key slices of `block_k`
-    columns.
+    """One chunk of one head: G (fp32), Qg, Kg, Aqk (scaled), beta k exp(G) and
+    T = (I + L)^-1 (the last five in the operand dtype), all by 16 x 16 blocks and key
+    slices of `block_k` columns.
 
     Refs are whole arrays [T', H, ...]; rows past the chunk's length load as zeros
     (g = 0 keeps G flat there, k = beta = 0 adds nothing). bounded: the diagonal blocks
@@ -148,7 +148,7 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
     """
     if not bounded:
         diag_a_ref, diag_inv_ref, *refs = refs
-    aqk_ref, t_ref, qg_ref, kg_ref, gcum_ref, glast_ref = refs
+    aqk_ref, t_ref, qg_ref, kg_ref, gcum_ref, glast_ref, kb_ref = refs
     slot, h = pl.program_id(0), pl.program_id(1)
     r0 = chunk_start_ref[slot]
     clen = chunk_len_ref[slot]
@@ -178,7 +178,9 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
         pairs = [(b, c) for b in range(blocks) for c in range(b + 1) if bounded or c < b]
 
         def key_slice(index, sums):
-            """One slice of `block_k` key columns: G, Qg, Kg stored, its part of every
+            """One slice of `block_k` key columns: G, Qg, Kg and beta k exp(G) stored (the
+            last is W's right-hand side, in the operation order `_w_u_kernel` used when it
+            formed it from G itself), its part of every
             block pair added to `sums` (tuples of [16, 16], Aqk's then L's, as `pairs`).
             A loop, not unrolled: the kernel's code stays small."""
             a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
@@ -204,6 +206,7 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
                 g_b = before[b] + rise[b]
                 store(gcum_ref, b, g_b, cols)
                 store(qg_ref, b, scale * q_b * jnp.exp(g_b), cols)
+                store(kb_ref, b, load(beta_ref, b) * k_b * jnp.exp(g_b), cols)
                 store(kg_ref, b, k_b * jnp.exp(after[b + 1] + total[b] - rise[b]), cols)
                 fall = jnp.exp(rise[b])
                 for c in range(b):
@@ -246,9 +249,9 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
                 store(t_ref, b, t[b, c] if c <= b else zeros, pl.ds(c * SUB_CHUNK, SUB_CHUNK))
 
 
-def _w_u_kernel(chunk_start_ref, chunk_len_ref, k_ref, v_ref, beta_ref, gcum_ref, t_ref,
+def _w_u_kernel(chunk_start_ref, chunk_len_ref, kb_ref, v_ref, beta_ref, t_ref,
                 w_ref, u_ref, *, chunk, precision):
-    """One chunk of one head: W = T diag(beta) (k * exp(G)), U = T diag(beta) v.
+    """One chunk of one head: W = T (beta k exp(G)), U = T diag(beta) v.
 
     T comes stored in the operand dtype and the right-hand sides are rounded to it, so the
     products run on bf16 tensor cores on the fast path (fla does the same with its
@@ -267,7 +270,7 @@ def _w_u_kernel(chunk_start_ref, chunk_len_ref, k_ref, v_ref, beta_ref, gcum_ref
 
         op = w_ref.dtype  # bf16 operands on the fast path, fp32 when exact
         t, beta = load(t_ref).astype(op), load(beta_ref)
-        w = dot(t, (beta * load(k_ref) * jnp.exp(load(gcum_ref))).astype(op), precision)
+        w = dot(t, load(kb_ref).astype(op), precision)
         u = dot(t, (beta * load(v_ref)).astype(op), precision)
         plgpu.store(w_ref.at[rows, h, :], w.astype(w_ref.dtype), mask=valid)
         plgpu.store(u_ref.at[rows, h, :], u.astype(u_ref.dtype), mask=valid)
@@ -282,6 +285,7 @@ class ChunkMatrices(NamedTuple):
     kg: jax.Array      # [T', H, K] operand dtype
     g_cum: jax.Array   # [T', H, K] fp32
     g_last: jax.Array  # [S, H, K] fp32
+    kb: jax.Array      # [T', H, K] operand dtype: beta k exp(G), W's right-hand side
 
 
 def _rows_of(x, width, dtype):
@@ -319,7 +323,8 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
         out_shape=ChunkMatrices(
             _rows_of(q, chunk, inter), _rows_of(q, chunk, inter), _rows_of(q, head_k, inter),
             _rows_of(q, head_k, inter), _rows_of(q, head_k, f32),
-            jax.ShapeDtypeStruct((num_slots, q.shape[1], head_k), f32)),
+            jax.ShapeDtypeStruct((num_slots, q.shape[1], head_k), f32),
+            _rows_of(q, head_k, inter)),
         grid=(num_slots, q.shape[1]),
         compiler_params=_params(config.prep_num_warps),
         interpret=interpret,
@@ -342,7 +347,7 @@ def chunk_w_u(matrices: ChunkMatrices, k, v, beta, slots: ChunkSlots, *,
         interpret=interpret,
         name="kda_chunk_w_u",
     )
-    w, u = w_u(slots.start, slots.length, k, v, beta, matrices.g_cum, matrices.t)
+    w, u = w_u(slots.start, slots.length, matrices.kb, v, beta, matrices.t)
     m = matrices
     return ChunkTensors(w, u, m.aqk, m.qg, m.kg, m.g_cum, m.g_last)
 

@@ -2,12 +2,13 @@
 
 Each pass's reads and writes of per-row tensors, every tensor counted once per pass (the
 value-block programs of one head that load the same W or Kg tile are assumed to share it
-through L2), on the fast path: bf16 q, k, v, beta and matmul operands (T among them),
-fp32 g and G (see `pallas_kernels.kda_prep`). Per-chunk tensors (G_last, the entry
-states) count 1/C of their size per token; per-sequence ones (states, snapshots, segment
-transitions) are left out: they do not grow with the tokens. GB10's 273 GB/s turns the
-total into the time a bandwidth-bound kernel cannot beat there. `tuning.select_segments`
-uses the scan's share; `bench.kda_kernel` prints it all.
+through L2), on the fast path: bf16 q, k, v, beta and matmul operands (T and W's
+right-hand side beta k exp(G) among them), fp32 g and G (see `pallas_kernels.kda_prep`).
+Per-chunk tensors (G_last, the entry states) count 1/C of their size per token;
+per-sequence ones (states, snapshots, segment transitions) are left out: they do not grow
+with the tokens. GB10's 273 GB/s turns the total into the time a bandwidth-bound kernel
+cannot beat there. `tuning.select_segments` uses the scan's share; `bench.kda_kernel`
+prints it all.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def bytes_per_token_head(config: KernelConfig, head_k: int, head_v: int, *,
     if not bounded:  # reads the inputs, writes Aqk's diagonal blocks and their inverses
         passes["diagonal"] = inputs + 2 * FP32 * SUB_CHUNK
     passes["prep"] = (inputs + (0 if bounded else 2 * FP32 * SUB_CHUNK)
-                      + 2 * BF16 * c + 2 * BF16 * k + FP32 * k + FP32 * k / c)
-    passes["w_u"] = BF16 * (k + v) + BF16 + FP32 * k + BF16 * c + BF16 * (k + v)
+                      + 2 * BF16 * c + 3 * BF16 * k + FP32 * k + FP32 * k / c)
+    passes["w_u"] = BF16 * (k + v) + BF16 + BF16 * c + BF16 * (k + v)  # beta k exp(G), v, beta, T
     recurrence_reads = BF16 * (2 * k + v) + FP32 * k / c  # W, Kg, U, G_last
     segments = config.scan_segments
     if segments > 1:
