@@ -41,13 +41,15 @@ class ChunkSlots(NamedTuple):
     start: jax.Array       # int32 [S]: first row of each chunk slot
     length: jax.Array      # int32 [S]: rows in the slot, 0 for unused slots
     first_slot: jax.Array  # int32 [N]: each sequence's first slot
+    snapshot: jax.Array    # int32 [S]: 1 where the scan reads G (the slot holds a snapshot)
 
 
 class ChunkTensors(NamedTuple):
     """What the prep pass hands the scan, per row and head ([T', H, ...]).
 
     W, U, Aqk, Qg, Kg are stored in the operand dtype (bf16 on the fast path, fp32 when
-    exact); G and G_last stay fp32.
+    exact); G and G_last stay fp32. G is stored only in the slots marked `snapshot` (the
+    scan reads it nowhere else); other rows of it are left unwritten.
     """
 
     w: jax.Array      # [T', H, K]
@@ -65,7 +67,18 @@ def pad_rows(x, chunk):
     return jnp.pad(x, [(0, chunk)] + [(0, 0)] * (x.ndim - 1))
 
 
-def chunk_slots(cu_seqlens, num_tokens, chunk) -> ChunkSlots:
-    """ceil(T / C) + N chunk slots: enough for any split of T rows into N sequences."""
+def chunk_slots(cu_seqlens, num_tokens, chunk, checkpoint_offsets=None) -> ChunkSlots:
+    """ceil(T / C) + N chunk slots: enough for any split of T rows into N sequences.
+
+    checkpoint_offsets: int32 [N, capacity] (`kda_prefill`'s): the slots holding an active
+    one (1 <= offset <= length) are marked `snapshot`; None marks every slot."""
     num_slots = -(-num_tokens // chunk) + cu_seqlens.shape[0] - 1
-    return ChunkSlots(*_chunk_slots(cu_seqlens, num_slots, chunk))
+    start, length, first = _chunk_slots(cu_seqlens, num_slots, chunk)
+    if checkpoint_offsets is None:
+        return ChunkSlots(start, length, first, jnp.ones((num_slots,), jnp.int32))
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1])[:, None]
+    active = (checkpoint_offsets >= 1) & (checkpoint_offsets <= lens)
+    slot = first[:, None] + (jnp.maximum(checkpoint_offsets, 1) - 1) // chunk
+    snapshot = jnp.zeros((num_slots,), jnp.int32).at[jnp.where(active, slot, num_slots)].set(
+        1, mode="drop")
+    return ChunkSlots(start, length, first, snapshot)

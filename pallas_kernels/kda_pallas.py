@@ -202,7 +202,7 @@ def kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_
     """
     chunk, num_tokens = config.chunk_size, q.shape[0]
     flags = dict(config=config, interpret=interpret, exact=exact)
-    slots = chunk_slots(cu_seqlens, num_tokens, chunk)
+    slots = chunk_slots(cu_seqlens, num_tokens, chunk, checkpoint_offsets)
     if interpret:  # the interpreter clamps out-of-range row windows; Triton masks them
         q, k, v, g, beta = (pad_rows(x, chunk) for x in (q, k, v, g, beta))
     tensors = chunk_prep(q, k, v, g, beta, slots, scale=scale, bounded_gates=bounded_gates,

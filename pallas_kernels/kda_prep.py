@@ -135,11 +135,11 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_r
         plgpu.store(inv_ref.at[rows, h, :], _invert_by_products(beta * l_t.T), mask=valid)
 
 
-def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, *refs,
-                       scale, chunk, block_k, precision, bounded):
-    """One chunk of one head: G (fp32), Qg, Kg, Aqk (scaled), beta k exp(G) and
-    T = (I + L)^-1 (the last five in the operand dtype), all by 16 x 16 blocks and key
-    slices of `block_k` columns.
+def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_ref, g_ref,
+                       beta_ref, *refs, scale, chunk, block_k, precision, bounded):
+    """One chunk of one head: G (fp32, stored only where `snapshot_ref` [S] marks the
+    slot), Qg, Kg, Aqk (scaled), beta k exp(G) and T = (I + L)^-1 (the last five in the
+    operand dtype), all by 16 x 16 blocks and key slices of `block_k` columns.
 
     Refs are whole arrays [T', H, ...]; rows past the chunk's length load as zeros
     (g = 0 keeps G flat there, k = beta = 0 adds nothing). bounded: the diagonal blocks
@@ -204,7 +204,11 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta
             for b in range(blocks):
                 q_b, k_b = load(q_ref, b, cols), load(k_ref, b, cols)
                 g_b = before[b] + rise[b]
-                store(gcum_ref, b, g_b, cols)
+
+                @pl.when(snapshot_ref[slot] != 0)  # the scan reads G only there
+                def _(b=b, g_b=g_b):
+                    store(gcum_ref, b, g_b, cols)
+
                 store(qg_ref, b, scale * q_b * jnp.exp(g_b), cols)
                 store(kb_ref, b, load(beta_ref, b) * k_b * jnp.exp(g_b), cols)
                 store(kg_ref, b, k_b * jnp.exp(after[b + 1] + total[b] - rise[b]), cols)
@@ -330,7 +334,7 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
         interpret=interpret,
         name="kda_chunk_prep",
     )
-    return ChunkMatrices(*prep(slots.start, slots.length, q, k, g, beta,
+    return ChunkMatrices(*prep(slots.start, slots.length, slots.snapshot, q, k, g, beta,
                                *diagonal_blocks))
 
 

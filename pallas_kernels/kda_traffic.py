@@ -3,7 +3,7 @@
 Each pass's reads and writes of per-row tensors, every tensor counted once per pass (the
 value-block programs of one head that load the same W or Kg tile are assumed to share it
 through L2), on the fast path: bf16 q, k, v, beta and matmul operands (T and W's
-right-hand side beta k exp(G) among them), fp32 g and G (see `pallas_kernels.kda_prep`).
+right-hand side beta k exp(G) among them), fp32 g (see `pallas_kernels.kda_prep`).
 Per-chunk tensors (G_last, the entry states) count 1/C of their size per token;
 per-sequence ones (states, snapshots, segment transitions) are left out: they do not grow
 with the tokens. GB10's 273 GB/s turns the total into the time a bandwidth-bound kernel
@@ -30,8 +30,10 @@ def bytes_per_token_head(config: KernelConfig, head_k: int, head_v: int, *,
     passes = {}
     if not bounded:  # reads the inputs, writes Aqk's diagonal blocks and their inverses
         passes["diagonal"] = inputs + 2 * FP32 * SUB_CHUNK
+    # Aqk, T; Qg, Kg, beta k exp(G); G_last. G itself is stored only in the chunks that
+    # hold a snapshot (at most 4 a sequence), which the scan reads.
     passes["prep"] = (inputs + (0 if bounded else 2 * FP32 * SUB_CHUNK)
-                      + 2 * BF16 * c + 3 * BF16 * k + FP32 * k + FP32 * k / c)
+                      + 2 * BF16 * c + 3 * BF16 * k + FP32 * k / c)
     passes["w_u"] = BF16 * (k + v) + BF16 + BF16 * c + BF16 * (k + v)  # beta k exp(G), v, beta, T
     recurrence_reads = BF16 * (2 * k + v) + FP32 * k / c  # W, Kg, U, G_last
     segments = config.scan_segments

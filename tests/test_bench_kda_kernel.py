@@ -28,18 +28,18 @@ def test_quick_run_times_segment_counts_and_writes_json(tmp_path):
 
 
 def test_bytes_per_token_head_by_hand():
-    """K = V = 128, C = 64, bounded gates: 6,932 B (issue 20 counted about 7.4 KB before T
-    and W's right-hand side were stored in bf16)."""
+    """K = V = 128, C = 64, bounded gates: 6,420 B (issue 20 counted about 7.4 KB before T
+    and W's right-hand side were stored in bf16 and G only in snapshot chunks)."""
     plain = traffic_summary(KernelConfig(), 128, 128, bounded=True, tokens=1, heads=1)
     assert plain["bytes_per_token_head"] == {
-        "prep": 2 * 128 * 2 + 4 * 128 + 2 + 2 * 2 * 64 + 3 * 2 * 128 + 4 * 128 + 8,
+        "prep": 2 * 128 * 2 + 4 * 128 + 2 + 2 * 2 * 64 + 3 * 2 * 128 + 8,
         "w_u": 2 * 256 + 2 + 2 * 64 + 2 * 256,
         "scan": 2 * 384 + 8 + 2 * 128 * 128 / 64 + 2 * 128,
         "output": 2 * (128 + 64 + 256 + 128) + 4 * 128,
     }
-    assert plain["total_bytes_per_token_head"] == 6932
+    assert plain["total_bytes_per_token_head"] == 6420
     segmented = traffic_summary(KernelConfig(scan_segments=4), 128, 128, bounded=True,
                                 tokens=1, heads=1)
     assert segmented["bytes_per_token_head"]["transition"] == pytest.approx(776 * 3 / 4)
     any_decay = traffic_summary(KernelConfig(), 128, 128, bounded=False, tokens=1, heads=1)
-    assert any_decay["total_bytes_per_token_head"] == 6932 + 1154 + 128
+    assert any_decay["total_bytes_per_token_head"] == 6420 + 1154 + 128
