@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kda_chunked_reference, kda_prefill, kda_recurrent_reference
+from pallas_kernels.kda_chunks import chunk_slots
 from pallas_kernels.kda_pallas import kda_prefill_pallas
 from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 
@@ -276,3 +277,13 @@ def test_config_rejects_segment_counts(rng, segments):
     inputs = make_inputs(rng, [10])
     with pytest.raises(ValueError, match=f"scan_segments.*got {segments}"):
         kda_prefill(**inputs, config=KernelConfig(block_v=32, scan_segments=segments))
+
+
+def test_chunk_slots_mark_the_slots_holding_a_snapshot():
+    """The prep pass stores G only in these slots, the only ones the scan reads it in:
+    offsets on chunk edges, at a sequence's end, and inactive ones (0, -1, past the end)."""
+    cu = jnp.array([0, 100, 164, 300], jnp.int32)  # lengths 100, 64, 136: slots 0-1, 2, 3-5
+    offsets = jnp.array([[1, 64, 65, 0], [64, -1, 200, 0], [136, 1, 0, 0]], jnp.int32)
+    slots = chunk_slots(cu, 300, 64, offsets)
+    np.testing.assert_array_equal(slots.snapshot, [1, 1, 1, 1, 0, 1, 0, 0])
+    np.testing.assert_array_equal(chunk_slots(cu, 300, 64).snapshot, [1] * 8)
