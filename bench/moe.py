@@ -5,6 +5,7 @@ memory floor, at both presets' real shapes (`pallas_kernels.moe_shapes`).
     python -m bench.moe --tokens 8192 --out bench/results/moe_8k.json
     python -m bench.moe --quick                # CPU smoke run: tiny shapes, interpret mode
     python -m bench.moe --tokens 8192 --sweep 40   # also 40 other tilings of our kernel
+    python -m bench.moe --tokens 8192 --parts moe --sweep-fused   # the model's two launches
 
 Two parts per (preset, tokens):
   gemm:   one gate-shaped grouped GEMM, sorted rows [T * k, D] x [E, D, I] (the unit of the
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 from bench.common import write_json
 from pallas_kernels import gmm_tokamax, moe_experts
 from pallas_kernels.gmm import grouped_matmul, grouped_matmul_reference
+from pallas_kernels.gmm_pallas import Epilogue, gmm_pallas
 from pallas_kernels.gmm_tuning import GmmConfig, estimate_shared_memory, select_gmm_config
 from pallas_kernels.moe_shapes import MOE_SHAPES, TOKEN_COUNTS, MoEShape
 from pallas_kernels.tuning import device_spec
@@ -148,6 +150,8 @@ def run_case(shape: MoEShape, tokens: int, args, record):
 
     if "gemm" in args.parts:
         run_gemm_part(shape, tokens, args, expert_weights, routings, measure)
+    if args.sweep_fused:
+        run_fused_sweep(shape, tokens, expert_weights, routings, measure)
     if "moe" in args.parts:
         run_moe_part(shape, tokens, args, expert_weights, routings, measure)
 
@@ -202,6 +206,55 @@ def run_moe_part(shape: MoEShape, tokens: int, args, expert_weights, routings, m
             3 * shape.hidden * shape.inter * 2)
 
 
+# (block_m, block_n, block_k, warps, stages, swizzle) tried by --sweep-fused beside the pick.
+FUSED_SWEEP = ((128, 128, 64, 8, 4, 8), (128, 64, 64, 4, 4, 8), (128, 64, 64, 8, 4, 8),
+               (128, 128, 32, 8, 4, 8), (64, 128, 64, 4, 3, 8), (256, 64, 64, 8, 3, 8),
+               (128, 256, 64, 8, 3, 8), (128, 256, 32, 8, 4, 8), (256, 128, 64, 8, 3, 8),
+               (64, 256, 64, 4, 3, 8), (128, 128, 64, 4, 3, 8), (128, 128, 64, 8, 3, 16))
+
+
+def run_fused_sweep(shape: MoEShape, tokens: int, expert_weights, routings, measure):
+    """The model's two fused launches alone (rows sorted by expert, as `routed_experts`
+    runs them): gather + gate / up + SwiGLU, and down + combine, at the device's tiling and
+    at each FUSED_SWEEP tiling that fits; errors are against the device's tiling."""
+    w_gate, w_up, w_down = expert_weights
+    rows, spec = tokens * shape.top_k, device_spec()
+    launches = {"gate_up": ((w_gate, w_up), Epilogue(gather=True, swiglu=True,
+                                                      limit=shape.swiglu_limit)),
+                "down": ((w_down,), Epilogue(combine=True))}
+    for name, (stacks, epilogue) in launches.items():
+        inputs = []
+        for i, (x, weights, experts) in enumerate(routings):
+            order, sizes = moe_experts.sort_by_expert(experts, shape.experts)
+            if epilogue.gather:
+                inputs.append((x, stacks, sizes, order // shape.top_k, None, None))
+            else:
+                h = jax.random.normal(jax.random.key(100 + i), (rows, shape.inter),
+                                      jnp.bfloat16)
+                inputs.append((h, stacks, sizes, None, weights.reshape(-1)[order], order))
+        _, k, n = stacks[0].shape
+        picked = select_gmm_config(spec, rows=rows, k=k, n=n, num_groups=shape.experts,
+                                   num_rhs=len(stacks))
+        configs = [picked] + [c for c in (GmmConfig(*t) for t in FUSED_SWEEP)
+                              if c != picked and n % c.block_n == 0 and k % c.block_k == 0
+                              and estimate_shared_memory(c, num_rhs=len(stacks))
+                              <= spec.smem_per_block]
+        expected = None
+        for config in configs:
+            call = jax.jit(functools.partial(_fused_launch, config=config, epilogue=epilogue))
+            if expected is None:
+                expected = call(*inputs[0])
+            measure("moe", f"{name} {config_label(config)}", call, inputs, expected,
+                    2 * rows * shape.hidden * shape.inter * len(stacks),
+                    sum(s.size for s in stacks) * 2, picked=config == picked)
+
+
+def _fused_launch(lhs, stacks, sizes, row_tokens, row_scale, row_dest, *, config, epilogue):
+    return gmm_pallas(lhs, stacks, sizes, row_tokens=row_tokens, row_scale=row_scale,
+                      row_dest=row_dest, config=config, epilogue=epilogue,
+                      interpret=jax.default_backend() == "cpu")
+
+
 def config_label(config: GmmConfig) -> str:
     return (f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} "
             f"s{config.num_stages} z{config.swizzle}")
@@ -245,6 +298,8 @@ def main(argv=None) -> int:
     parser.add_argument("--parts", nargs="+", choices=["gemm", "moe"], default=["gemm", "moe"])
     parser.add_argument("--sweep", type=int, default=0, metavar="N",
                         help="also time up to N other Pallas tilings on the gemm part")
+    parser.add_argument("--sweep-fused", action="store_true",
+                        help="also time the model's two fused launches at other tilings")
     args = parser.parse_args(argv)
     if args.quick:
         shapes, args.tokens = [QUICK_SHAPE], [24]
