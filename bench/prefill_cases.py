@@ -243,6 +243,12 @@ def _first_difference(a: Output, b: Output, position: int) -> dict:
         return dict(position=position, near_tie=False, reason="no top logprobs recorded")
     top_a, top_b = dict(a.top_logprobs[position]), dict(b.top_logprobs[position])
     chosen_a, chosen_b = a.output_token_ids[position], b.output_token_ids[position]
+    if chosen_a not in top_a or chosen_b not in top_b:
+        # A greedy token is its own run's top-1 unless the logits were not finite (argmax
+        # takes a NaN; the log-softmax is NaN everywhere then).
+        return dict(position=position, near_tie=False, tokens=[chosen_a, chosen_b],
+                    logprobs=[a.logprobs[position], b.logprobs[position]],
+                    reason="a run's greedy token is not among its own top logprobs")
     gaps = [top_a[chosen_a] - top_a.get(chosen_b, -np.inf),
             top_b[chosen_b] - top_b.get(chosen_a, -np.inf)]
     bound = 0.1 + 0.02 * abs(top_b[chosen_b])

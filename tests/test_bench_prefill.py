@@ -142,5 +142,9 @@ def test_compare_greedy_tells_a_near_tie_from_a_real_difference():
     absent = compare_greedy({"r": out([5, 7], [agree, ((7, -2.0), (3, -2.01))])},
                             {"r": out([5, 8], [agree, tie_off])})
     assert absent["near_ties"]["r"]["gaps"][0] == np.inf
+    # A NaN row: argmax took the NaN's index, which its own top list does not hold.
+    lost = compare_greedy({"r": out([5, 4], [agree, ((0, np.nan), (1, np.nan))])},
+                          {"r": out([5, 8], [agree, tie_off])})
+    assert not lost["near_ties"]["r"]["near_tie"] and "not among" in lost["near_ties"]["r"]["reason"]
     same = compare_greedy({"r": out([5], [agree])}, {"r": out([5], [agree])})
     assert same["identical"] and same["all_differences_near_ties"]
