@@ -8,9 +8,15 @@ each program a long serial k loop over small tiles, latency-bound (kimi's 2304 x
 1.5 TB/s, its 2304 x 128 gate projections at a fraction of that). Here each weight is cut
 into `splits` slices along K as well as into column tiles, so the launch holds enough
 programs to fill the GPU whatever the shape; each program writes its fp32 partial sum and
-XLA adds the partials (a reduction over `splits` rows, in a fixed order: the result does not
-depend on timing). Several weights of one input (a KDA layer's q, k, v, gate and beta
-projections) are one launch: the grid is the concatenation of each weight's programs.
+the partials are added split after split (one fixed order: the result does not depend on
+timing). Several weights of one input (a KDA layer's q, k, v, gate and beta projections) are
+one launch: the grid is the concatenation of each weight's programs.
+
+Batch invariance: the tiling depends on the weight's shape and the device, never on the
+rows, and the partial sums are added in split order by an explicit chain rather than an
+XLA reduction (whose order may change with the rows), so a row's result does not depend
+on how many rows share the launch. MTP's verify step runs N + 1 rows per sequence where
+plain decoding runs one, and its greedy tokens must be the same.
 
 Implementations behind `stream_matmul`: "pallas" (`stream_matmul_pallas`, Triton lowering;
 interpret mode on the CPU) and "xla" (`stream_matmul_reference`: jnp.dot per weight in fp32
@@ -43,14 +49,15 @@ PROGRAMS_PER_SM = 2
 PARTIAL_SHARE = 0.25  # most partial-sum bytes per weight byte
 
 
-def select_tiling(spec: DeviceSpec, rows: int, k: int, n: int) -> StreamTiling:
+def select_tiling(spec: DeviceSpec, k: int, n: int) -> StreamTiling:
     """Tiles of TILE_ELEMENTS (block_n up to 128 columns), then the fewest K splits giving
     PROGRAMS_PER_SM programs per SM; while even a split per k step falls short, narrower
     columns (down to MIN_BLOCK_N), then shallower steps (down to MIN_BLOCK_K). The fp32
-    partial sums (splits x rows x N x 4 bytes) stay within PARTIAL_SHARE of the weight's
-    bytes, which bounds the splits at many rows."""
+    partial sums of STREAM_ROWS rows (splits x STREAM_ROWS x N x 4 bytes) stay within
+    PARTIAL_SHARE of the weight's bytes. The rows a launch holds do not enter: one tiling
+    for every row count keeps each row's sums in one order (batch invariance)."""
     target = PROGRAMS_PER_SM * spec.num_sms
-    max_splits = max(1, int(k * PARTIAL_SHARE) // (2 * rows))
+    max_splits = max_stream_splits(k)
     block_n = largest_dividing(128, n)
     block_k = largest_dividing(TILE_ELEMENTS // block_n, k)
 
@@ -66,6 +73,12 @@ def select_tiling(spec: DeviceSpec, rows: int, k: int, n: int) -> StreamTiling:
     return StreamTiling(block_n=block_n, block_k=block_k, splits=splits)
 
 
+def max_stream_splits(k: int) -> int:
+    """The most K splits of a [k, N] weight: STREAM_ROWS rows of fp32 partials per split
+    within PARTIAL_SHARE of the weight's bf16 bytes."""
+    return max(1, int(k * PARTIAL_SHARE) // (2 * STREAM_ROWS))
+
+
 def fewest_splits(k_blocks: int, column_tiles: int, target: int, max_splits: int) -> int:
     """The fewest splits of `k_blocks` k steps (a divisor, at most `max_splits`) that give
     `column_tiles` x splits >= `target` programs; the most allowed when none does."""
@@ -78,7 +91,7 @@ def select_config(spec: DeviceSpec, rows: int, shapes: Sequence[tuple[int, int]]
     """The launch for `rows` rows against weights of `shapes` [(K, N_i)] in operands of
     `operand_bytes` (2: bf16, 4: fp32): 4 pipeline stages where shared memory allows,
     fewer where not (sm_12x's 99 KB at 64 rows, or fp32)."""
-    tilings = tuple(select_tiling(spec, rows, k, n) for k, n in shapes)
+    tilings = tuple(select_tiling(spec, k, n) for k, n in shapes)
     stages = 4
     while stages > 1 and max(estimate_shared_memory(t, padded_rows(rows), stages,
                                                     operand_bytes=operand_bytes)

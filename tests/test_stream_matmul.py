@@ -13,6 +13,7 @@ from pallas_kernels.stream_matmul import (
     PROGRAMS_PER_SM,
     STREAM_ROWS,
     estimate_shared_memory,
+    max_stream_splits,
     padded_rows,
     select_config,
     select_tiling,
@@ -107,28 +108,59 @@ def test_explicit_tiling_interpret(rng):
 
 
 @pytest.mark.parametrize("spec", [H200, GB10], ids=["h200", "gb10"])
-@pytest.mark.parametrize("rows", [1, 16, STREAM_ROWS])
 @pytest.mark.parametrize("shape", [(2304, 4096), (4096, 2304), (2304, 128), (2304, 32),
                                    (128, 4096), (2304, 576), (48, 80)])
-def test_tiling_rule(spec, rows, shape):
+def test_tiling_rule(spec, shape):
     """The tiles divide the weight; the launch fills the device where the weight allows;
-    the fp32 partials stay within their share of the weight's bytes (or there is one split);
-    the stages fit shared memory."""
+    the fp32 partials of STREAM_ROWS rows stay within their share of the weight's bytes (or
+    there is one split); every row count gets this tiling, in stages that fit shared
+    memory."""
     k, n = shape
-    tiling = select_tiling(spec, rows, k, n)
+    tiling = select_tiling(spec, k, n)
     assert n % tiling.block_n == 0 and k % (tiling.splits * tiling.block_k) == 0
-    partial_bytes = tiling.splits * rows * n * 4
+    partial_bytes = tiling.splits * STREAM_ROWS * n * 4
     assert tiling.splits == 1 or partial_bytes <= PARTIAL_SHARE * k * n * 2
     if tiling.programs(n) < PROGRAMS_PER_SM * spec.num_sms:  # short only at the limits
         assert tiling.block_n <= MIN_BLOCK_N or n % (tiling.block_n // 2)
         assert tiling.block_k <= MIN_BLOCK_K
-        max_splits = max(1, int(k * PARTIAL_SHARE) // (2 * rows))
-        assert tiling.splits == max(s for s in range(1, max_splits + 1)
+        assert tiling.splits == max(s for s in range(1, max_stream_splits(k) + 1)
                                     if (k // tiling.block_k) % s == 0)
-    for operand_bytes in (2, 4):  # bf16, fp32
-        config = select_config(spec, rows, [shape], operand_bytes=operand_bytes)
-        assert estimate_shared_memory(tiling, padded_rows(rows), config.num_stages,
-                                      operand_bytes=operand_bytes) <= spec.smem_per_block
+    for rows in (1, 5, 16, STREAM_ROWS):
+        for operand_bytes in (2, 4):  # bf16, fp32
+            config = select_config(spec, rows, [shape], operand_bytes=operand_bytes)
+            assert config.tilings == (tiling,)
+            assert estimate_shared_memory(tiling, padded_rows(rows), config.num_stages,
+                                          operand_bytes=operand_bytes) <= spec.smem_per_block
+
+
+def check_rows_invariant(rng, k, widths, dtype, interpret, config=None):
+    """Each row of a launch of STREAM_ROWS rows equals, bit for bit, the same row launched
+    with fewer rows beside it (within one row tile and across tiles of 16, 32 and 64)."""
+    x = jnp.asarray(rng.standard_normal((STREAM_ROWS, k)), dtype)
+    weights = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype) for n in widths]
+    full = stream_matmul(x, weights, interpret=interpret, config=config)
+    for rows in (1, 3, 16, 17, 33):
+        part = stream_matmul(x[:rows], weights, interpret=interpret, config=config)
+        for a, b in zip(part, full):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[:rows])
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_a_row_does_not_depend_on_the_rows_beside_it_interpret(rng, dtype):
+    """Batch invariance (MTP's verify runs N + 1 rows per sequence where plain decoding runs
+    one): one tiling for every row count, K splits added in a fixed order. Tiles of 16
+    columns, because the CPU's own dot of a [16, bk] tile differs from a [64, bk] one at
+    wider tiles: interpret mode cannot speak for the tensor cores, the `gpu` case below
+    does, at the default tiling."""
+    config = StreamConfig((StreamTiling(block_n=16, block_k=64, splits=4),
+                           StreamTiling(block_n=16, block_k=16, splits=16)))
+    check_rows_invariant(rng, 1024, (64, 48), DTYPES[dtype], interpret=True, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", sorted(REAL))
+def test_a_row_does_not_depend_on_the_rows_beside_it_gpu(rng, launch):
+    check_rows_invariant(rng, *REAL[launch], jnp.bfloat16, interpret=False)
 
 
 @pytest.mark.parametrize("rows, k, widths, message", [
