@@ -336,9 +336,7 @@ def mla_attention(s: Shapes) -> Op:
     def notes(rows):
         if not kernel:
             return {"pallas": False}
-        tiling = select_tiling(device_spec(), rows=rows, heads=heads,
-                               width=table.shape[1] * c.kv_block_size, block_size=c.kv_block_size)
-        return {"pallas": True, "split": tiling.split}
+        return {"pallas": True, "split": select_tiling(c.kv_block_size).split}
 
     def inputs(indices):
         i = jnp.asarray(indices, jnp.int32)

@@ -219,8 +219,7 @@ def lower_mla_decode(spec: DeviceSpec, heads: int, kv_lora: int, rope: int, mask
     runtime's tiling for `rows` sequences of MLA_DECODE_BLOCKS blocks, bf16 latents."""
     shape = jax.ShapeDtypeStruct
     width = MLA_DECODE_BLOCKS * MLA_DECODE_BLOCK_SIZE
-    tiling = select_mla_decode_tiling(spec, rows=rows, heads=heads, width=width,
-                                      block_size=MLA_DECODE_BLOCK_SIZE)
+    tiling = select_mla_decode_tiling(MLA_DECODE_BLOCK_SIZE)
     args = (shape((rows, heads, kv_lora), jnp.bfloat16),
             shape((rows, heads, rope), jnp.bfloat16) if rope else None,
             shape((64, MLA_DECODE_BLOCK_SIZE, kv_lora + rope), jnp.bfloat16),

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 
 from pallas_kernels.gmm import resolve_interpret
 from pallas_kernels.mla_decode_pallas import DecodeTiling, mla_decode_pallas, select_tiling
-from pallas_kernels.tuning import device_spec
 
 IMPLEMENTATIONS = ("pallas", "xla")
 
@@ -113,7 +112,7 @@ def mla_decode(q_abs, q_pe, pages, block_table, context_lens, mask=None, *, scal
       mask: optional bool [N, M P], a further selection (DSA);
       scale: the softmax scale.
       implementation: "xla" (jax.numpy) or "pallas" (interpret mode by default on the CPU);
-      tiling: the Pallas launch's (default: `select_tiling` for the device).
+      tiling: the Pallas launch's (default: `select_tiling`, the same for every batch).
 
     Returns (out fp32 [N, H, C], lse fp32 [N, H]): zeros and -inf where nothing is visible.
     """
@@ -124,10 +123,7 @@ def mla_decode(q_abs, q_pe, pages, block_table, context_lens, mask=None, *, scal
     if implementation == "xla":
         return mla_decode_reference(q_abs, q_pe, pages, block_table, context_lens, mask,
                                     scale=scale)
-    rows, heads, _ = q_abs.shape
-    width = block_table.shape[1] * pages.shape[1]
-    tiling = tiling or select_tiling(device_spec(), rows=rows, heads=heads, width=width,
-                                     block_size=pages.shape[1])
+    tiling = tiling or select_tiling(pages.shape[1])
     return mla_decode_pallas(q_abs, q_pe, pages, block_table, context_lens, mask,
                              scale=float(scale), tiling=tiling,
                              interpret=resolve_interpret(interpret))

@@ -7,7 +7,16 @@ reads the positions' latents straight from their block ([block_t, C] and the rop
 [block_t, R]: a block holds whole steps), scores them against the heads' queries on the
 tensor cores ([block_h, C] x [C, block_t]) and folds them into a running softmax (max,
 sum, [block_h, C] fp32 accumulator). Splits past a sequence's last visible position run no
-step. The programs' (accumulator, max, sum) are merged by their log-sum-exp in jax.numpy.
+step. The programs' (accumulator, max, sum) are merged by their log-sum-exp in jax.numpy,
+the sums over splits in `pallas_kernels.partials`' fixed order.
+
+Batch invariance: a split is SPLIT_POSITIONS positions whatever the batch, the table width
+or the device, and the merge's order depends on the splits alone, so a sequence's result
+does not depend on the sequences beside it (MTP's verify runs N + 1 rows per sequence where
+plain decoding runs one). The fixed split is a compromise: at one sequence of 8K positions
+and 32 heads it gives 64 programs (about half the H200's SMs), at 64 sequences its fp32
+partials add ~22% to the latent bytes read (each split writes [heads, C] fp32 for its
+256 x (C + R) bf16 latents).
 """
 
 from __future__ import annotations
@@ -21,10 +30,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.partials import ordered_sum
 from pallas_kernels.tiles import check_tile_sizes, dot_nt, iota
-from pallas_kernels.tuning import DeviceSpec
 
-PROGRAMS_PER_SM = 2
+SPLIT_POSITIONS = 256  # positions per program (module doc: batch invariance)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,18 +53,13 @@ class DecodeTiling:
                              f"{self.block_t}")
 
 
-def select_tiling(spec: DeviceSpec, *, rows: int, heads: int, width: int,
-                  block_size: int) -> DecodeTiling:
-    """Steps of 32 positions (16 for blocks of 16), heads in blocks of 16, and each
-    sequence's `width` positions split so the launch holds ~PROGRAMS_PER_SM programs per
-    SM (a batch-1 step would otherwise read a whole context with a few programs)."""
+def select_tiling(block_size: int) -> DecodeTiling:
+    """Steps of 32 positions (16 for blocks of 16), heads in blocks of 16, splits of
+    SPLIT_POSITIONS positions: one tiling for every batch, table width and device."""
     block_t = 32 if block_size % 32 == 0 else 16
     if block_size % block_t:
         raise ValueError(f"the cache's block size {block_size} must be a multiple of 16")
-    head_blocks = -(-heads // 16)
-    steps = -(-width // block_t)
-    splits = max(1, PROGRAMS_PER_SM * spec.num_sms // (rows * head_blocks))
-    return DecodeTiling(split=-(-steps // splits) * block_t, block_t=block_t)
+    return DecodeTiling(split=SPLIT_POSITIONS, block_t=block_t)
 
 
 def _kernel(*refs, tiling: DecodeTiling, heads: int, kv_lora: int, rope: int, scale: float,
@@ -145,8 +149,8 @@ def mla_decode_pallas(q_abs, q_pe, pages, block_table, context_lens, mask, *, sc
     peak = jnp.max(top, axis=1)  # [N, H]
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
     weight = jnp.exp(top - peak[:, None])  # 0 for splits that saw nothing
-    denominator = jnp.sum(weight * total, axis=1)
+    denominator = ordered_sum(weight * total, axis=1)
     safe = jnp.where(denominator > 0, denominator, 1.0)
-    out = jnp.sum(weight[..., None] * acc, axis=1) / safe[..., None]
+    out = ordered_sum(weight[..., None] * acc, axis=1) / safe[..., None]
     lse = jnp.where(denominator > 0, peak + jnp.log(safe), -jnp.inf)
     return out, lse

@@ -8,13 +8,13 @@ each program a long serial k loop over small tiles, latency-bound (kimi's 2304 x
 1.5 TB/s, its 2304 x 128 gate projections at a fraction of that). Here each weight is cut
 into `splits` slices along K as well as into column tiles, so the launch holds enough
 programs to fill the GPU whatever the shape; each program writes its fp32 partial sum and
-the partials are added split after split (one fixed order: the result does not depend on
-timing). Several weights of one input (a KDA layer's q, k, v, gate and beta projections) are
-one launch: the grid is the concatenation of each weight's programs.
+the partials are added in one fixed order (`pallas_kernels.partials`). Several weights of
+one input (a KDA layer's q, k, v, gate and beta projections) are one launch: the grid is
+the concatenation of each weight's programs.
 
 Batch invariance: the tiling depends on the weight's shape and the device, never on the
-rows, and the partial sums are added in split order by an explicit chain rather than an
-XLA reduction (whose order may change with the rows), so a row's result does not depend
+rows, and the partial sums are added in an order fixed by the splits alone rather than by
+an XLA reduction (whose order may change with the rows), so a row's result does not depend
 on how many rows share the launch. MTP's verify step runs N + 1 rows per sequence where
 plain decoding runs one, and its greedy tokens must be the same.
 

@@ -4,7 +4,7 @@ tiling rule: `pallas_kernels.stream_matmul`).
 Grid: one axis, the concatenation of each weight's programs. Weight i's programs are its
 (column tile, K split) pairs, the split fastest; a program runs its split's k steps into an
 fp32 [padded rows, block_n] accumulator and stores it as partial sum `split` of an fp32
-[splits, rows, N_i] output, which the wrapper adds split after split (`split_sum`) and casts
+[splits, rows, N_i] output, which the wrapper adds in a fixed order (`pallas_kernels.partials`) and casts
 to the product's output dtype (x's, or fp32); a weight of one split stores its [rows, N_i]
 result in that dtype directly. The
 tiles hold a power of two of at least 16 rows (the tensor cores' minimum): x's rows beyond
@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gmm_tuning import pow2_at_least_16
+from pallas_kernels.partials import ordered_sum
 from pallas_kernels.tiles import check_tile_sizes, iota
 
 
@@ -120,12 +120,6 @@ def stream_matmul_pallas(x, weights, *, config: StreamConfig, out_dtypes: tuple 
         interpret=interpret,
         name="stream_matmul",
     )(x, *weights)
-    return tuple(p if t.splits == 1 else split_sum(p).astype(dtype)
+    return tuple(p if t.splits == 1 else ordered_sum(p).astype(dtype)
                  for t, p, dtype in zip(config.tilings, partials, out_dtypes))
 
-
-def split_sum(partials: jax.Array) -> jax.Array:
-    """fp32 [S, ...] -> [...]: ((p_0 + p_1) + p_2) + ..., a chain of adds that XLA fuses
-    into one pass in this order for every shape (a reduction's order may change with the
-    other dimensions, so a row's sum would change with the rows beside it)."""
-    return functools.reduce(operator.add, (partials[s] for s in range(partials.shape[0])))

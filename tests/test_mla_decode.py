@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla_decode import mla_decode
-from pallas_kernels.mla_decode_pallas import DecodeTiling, select_tiling
-from pallas_kernels.tuning import GB10, H200
+from pallas_kernels.mla_decode_pallas import SPLIT_POSITIONS, DecodeTiling, select_tiling
 
 # name -> (heads, kv_lora, rope, block size, blocks per sequence, masked, tiling or None)
 CASES = {
@@ -114,16 +113,53 @@ class TestMlaDecodeXla(MlaDecodeCases):
     IMPLEMENTATION = "xla"
 
 
-@pytest.mark.parametrize("spec", [H200, GB10], ids=["h200", "gb10"])
-@pytest.mark.parametrize("rows", [1, 8, 64])
-def test_tiling_fills_the_device(spec, rows):
-    """About two programs per SM at any batch; steps of 32 in blocks of 512."""
-    width = 17 * 512
-    tiling = select_tiling(spec, rows=rows, heads=32, width=width, block_size=512)
-    programs = rows * 2 * -(-width // tiling.split)
-    assert tiling.block_t == 32 and tiling.split % 32 == 0
-    assert programs >= min(2 * spec.num_sms, rows * 2 * width // 32) * 0.5
-    assert programs <= max(4 * spec.num_sms, rows * 2)
+def test_one_tiling_for_every_batch():
+    """Splits of a fixed number of positions, steps of 32 (16 in blocks of 16)."""
+    assert select_tiling(512) == DecodeTiling(split=SPLIT_POSITIONS, block_t=32)
+    assert select_tiling(16) == DecodeTiling(split=SPLIT_POSITIONS, block_t=16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        select_tiling(24)
+
+
+def check_sequences_invariant(rng, tiling, interpret, heads=20, kv_lora=32, rope=16,
+                              dtype=jnp.float32):
+    """Batch invariance (MTP's verify runs N + 1 rows per sequence where plain decoding
+    runs one): each sequence's output and LSE in a batch of 8 equal, bit for bit, the same
+    sequence alone, and alone in a table twice as wide (more splits past its end)."""
+    block_size, blocks, rows = 16, 24, 8
+    q = rng.normal(size=(rows, heads, kv_lora))
+    q_pe = rng.normal(size=(rows, heads, rope))
+    pages = rng.normal(size=(rows * blocks, block_size, kv_lora + rope))
+    table = rng.permutation(rows * blocks).reshape(rows, blocks).astype(np.int32)
+    lens = rng.integers(0, blocks * block_size, rows).astype(np.int32)
+    lens[0] = blocks * block_size - 1
+    as_dtype = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+
+    def run(index, width_blocks):
+        wide = np.full((len(index), width_blocks), -1, np.int32)
+        wide[:, :blocks] = table[index]
+        return mla_decode(as_dtype(q[index]), as_dtype(q_pe[index]), as_dtype(pages),
+                          jnp.asarray(wide), jnp.asarray(lens[index]), scale=0.125,
+                          implementation="pallas", interpret=interpret, tiling=tiling)
+
+    batch_out, batch_lse = run(np.arange(rows), blocks)
+    for n in (0, 5):
+        for width_blocks in (blocks, 2 * blocks):
+            out, lse = run(np.array([n]), width_blocks)
+            np.testing.assert_array_equal(np.asarray(out)[0], np.asarray(batch_out)[n])
+            np.testing.assert_array_equal(np.asarray(lse)[0], np.asarray(batch_lse)[n])
+
+
+def test_a_sequence_does_not_depend_on_the_batch_interpret(rng):
+    """Splits of 16 positions: 24 and 48 of them, past the merge's group of 16."""
+    check_sequences_invariant(rng, DecodeTiling(split=16, block_t=16), interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [16, SPLIT_POSITIONS])
+def test_a_sequence_does_not_depend_on_the_batch_gpu(rng, split):
+    check_sequences_invariant(rng, DecodeTiling(split=split, block_t=16), interpret=False,
+                              heads=32, kv_lora=512, rope=64, dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("change, message", [
