@@ -8,8 +8,12 @@ took 4.1 of the 6.7 ms of device time of a batch-1 kimi-linear-48b decode step, 
 0.7 ms to read every dense weight once (`bench/results/decode_kimi_b1_trace.json.gz`). So
 on one GPU such a product of few rows runs as `pallas_kernels.stream_matmul`, whose launch
 is cut along K as well as N so it fills the GPU; `project_together` puts every projection of
-one input (a KDA layer's six) into one launch. On a mesh XLA's product stays: a Pallas call
-there would need its own partitioning.
+one input (a KDA layer's six) into one launch. Larger weights (the LM head, a dense MLP)
+stream too: cuBLAS would read them as fast, but picks its algorithm, and so the order of
+its sums, from the rows, and MTP's verify step runs N + 1 rows per sequence where plain
+decoding runs one (the stream's sums do not depend on the rows: `stream_matmul`'s batch
+invariance). On a mesh XLA's product stays: a Pallas call there would need its own
+partitioning.
 """
 
 from __future__ import annotations
@@ -24,11 +28,6 @@ from flax import nnx
 from glmjax.config import ModelConfig
 from pallas_kernels.stream_matmul import STREAM_ROWS, stream_matmul
 
-# XLA's GPU compiler turns a product into a reduction when its operands hold fewer elements
-# than this (`IsMatrixMultiplicationTooSmallForRewriting`'s threshold in its algebraic
-# simplifier); larger ones go to cuBLAS or its Triton GEMMs, which stream well.
-XLA_REDUCTION_THRESHOLD = 10_000_000
-
 
 def on_one_gpu() -> bool:
     """Whether the process has one device, a GPU: where our Pallas kernels replace XLA's ops
@@ -38,11 +37,9 @@ def on_one_gpu() -> bool:
 
 
 def default_implementation(rows: int, d_in: int, d_out: int) -> str:
-    """"stream" for a product XLA would turn into a reduction, of at most STREAM_ROWS rows,
-    on a process with one device, a GPU, in widths the kernel tiles (multiples of 16);
-    "xla" otherwise."""
+    """"stream" for a product of at most STREAM_ROWS rows on a process with one device, a
+    GPU, in widths the kernel tiles (multiples of 16); "xla" otherwise."""
     if (on_one_gpu() and 1 <= rows <= STREAM_ROWS
-            and rows * d_in + d_in * d_out < XLA_REDUCTION_THRESHOLD
             and d_in % 16 == 0 and d_out % 16 == 0):
         return "stream"
     return "xla"
