@@ -48,6 +48,8 @@ from pallas_kernels.attention_pallas import (
 )
 from pallas_kernels.gmm_pallas import gmm_pallas
 from pallas_kernels.gmm_tuning import GmmConfig, select_gmm_config
+from pallas_kernels.head_matmul_pallas import head_matmul_pallas
+from pallas_kernels.head_matmul_pallas import select_tiling as select_head_tiling
 from pallas_kernels.index_scores_pallas import (
     IndexConfig,
     index_scores_pallas,
@@ -101,6 +103,10 @@ ATTENTION_SHAPES = ((32, 192, 128), (64, 256, 256))
 # sequence of 8192 + 512 positions in blocks of 512 (a batch-1 decode step: the most splits).
 MLA_DECODE_SHAPES = ((32, 512, 64, False), (64, 512, 0, True))
 MLA_DECODE_BLOCKS, MLA_DECODE_BLOCK_SIZE = 17, 512
+# MLA decode's per-head products (heads, nope, v; kv_lora 512): kimi-linear-48b,
+# glm5.3-flash, at HEAD_MATMUL_ROWS rows (one full row tile).
+HEAD_MATMUL_SHAPES = ((32, 128, 128), (64, 192, 256))
+HEAD_MATMUL_ROWS = 64
 # DSA sparse attention (heads, kv_lora, rope, top_k): glm5.3-flash.
 SPARSE_SHAPES = ((64, 512, 0, 2048),)
 # DSA index scores (index heads, head dim): glm5.3-flash; 1024 queries (the layer's block).
@@ -211,6 +217,24 @@ def lower_route_top_k(spec: DeviceSpec, num_experts: int, top_k: int,
 
     return [dataclasses.replace(module, name=f"{module.name}_e{num_experts}")
             for module in triton_modules(route, args, spec)]
+
+
+def lower_head_matmul(spec: DeviceSpec, heads: int, nope: int, v: int) -> list[TritonModule]:
+    """The Triton modules of MLA decode's absorb and expand (`pallas_kernels.head_matmul`)
+    with the runtime's tiling, bf16, kv_lora 512."""
+    modules = []
+    weight = jax.ShapeDtypeStruct((512, heads, nope + v), jnp.bfloat16)
+    for name, transposed, k, offset, width in (("absorb", True, nope, 0, 512),
+                                              ("expand", False, 512, nope, v)):
+        x = jax.ShapeDtypeStruct((HEAD_MATMUL_ROWS, heads, k), jnp.bfloat16)
+
+        def call(x, w, transposed=transposed, offset=offset, width=width, k=k):
+            return head_matmul_pallas(x, w, transposed=transposed, offset=offset, width=width,
+                                      tiling=select_head_tiling(width, k), interpret=False)
+
+        modules += [dataclasses.replace(module, name=f"{module.name}_{name}_h{heads}")
+                    for module in triton_modules(call, (x, weight), spec)]
+    return modules
 
 
 def lower_mla_decode(spec: DeviceSpec, heads: int, kv_lora: int, rope: int, masked: bool,
@@ -357,6 +381,9 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                 reports.append(compile_module(module, spec, num_heads))
         for num_heads, *shape in MLA_DECODE_SHAPES:
             for module in lower_mla_decode(spec, num_heads, *shape):
+                reports.append(compile_module(module, spec, num_heads))
+        for num_heads, *shape in HEAD_MATMUL_SHAPES:
+            for module in lower_head_matmul(spec, num_heads, *shape):
                 reports.append(compile_module(module, spec, num_heads))
         for num_heads, *shape in SPARSE_SHAPES:
             for module in lower_sparse_attention(spec, num_heads, *shape):

@@ -31,6 +31,8 @@ def test_every_kernel_compiles_within_limits(device):
         *(f"select_top_k_{num_keys // 1024}K" for num_keys, _ in aot.TOP_K_SHAPES),
         *(f"route_top_k_e{shape.experts}" for shape in aot.MOE_SHAPES),
         *(f"mla_decode_h{heads}" for heads, *_ in aot.MLA_DECODE_SHAPES),
+        *(f"head_matmul_{name}_h{heads}" for heads, *_ in aot.HEAD_MATMUL_SHAPES
+          for name in ("absorb", "expand")),
     }
     decode = [r for r in reports if r.kernel.startswith("kda_decode_bv")]
     assert {r.heads for r in decode} == set(aot.HEAD_COUNTS)

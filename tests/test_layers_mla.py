@@ -2,6 +2,7 @@
 continuation over a shuffled paged cache, absorbed decode, and the paged cache itself."""
 
 import dataclasses
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +14,7 @@ from glmjax.config import ModelConfig
 from glmjax.layers.mla import MLA
 from glmjax.layers.paged_cache import MLACache, read_paged, write_paged
 
+mla_module = sys.modules["glmjax.layers.mla"]  # its module, not the re-exported class
 NUM_TOKENS, NUM_SEQS, BLOCK, BLOCKS_PER_SEQ, NUM_BLOCKS = 32, 4, 8, 5, 24
 
 VARIANTS = {
@@ -152,6 +154,17 @@ def test_continuation_through_the_flash_kernel(rng, variant):
     """The same case with prefill attention in the Pallas kernel (interpret mode here)."""
     config = make_config(**VARIANTS[variant], mla_attention="pallas")
     continuation_case(rng, config, make_layer(config, rng))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_absorbed_decode_through_the_kernels(rng, variant, monkeypatch):
+    """The one-GPU decode path on the CPU (interpret mode): the per-head products in
+    `head_matmul` and the attention in `mla_decode`'s kernel, against the same oracle."""
+    calls = []
+    monkeypatch.setattr(mla_module, "on_one_gpu", lambda: calls.append(1) or True)
+    config = make_config(**VARIANTS[variant])
+    decode_case(rng, config, make_layer(config, rng))
+    assert calls
 
 
 def test_decode_inactive_row_leaves_cache_untouched(rng):

@@ -57,6 +57,7 @@ from glmjax.layers.paged_cache import (
 from glmjax.layers.prefill_keys import CachedPrefix, PackedKeys, sequence_keys
 from glmjax.layers.projection import on_one_gpu, projection
 from pallas_kernels.attention import prefill_attention
+from pallas_kernels.head_matmul import head_matmul
 from pallas_kernels.mla_decode import mla_decode, visible_positions
 from pallas_kernels.sparse_attention import sparse_attention
 
@@ -179,14 +180,17 @@ class MLA(nnx.Module):
                 mask = self.indexer.select(*self.indexer.queries(x, q_latent),
                                            read_paged(cache.index_keys, block_table),
                                            visible_positions(context_lens, None, width))
-            q_abs, w_uv = self._absorbed_queries(q_nope)
-            # On one GPU the kernel reads the latents in their blocks (flash decoding); its
-            # steps take 16 or 32 positions of one block.
+            # On one GPU the kernels: the per-head products in tiles of the shapes alone,
+            # and the attention reading the latents in their blocks (flash decoding; its
+            # steps take 16 or 32 positions of one block).
+            heads_kernel = on_one_gpu() and all(
+                d % 16 == 0 for d in (self.nope, self.v_dim, self.kv_lora))
             kernel = on_one_gpu() and cache.latent.shape[1] % 16 == 0
+            q_abs = self._absorbed_queries(q_nope, heads_kernel)
             out_latent, _ = mla_decode(q_abs, q_pe if self.rope else None, cache.latent,
                                        block_table, context_lens, mask, scale=self.scale,
                                        implementation="pallas" if kernel else "xla")
-            out = self._from_latent(out_latent, w_uv, q_nope.dtype)
+            out = self._from_latent(out_latent, q_nope.dtype, heads_kernel)
             return self.o_proj(out.reshape(num_seqs, -1)), cache
 
     def _decode_dcp(self, x, q_nope, q_pe, q_latent, latent, cache, block_table, context_lens,
@@ -201,7 +205,7 @@ class MLA(nnx.Module):
             keys = read_paged(index_keys, block_table)  # [N, S, d_I], global order
             top = self.indexer.top_keys(*self.indexer.queries(x, q_latent), keys,
                                         visible_positions(context_lens, None, keys.shape[1]))
-        q_abs, w_uv = self._absorbed_queries(q_nope)
+        q_abs = self._absorbed_queries(q_nope)
 
         # Zero-width arrays (no rope part) crash XLA's CPU compiler inside a shard_map.
         q_pe = (q_pe,) if self.rope else ()
@@ -231,7 +235,7 @@ class MLA(nnx.Module):
                       specs.replicated),
             out_specs=(specs.mla_latent, specs.heads),
         )(cache.latent, block_table, context_lens, latent, q_abs, q_pe, top)
-        out = self._from_latent(out_latent, w_uv, q_nope.dtype)
+        out = self._from_latent(out_latent, q_nope.dtype)
         return self.o_proj(out.reshape(num_seqs, -1)), MLACache(pages, index_keys)
 
     def _queries(self, x):
@@ -349,20 +353,38 @@ class MLA(nnx.Module):
         return jnp.einsum("thc,chv->thv", out_latent, w_uv,
                           preferred_element_type=jnp.float32).astype(q_nope.dtype)
 
+    def _kv_b(self, dtype) -> jax.Array:
+        """kv_b_proj's kernel as [C, H, nope + v]: W_uk | W_uv of each head."""
+        return self.kv_b_proj.kernel[...].astype(dtype).reshape(
+            self.kv_lora, self.num_heads, self.nope + self.v_dim)
+
     def _absorption(self, dtype) -> tuple[jax.Array, jax.Array]:
         """W_uk [C, H, nope] and W_uv [C, H, v], the two halves of kv_b_proj."""
-        w = self.kv_b_proj.kernel[...].astype(dtype).reshape(
-            self.kv_lora, self.num_heads, self.nope + self.v_dim)
+        w = self._kv_b(dtype)
         return w[..., :self.nope], w[..., self.nope:]
 
-    def _absorbed_queries(self, q_nope):
-        """q_nope [N, H, nope] -> q_abs [N, H, kv_lora] (q_nope W_uk, in its dtype) and W_uv."""
-        w_uk, w_uv = self._absorption(q_nope.dtype)
-        q_abs = jnp.einsum("nhd,chd->nhc", q_nope, w_uk, preferred_element_type=jnp.float32)
-        return q_abs.astype(q_nope.dtype), w_uv
+    def _absorbed_queries(self, q_nope, kernel: bool = False) -> jax.Array:
+        """q_nope [N, H, nope] -> q_abs [N, H, kv_lora] (q_nope W_uk, in its dtype).
+        `kernel`: per head in `head_matmul`'s Pallas kernel, whose sums do not depend on N
+        (decode on one GPU: MTP's verify runs N + 1 rows per sequence where plain decoding
+        runs one); XLA's batched product otherwise."""
+        w = self._kv_b(q_nope.dtype)
+        if kernel:
+            q_abs = head_matmul(q_nope, w, transposed=True, implementation="pallas")
+        else:
+            q_abs = jnp.einsum("nhd,chd->nhc", q_nope, w[..., :self.nope],
+                               preferred_element_type=jnp.float32)
+        return q_abs.astype(q_nope.dtype)
 
-    @staticmethod
-    def _from_latent(out_latent, w_uv, dtype):
-        """The attention's output latent fp32 [N, H, kv_lora] -> [N, H, v] (W_uv) in dtype."""
-        return jnp.einsum("nhc,chv->nhv", out_latent.astype(w_uv.dtype), w_uv,
-                          preferred_element_type=jnp.float32).astype(dtype)
+    def _from_latent(self, out_latent, dtype, kernel: bool = False) -> jax.Array:
+        """The attention's output latent fp32 [N, H, kv_lora] -> [N, H, v] (W_uv) in dtype;
+        `kernel` as in `_absorbed_queries`."""
+        w = self._kv_b(dtype)
+        latent = out_latent.astype(dtype)
+        if kernel:
+            out = head_matmul(latent, w, transposed=False, offset=self.nope, width=self.v_dim,
+                              implementation="pallas")
+        else:
+            out = jnp.einsum("nhc,chv->nhv", latent, w[..., self.nope:],
+                             preferred_element_type=jnp.float32)
+        return out.astype(dtype)
