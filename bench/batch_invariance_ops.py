@@ -27,6 +27,7 @@ from glmjax.batch import DecodeBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
 from glmjax.layers.kda import KDA, KDAState
+from glmjax.layers.mhc import HyperConnection
 from glmjax.layers.mla import MLA
 from glmjax.layers.moe import MLP, MoE
 from glmjax.layers.norms import GatedRMSNorm, RMSNorm
@@ -301,6 +302,25 @@ def gated_norm(s: Shapes) -> Op:
     return module_op(norm, lambda m, o, g: {"y": m(o, g)}, rows_of(o, gate))
 
 
+def mhc(s: Shapes) -> Op:
+    """`HyperConnection.read` then `write` (glm5.3-flash's mHC around a sublayer): the
+    fused fp32 projection of the normed streams, the maps, the mixes."""
+    c = s.config
+    if c.mhc_streams is None:
+        raise ValueError(f"{c.name} has no mHC")
+    module = HyperConnection(c.hidden_size, c.mhc_streams, sinkhorn_iters=c.mhc_sinkhorn_iters,
+                             eps=c.rms_norm_eps, rngs=nnx.Rngs(s.seed + 5))
+    k1, k2 = keys(s.seed, "mhc", 2)
+    streams = normal(k1, (s.max_rows, c.mhc_streams, c.hidden_size), c.dtype)
+    y = normal(k2, (s.max_rows, c.hidden_size), c.dtype)
+
+    def call(m, streams, y):
+        x, mixing = m.read(streams)
+        return {"x": x, "streams": m.write(streams, y, mixing)}
+
+    return module_op(module, call, rows_of(streams, y))
+
+
 def mla_cache(s: Shapes, key) -> tuple[MLACache, jax.Array, jax.Array]:
     """A random paged cache holding max_rows sequences, row i in blocks i M .. i M + M - 1
     (M blocks of the context), and each row's context length (its new token's position)."""
@@ -420,5 +440,5 @@ OPS: dict[str, Callable[[Shapes], Op]] = {
     "routed_experts": routed_experts, "shared_down": shared_down, "moe_layer": moe_whole,
     "dense_mlp": dense_mlp, "final_norm": final_norm, "gated_norm": gated_norm,
     "lm_head": lm_head, "mla_attention": mla_attention, "mla_layer": mla_decode_layer,
-    "sampler": sampler, "decode_step": decode_whole,
+    "mhc": mhc, "sampler": sampler, "decode_step": decode_whole,
 }  # fmt: skip

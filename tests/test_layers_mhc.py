@@ -1,5 +1,7 @@
 """mHC hyper-connections against a per-token float64 loop; Sinkhorn and init properties."""
 
+import sys
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -7,6 +9,7 @@ from test_layers_oracles import f64, mhc_oracle, random_module, sinkhorn_oracle
 
 from glmjax.layers.mhc import HyperConnection, collapse_streams, expand_streams, sinkhorn
 
+mhc_module = sys.modules["glmjax.layers.mhc"]
 HIDDEN, STREAMS = 32, 4
 
 
@@ -61,3 +64,25 @@ def test_static_init_is_a_plain_residual_on_equal_streams(rng):
     np.testing.assert_allclose(
         collapse_streams(out), x + jnp.tanh(x @ weight), rtol=1e-5, atol=1e-5
     )
+
+
+def test_a_token_does_not_depend_on_the_tokens_beside_it(rng, monkeypatch):
+    """Batch invariance (MTP's verify): each token's read and write are bit for bit the same
+    alone and among 9, on the one-GPU path (the weight stream, in interpret mode here); at
+    1024 wide the CPU's own product (`jnp.dot`) differs with the token count."""
+    monkeypatch.setattr(mhc_module, "on_one_gpu", lambda: True)
+    hidden = 1024
+    hc = random_module(lambda: HyperConnection(hidden, STREAMS, sinkhorn_iters=20, eps=1e-5,
+                                               rngs=nnx.Rngs(0)), rng)
+    streams = jnp.asarray(rng.normal(size=(9, STREAMS, hidden)), jnp.float32)
+
+    @nnx.jit
+    def around_tanh(hc, streams):  # a sublayer with no product of its own
+        x, mixing = hc.read(streams)
+        return x, hc.write(streams, jnp.tanh(x), mixing)
+
+    x, out = around_tanh(hc, streams)
+    for t in (0, 4, 8):
+        x_t, out_t = around_tanh(hc, streams[t:t + 1])
+        np.testing.assert_array_equal(np.asarray(x_t)[0], np.asarray(x)[t])
+        np.testing.assert_array_equal(np.asarray(out_t)[0], np.asarray(out)[t])

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.layers.norms import rms_normalize
+from glmjax.layers.projection import on_one_gpu
+from pallas_kernels.stream_matmul import STREAM_ROWS, stream_matmul
 
 
 class Mixing(NamedTuple):
@@ -44,6 +46,18 @@ def sinkhorn(logits: jax.Array, iters: int) -> jax.Array:
 
     m = jnp.exp(logits - jnp.max(logits, axis=(-2, -1), keepdims=True))
     return jax.lax.fori_loop(0, iters, step, m)
+
+
+def fused_projection(u: jax.Array, phi: jax.Array) -> jax.Array:
+    """u fp32 [T, n D] @ phi fp32 [n D, 2n + n^2], IEEE fp32. On one GPU, for at most
+    STREAM_ROWS tokens (a decode step), the weight stream (phi's columns padded to a
+    multiple of 16), whose sums do not depend on the token count; XLA's product otherwise
+    (its order may change with T: a decode row must not change with the rows beside it)."""
+    if not (on_one_gpu() and 1 <= u.shape[0] <= STREAM_ROWS and u.shape[1] % 16 == 0):
+        return jnp.dot(u, phi, precision=jax.lax.Precision.HIGHEST)
+    width = phi.shape[1]
+    padded = jnp.pad(phi, ((0, 0), (0, -width % 16)))
+    return stream_matmul(u, (padded,))[0][:, :width]
 
 
 def expand_streams(x: jax.Array, num_streams: int) -> jax.Array:
@@ -75,7 +89,7 @@ class HyperConnection(nnx.Module):
         with jax.named_scope("mhc_read"):
             tokens, n = streams.shape[:2]
             u = rms_normalize(streams.reshape(tokens, -1), self.eps)
-            p = jnp.dot(u, self.phi[...], precision=jax.lax.Precision.HIGHEST)
+            p = fused_projection(u, self.phi[...])
             alpha = self.alpha[...]
             pre = jax.nn.sigmoid(alpha[0] * p[:, :n] + self.b_pre[...])
             post = 2 * jax.nn.sigmoid(alpha[1] * p[:, n:2 * n] + self.b_post[...])
