@@ -206,19 +206,28 @@ def run_moe_part(shape: MoEShape, tokens: int, args, expert_weights, routings, m
             3 * shape.hidden * shape.inter * 2)
 
 
-# (block_m, block_n, block_k, warps, stages, swizzle) tried by --sweep-fused beside the pick.
+# (block_m, block_n, block_k, warps, stages, swizzle) tried by --sweep-fused beside the pick:
+# sorted rows (prefill sizes), and the per-row schedule (a decode step's few copies, one row
+# a program: narrow column tiles and deep k steps give more programs and loads in flight).
 FUSED_SWEEP = ((128, 128, 64, 8, 4, 8), (128, 64, 64, 4, 4, 8), (128, 64, 64, 8, 4, 8),
                (128, 128, 32, 8, 4, 8), (64, 128, 64, 4, 3, 8), (256, 64, 64, 8, 3, 8),
                (128, 256, 64, 8, 3, 8), (128, 256, 32, 8, 4, 8), (256, 128, 64, 8, 3, 8),
                (64, 256, 64, 4, 3, 8), (128, 128, 64, 4, 3, 8), (128, 128, 64, 8, 3, 16))
+PER_ROW_SWEEP = ((16, 32, 64, 4, 4, 8), (16, 32, 128, 4, 4, 8), (16, 16, 128, 4, 4, 8),
+                 (16, 64, 128, 4, 3, 8), (16, 32, 64, 2, 6, 8), (16, 16, 256, 4, 3, 8),
+                 (16, 32, 256, 4, 3, 8), (16, 64, 64, 4, 4, 8), (16, 128, 64, 4, 3, 8),
+                 (16, 16, 64, 2, 8, 8))
 
 
 def run_fused_sweep(shape: MoEShape, tokens: int, expert_weights, routings, measure):
-    """The model's two fused launches alone (rows sorted by expert, as `routed_experts`
-    runs them): gather + gate / up + SwiGLU, and down + combine, at the device's tiling and
-    at each FUSED_SWEEP tiling that fits; errors are against the device's tiling."""
+    """The model's two fused launches alone, as `routed_experts` runs them (rows sorted by
+    expert, or the per-row schedule for at most PER_ROW_COPIES copies): gather + gate / up +
+    SwiGLU, and down + combine, at the device's tiling and at each tiling of FUSED_SWEEP
+    (PER_ROW_SWEEP) that fits; errors are against the device's tiling."""
     w_gate, w_up, w_down = expert_weights
     rows, spec = tokens * shape.top_k, device_spec()
+    per_row = rows <= moe_experts.PER_ROW_COPIES
+    touched = int(jnp.unique(routings[0][2]).size)  # experts whose weights the floor reads
     launches = {"gate_up": ((w_gate, w_up), Epilogue(gather=True, swiglu=True,
                                                       limit=shape.swiglu_limit)),
                 "down": ((w_down,), Epilogue(combine=True))}
@@ -226,32 +235,40 @@ def run_fused_sweep(shape: MoEShape, tokens: int, expert_weights, routings, meas
         inputs = []
         for i, (x, weights, experts) in enumerate(routings):
             order, sizes = moe_experts.sort_by_expert(experts, shape.experts)
-            if epilogue.gather:
-                inputs.append((x, stacks, sizes, order // shape.top_k, None, None))
-            else:
-                h = jax.random.normal(jax.random.key(100 + i), (rows, shape.inter),
+            groups = experts.reshape(-1) if per_row else None
+            if not epilogue.gather:
+                x = jax.random.normal(jax.random.key(100 + i), (rows, shape.inter),
                                       jnp.bfloat16)
-                inputs.append((h, stacks, sizes, None, weights.reshape(-1)[order], order))
+            scale = weights.reshape(-1) if per_row else weights.reshape(-1)[order]
+            inputs.append((x, stacks, sizes,
+                           None if per_row or not epilogue.gather else order // shape.top_k,
+                           scale if epilogue.combine else None,
+                           order if epilogue.combine and not per_row else None, groups))
         _, k, n = stacks[0].shape
         picked = select_gmm_config(spec, rows=rows, k=k, n=n, num_groups=shape.experts,
                                    num_rhs=len(stacks))
-        configs = [picked] + [c for c in (GmmConfig(*t) for t in FUSED_SWEEP)
+        tried = PER_ROW_SWEEP if per_row else FUSED_SWEEP
+        configs = [picked] + [c for c in (GmmConfig(*t) for t in tried)
                               if c != picked and n % c.block_n == 0 and k % c.block_k == 0
                               and estimate_shared_memory(c, num_rhs=len(stacks))
                               <= spec.smem_per_block]
         expected = None
+        label = f"{name}{' per-row' if per_row else ''}"
         for config in configs:
-            call = jax.jit(functools.partial(_fused_launch, config=config, epilogue=epilogue))
+            call = jax.jit(functools.partial(_fused_launch, config=config, epilogue=epilogue,
+                                             copies_per_token=shape.top_k if per_row else 1))
             if expected is None:
                 expected = call(*inputs[0])
-            measure("moe", f"{name} {config_label(config)}", call, inputs, expected,
+            measure("moe", f"{label} {config_label(config)}", call, inputs, expected,
                     2 * rows * shape.hidden * shape.inter * len(stacks),
-                    sum(s.size for s in stacks) * 2, picked=config == picked)
+                    touched * k * n * len(stacks) * 2, picked=config == picked)
 
 
-def _fused_launch(lhs, stacks, sizes, row_tokens, row_scale, row_dest, *, config, epilogue):
+def _fused_launch(lhs, stacks, sizes, row_tokens, row_scale, row_dest, row_groups, *, config,
+                  epilogue, copies_per_token):
     return gmm_pallas(lhs, stacks, sizes, row_tokens=row_tokens, row_scale=row_scale,
-                      row_dest=row_dest, config=config, epilogue=epilogue,
+                      row_dest=row_dest, row_groups=row_groups,
+                      copies_per_token=copies_per_token, config=config, epilogue=epilogue,
                       interpret=jax.default_backend() == "cpu")
 
 
