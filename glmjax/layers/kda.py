@@ -112,10 +112,14 @@ class KDA(nnx.Module):
         with jax.named_scope("kda"):
             tokens, shape = x.shape[0], (x.shape[0], self.num_heads, self.head_dim)
             qkv, f_a, g_a, beta = self.project(x)
-            conv = self.conv(qkv, cu_seqlens, state.conv, checkpoint_offsets)
-            q, k, v = (part.reshape(shape) for part in jnp.split(conv.y, 3, axis=-1))
-            q, k = l2_normalize(q), l2_normalize(k)
-            g = self.decay(f_a)
+            # Scopes name the glue between the projections and the scan in a profile.
+            with jax.named_scope("conv"):
+                conv = self.conv(qkv, cu_seqlens, state.conv, checkpoint_offsets)
+            with jax.named_scope("qk_norm"):
+                q, k, v = (part.reshape(shape) for part in jnp.split(conv.y, 3, axis=-1))
+                q, k = l2_normalize(q), l2_normalize(k)
+            with jax.named_scope("decay"):
+                g = self.decay(f_a)
             # The kernel's tensor-core diagonal needs g >= a bound in [-5, 0).
             bounded = self.gate == "sigmoid_bound" and self.gate_bound >= MIN_GATE_LOWER_BOUND
             bound = self.gate_bound if bounded else None
@@ -131,8 +135,10 @@ class KDA(nnx.Module):
             with jax.named_scope("kda_scan"):
                 o, final, snapshots = scan(q, k, v, g, beta, cu_seqlens, state.recurrent,
                                            checkpoint_offsets)
-            gate = self.g_b_proj(g_a).reshape(shape)
-            y = self.o_proj(self.o_norm(o, gate).reshape(tokens, -1))
+            with jax.named_scope("out_norm"):
+                gate = self.g_b_proj(g_a).reshape(shape)
+                normed = self.o_norm(o, gate).reshape(tokens, -1)
+            y = self.o_proj(normed)
             return KDAResult(y, KDAState(final, conv.history),
                              KDAState(snapshots, conv.snapshots))
 
