@@ -16,7 +16,8 @@ any-decay path with 4 snapshots; the jitted jax.numpy chunked oracle; fla-core `
 `torch.inference_mode`) on identical inputs when fla imports, by default (any decay) and
 with `safe_gate=True, lower_bound=-5` (its bounded-gate path). `--segments P,...` adds our
 bounded path with 4 snapshots and the scan forced to P segments per sequence (1: the plain
-scan), at each of `--segment-warps`. Each case prints the bytes the kernel moves per
+scan), at each of `--segment-warps`; `--fuse-output` adds both gate paths with the output
+computed by the scan (`KernelConfig.fuse_output`). Each case prints the bytes the kernel moves per
 token-head by source count (`pallas_kernels.kda_traffic`) and the time they take at GB10's 273 GB/s.
 
 Timing: warm-up, then `--samples` samples of `--iters` back-to-back launches closed by one
@@ -195,6 +196,12 @@ def run_case(name, lens, config, args, bandwidth):
     measure("pallas, 0 snapshots", ours(1), **timing)
     measure("pallas, 4 snapshots", bounded4, **timing)
     measure("pallas any decay, 4 snap", any_decay4, **timing)
+    if args.fuse_output:  # the scan computing the output itself, both gate paths
+        fused = dataclasses.replace(config, fuse_output=True)
+        for row, bound in (("pallas fused output, 4 snap", GATE_LOWER_BOUND),
+                           ("pallas any decay fused output, 4 snap", None)):
+            checked[row] = ours(4, bound, config=fused)
+            measure(row, checked[row], **timing)
     for segments in map(int, filter(None, args.segments.split(","))):
         # one segment is the plain scan, at its own warps
         for warps in args.segment_warps.split(",")[:1 if segments == 1 else None]:
@@ -225,6 +232,9 @@ def run_case(name, lens, config, args, bandwidth):
         case=name, lens=lens, ms=rows, relative_error_vs_reference=errors,
         traffic=traffic_summary(config, HEAD_K, HEAD_V, bounded=True, tokens=sum(lens),
                                 heads=HEADS),
+        traffic_fused_output=(traffic_summary(
+            dataclasses.replace(config, fuse_output=True), HEAD_K, HEAD_V, bounded=True,
+            tokens=sum(lens), heads=HEADS) if args.fuse_output else None),
         pass_ms=(time_passes(inputs, lens, config, timing)
                  if name in args.pass_cases.split(",") else None),
         snapshot_overhead=ours4 / rows["pallas, 0 snapshots"] - 1.0,
@@ -251,17 +261,20 @@ def sweep_configs(base: KernelConfig):
 
 def print_table(results):
     """Milliseconds per row, ratios to ours with 4 snapshots, passes, errors, ceilings."""
-    header = f"{'case':6} {'rows':28} {'ms':>9} {'vs ours(4)':>11}"
+    header = f"{'case':6} {'rows':38} {'ms':>9} {'vs ours(4)':>11}"
     print(header)
     for result in results:
         ours4 = result["ms"]["pallas, 4 snapshots"]
         for row, ms in result["ms"].items():
-            print(f"{result['case']:6} {row:28} {ms:9.3f} {ms / ours4:10.2f}x")
-        traffic = result["traffic"]
-        passes = ", ".join(f"{k} {v:.0f}" for k, v in traffic["bytes_per_token_head"].items())
-        print(f"{'':6} scan segments {result['config']['scan_segments']}; bytes per "
-              f"token-head {traffic['total_bytes_per_token_head']:.0f} ({passes}): "
-              f"{traffic['gb10_ms_at_273GBs']:.2f} ms at 273 GB/s")
+            print(f"{result['case']:6} {row:38} {ms:9.3f} {ms / ours4:10.2f}x")
+        for label, traffic in (("", result["traffic"]),
+                               ("fused output: ", result.get("traffic_fused_output"))):
+            if traffic is None:
+                continue
+            passes = ", ".join(f"{k} {v:.0f}" for k, v in traffic["bytes_per_token_head"].items())
+            print(f"{'':6} {label}scan segments {result['config']['scan_segments']}; bytes per "
+                  f"token-head {traffic['total_bytes_per_token_head']:.0f} ({passes}): "
+                  f"{traffic['gb10_ms_at_273GBs']:.2f} ms at 273 GB/s")
         if result["pass_ms"]:
             passes = ", ".join(f"{k} {v:.3f}" for k, v in result["pass_ms"].items())
             print(f"{'':6} passes alone (ms): {passes}")
@@ -291,6 +304,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="8K,32K,4x8K")
     parser.add_argument("--heads", type=int, default=HEADS)
+    parser.add_argument("--fuse-output", action="store_true",
+                        help="also time the scan with the output fused in (both gate paths)")
     parser.add_argument("--segments", default="",
                         help="also time the scan forced to these segment counts, e.g. 1,3,8")
     parser.add_argument("--segment-warps", default=str(KernelConfig.segment_num_warps),

@@ -364,6 +364,15 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
             for bounded in (True, False):
                 for module in lower_kda_prefill(spec, num_heads, bounded_gates=bounded):
                     modules.setdefault(module.name, module)
+            # The scan with the output fused in (`KernelConfig.fuse_output`, not yet the
+            # runtime's pick): the other kernels are the plain path's.
+            picked = select_config(spec, num_seqs=1, num_heads=num_heads, head_k=HEAD_DIM,
+                                   head_v=HEAD_DIM)
+            fused = dataclasses.replace(picked, fuse_output=True)
+            for module in lower_kda_prefill(spec, num_heads, fused, bounded_gates=True):
+                if module.name == "kda_chunk_scan":
+                    modules["kda_chunk_scan_fused"] = dataclasses.replace(
+                        module, name="kda_chunk_scan_fused")
             for rows in DECODE_ROWS:
                 for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)

@@ -16,7 +16,9 @@ and stores a snapshot whenever a checkpoint offset falls inside the chunk:
     S_p = diag(exp(G_{p-1})) S_in + (k * exp(G_{p-1} - G) * [j < p])^T Vnew.
 
 Pass 3, `_output_kernel` (grid: chunk slots x heads x value blocks, fully parallel):
-    O = Qg S_entry + Aqk Vnew.
+    O = Qg S_entry + Aqk Vnew;
+or, with `KernelConfig.fuse_output`, the scan computes O itself chunk by chunk and stores
+neither the entry states nor Vnew.
 
 Intermediates are fp32; on the fast path the matmul operands W, U, Aqk, Qg, Kg, Vnew and
 the entry states are stored in bf16. Rows past a sequence's end are masked on every load,
@@ -41,18 +43,24 @@ from pallas_kernels.tuning import KernelConfig
 
 
 def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_ref, u_ref,
-                       kg_ref, gcum_ref, glast_ref,
-                       states_ref, vnew_ref, final_ref, snap_ref, *, chunk, block_v, capacity,
-                       segments, precision):
+                       kg_ref, gcum_ref, glast_ref, *refs, chunk, block_v, capacity, segments,
+                       precision, fused):
     """One segment x head x value block: the chunk-to-chunk scan with snapshots.
 
     Program axis 0 is sequence n's segment s at n * segments + s; init_ref [N segments,
     H, K, V] holds each segment's entry state (the initial states when segments == 1).
-    Stores each chunk's entry state (for the output pass) at its chunk slot and Vnew at
-    the chunk's rows; only the two matmuls the recurrence depends on run here. Each
-    snapshot is stored by the one segment holding its offset, zeros by segment 0 when the
-    offset is inactive; the final state by the sequence's last non-empty segment.
+    Unfused (refs: states, vnew, final, snap), stores each chunk's entry state (for the
+    output pass) at its chunk slot and Vnew at the chunk's rows: only the two matmuls the
+    recurrence depends on run here. Fused (refs: qg, aqk, o_in, o, final, snap), computes
+    the chunk's output O = Qg S_entry + Aqk Vnew from the same operand-dtype values the
+    output pass would load, and stores nothing else per chunk. Each snapshot is stored by
+    the one segment holding its offset, zeros by segment 0 when the offset is inactive;
+    the final state by the sequence's last non-empty segment.
     """
+    if fused:
+        qg_ref, aqk_ref, _, o_ref, final_ref, snap_ref = refs  # o_in aliased to o
+    else:
+        states_ref, vnew_ref, final_ref, snap_ref = refs
     index, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n, s = index // segments, index % segments
     start = cu_ref[n]
@@ -80,10 +88,15 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_r
             return plgpu.load(ref.at[rows, h, cols], mask=valid, other=0)
 
         state_op = state.astype(operand)
-        states_ref[first_slot + i, h, :, vcols] = state_op.astype(states_ref.dtype)
         v_new = load(u_ref, vcols).astype(jnp.float32) - dot(load(w_ref, slice(None)),
                                                              state_op, precision)
-        plgpu.store(vnew_ref.at[rows, h, vcols], v_new.astype(vnew_ref.dtype), mask=valid)
+        if fused:
+            out = (dot(load(qg_ref, slice(None)), state_op, precision)
+                   + dot(load(aqk_ref, slice(None)), v_new.astype(operand), precision))
+            plgpu.store(o_ref.at[rows, h, vcols], out.astype(o_ref.dtype), mask=valid)
+        else:
+            states_ref[first_slot + i, h, :, vcols] = state_op.astype(states_ref.dtype)
+            plgpu.store(vnew_ref.at[rows, h, vcols], v_new.astype(vnew_ref.dtype), mask=valid)
 
         for c in range(capacity):
             local = offsets[c] - i * chunk
@@ -134,39 +147,46 @@ def _output_kernel(chunk_start_ref, chunk_len_ref, qg_ref, aqk_ref, states_ref, 
 
 
 def chunk_scan(tensors: ChunkTensors, k, slots: ChunkSlots, cu_seqlens, segment_states,
-               checkpoint_offsets, *, config: KernelConfig, interpret: bool, exact: bool):
+               checkpoint_offsets, *, config: KernelConfig, interpret: bool, exact: bool,
+               out_dtype=None):
     """Pass 2: the recurrence. k: [T', H, K], T' = T (GPU) or T + C (interpret mode);
     segment_states fp32 [N P, H, K, V]: each segment's entry state, P =
     config.scan_segments (the initial states when P = 1; `kda_segments`).
 
-    Returns entry_states [S, H, K, V] (each chunk slot's entry state, operand dtype),
-    v_new [T', H, V] (operand dtype), final_states fp32 [N, H, K, V] and snapshots
-    fp32 [N, capacity, H, K, V].
+    Returns, unless config.fuse_output, entry_states [S, H, K, V] (each chunk slot's entry
+    state, operand dtype) and v_new [T', H, V] (operand dtype) for the output pass; with
+    it, o [T', H, V] in out_dtype (zero on rows no chunk owns). Then final_states fp32
+    [N, H, K, V] and snapshots fp32 [N, capacity, H, K, V].
     """
     rows, num_heads, head_k = k.shape
     head_v = tensors.u.shape[-1]
     num_seqs, capacity = checkpoint_offsets.shape
-    block_v, segments = config.block_v, config.scan_segments
+    block_v, segments, fused = config.block_v, config.scan_segments, config.fuse_output
     inter, f32 = operand_dtype(exact), jnp.float32
     warps, stages = ((config.scan_num_warps, config.scan_num_stages) if segments == 1 else
                      (config.segment_num_warps, config.segment_num_stages))
+    per_chunk = ((jax.ShapeDtypeStruct((rows, num_heads, head_v), out_dtype),) if fused else
+                 (jax.ShapeDtypeStruct((slots.start.shape[0], num_heads, head_k, head_v),
+                                       inter),
+                  jax.ShapeDtypeStruct((rows, num_heads, head_v), inter)))
+    operands = [cu_seqlens, slots.first_slot, checkpoint_offsets, segment_states, k, tensors.w,
+                tensors.u, tensors.kg, tensors.g_cum, tensors.g_last]
+    if fused:
+        operands += [tensors.qg, tensors.aqk, jnp.zeros((rows, num_heads, head_v), out_dtype)]
     scan = pl.pallas_call(
         functools.partial(_recurrence_kernel, chunk=config.chunk_size, block_v=block_v,
                           capacity=capacity, segments=segments,
-                          precision=matmul_precision(exact)),
-        out_shape=(
-            jax.ShapeDtypeStruct((slots.start.shape[0], num_heads, head_k, head_v), inter),
-            jax.ShapeDtypeStruct((rows, num_heads, head_v), inter),
-            jax.ShapeDtypeStruct((num_seqs, num_heads, head_k, head_v), f32),
-            jax.ShapeDtypeStruct((num_seqs, capacity, num_heads, head_k, head_v), f32),
-        ),
+                          precision=matmul_precision(exact), fused=fused),
+        out_shape=(*per_chunk,
+                   jax.ShapeDtypeStruct((num_seqs, num_heads, head_k, head_v), f32),
+                   jax.ShapeDtypeStruct((num_seqs, capacity, num_heads, head_k, head_v), f32)),
         grid=(num_seqs * segments, num_heads, head_v // block_v),
+        input_output_aliases={len(operands) - 1: 0} if fused else {},
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name="kda_chunk_scan" if segments == 1 else "kda_segment_scan",
     )
-    return scan(cu_seqlens, slots.first_slot, checkpoint_offsets, segment_states, k,
-                tensors.w, tensors.u, tensors.kg, tensors.g_cum, tensors.g_last)
+    return scan(*operands)
 
 
 def chunk_output(tensors: ChunkTensors, entry_states, v_new, slots: ChunkSlots, *, out_dtype,
@@ -211,7 +231,11 @@ def kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_
     if config.scan_segments > 1:
         transitions = segment_transitions(tensors, slots, cu_seqlens, initial_states, **flags)
         segment_states = combine_segments(initial_states, transitions, config.scan_segments)
-    entry_states, v_new, final_states, snapshots = chunk_scan(
-        tensors, k, slots, cu_seqlens, segment_states, checkpoint_offsets, **flags)
-    o = chunk_output(tensors, entry_states, v_new, slots, out_dtype=v.dtype, **flags)
+    scanned = chunk_scan(tensors, k, slots, cu_seqlens, segment_states, checkpoint_offsets,
+                         out_dtype=v.dtype, **flags)
+    if config.fuse_output:
+        o, final_states, snapshots = scanned
+    else:
+        entry_states, v_new, final_states, snapshots = scanned
+        o = chunk_output(tensors, entry_states, v_new, slots, out_dtype=v.dtype, **flags)
     return o[:num_tokens], final_states, snapshots

@@ -39,6 +39,9 @@ def bytes_per_token_head(config: KernelConfig, head_k: int, head_v: int, *,
     segments = config.scan_segments
     if segments > 1:
         passes["transition"] = recurrence_reads * (segments - 1) / segments
+    if config.fuse_output:  # Qg and Aqk in; o out, after XLA zero-fills it
+        passes["scan"] = recurrence_reads + BF16 * (k + c) + 2 * BF16 * v
+        return passes
     passes["scan"] = recurrence_reads + BF16 * k * v / c + BF16 * v  # entry states, Vnew
     # Qg, Aqk, entry states, Vnew in; o out, after XLA zero-fills it.
     passes["output"] = BF16 * (k + c + k * v / c + v) + 2 * BF16 * v

@@ -54,6 +54,11 @@ class KernelConfig:
     scan_segments: int = 1
     segment_num_warps: int = 4
     segment_num_stages: int = 1
+    # The output O = Qg S_entry + Aqk Vnew computed by the scan itself, chunk by chunk,
+    # instead of by the chunk-parallel output pass: the entry states and Vnew are never
+    # stored (1,792 fewer bytes a token-head by source count, `kda_traffic`), at two more
+    # matmuls a chunk on the scan's serial path (docs/KERNEL.md).
+    fuse_output: bool = False
 
 
 def device_spec(device: jax.Device | None = None) -> DeviceSpec:

@@ -43,3 +43,10 @@ def test_bytes_per_token_head_by_hand():
     assert segmented["bytes_per_token_head"]["transition"] == pytest.approx(776 * 3 / 4)
     any_decay = traffic_summary(KernelConfig(), 128, 128, bounded=False, tokens=1, heads=1)
     assert any_decay["total_bytes_per_token_head"] == 6420 + 1154 + 128
+    # The output fused into the scan: Qg and Aqk read there, o written (and zero-filled);
+    # no entry states or Vnew stored, no output pass. 4,884 B: under issue 20's 5 KB.
+    fused = traffic_summary(KernelConfig(fuse_output=True), 128, 128, bounded=True, tokens=1,
+                            heads=1)
+    assert fused["bytes_per_token_head"]["scan"] == 2 * 384 + 8 + 2 * (128 + 64) + 4 * 128
+    assert "output" not in fused["bytes_per_token_head"]
+    assert fused["total_bytes_per_token_head"] == 4884

@@ -4,6 +4,9 @@
 `gpu`) and `TestKdaKernelInterpret` runs the same cases in Pallas interpret mode on the CPU.
 """
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,6 +212,33 @@ class KdaKernelCases:
                 inputs, 5e-3, config=KernelConfig(block_v=32, scan_segments=3),
                 gate_lower_bound=bound)
         assert o.dtype == jnp.bfloat16
+
+    @pytest.mark.parametrize(("segments", "lens", "bound", "dtype"), [
+        (1, [65, 0, 200, 3, 129], None, "fp32"),
+        (1, [257, 64, 31], -5.0, "bf16"),
+        (3, [581, 0, 1, 130], -5.0, "fp32"),
+    ])
+    def test_output_fused_into_the_scan(self, rng, segments, lens, bound, dtype):
+        """`fuse_output`: the scan writes O chunk by chunk (no entry states, no Vnew
+        stored), on the plain and the segment-parallel scan, both gate paths; the same
+        tolerances as the three passes, padding rows zero, and O close to the output
+        pass's from the same inputs."""
+        dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+        make = functools.partial(segment_batch, rng, lens, segments) if segments > 1 else \
+            functools.partial(make_inputs, rng, lens)
+        inputs = make(heads=2, head_k=32, head_v=64, padding=9, dtype=dtype, min_decay=-0.5)
+        tolerance = 1e-5 if dtype == jnp.float32 else 5e-3
+        config = KernelConfig(block_v=32, scan_segments=segments)
+        fused = dataclasses.replace(config, fuse_output=True)
+        o, final, snapshots = self.check_against_recurrence(inputs, tolerance, config=fused,
+                                                            gate_lower_bound=bound)
+        end = int(inputs["cu_seqlens"][-1])
+        assert not np.asarray(o[end:]).any(), "padding rows must be zero"
+        o_passes, final_passes, snapshots_passes = self.run_kernel(
+            inputs, config=config, gate_lower_bound=bound)
+        assert relative_error(o, o_passes) < tolerance / 10
+        np.testing.assert_array_equal(np.asarray(final), np.asarray(final_passes))
+        np.testing.assert_array_equal(np.asarray(snapshots), np.asarray(snapshots_passes))
 
     def test_new_lengths_and_offsets_do_not_retrace(self, rng):
         traces = []
