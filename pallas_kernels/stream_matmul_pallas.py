@@ -4,12 +4,11 @@ tiling rule: `pallas_kernels.stream_matmul`).
 Grid: one axis, the concatenation of each weight's programs. Weight i's programs are its
 (column tile, K split) pairs, the split fastest; a program runs its split's k steps into an
 fp32 [padded rows, block_n] accumulator and stores it as partial sum `split` of an fp32
-[splits, rows, N_i] output, which the wrapper adds in a fixed order (`pallas_kernels.partials`) and casts
-to the product's output dtype (x's, or fp32); a weight of one split stores its [rows, N_i]
-result in that dtype directly. The
-tiles hold a power of two of at least 16 rows (the tensor cores' minimum): x's rows beyond
-its real ones are masked on load (read as zeros) and on store, so no padded copy of x is
-made.
+[splits, rows, N_i] output, which the wrapper adds in a fixed order
+(`pallas_kernels.partials`) and casts to the product's output dtype (x's, or fp32); a
+weight of one split stores its [rows, N_i] result in that dtype directly. The tiles hold a
+power of two of at least 16 rows (the tensor cores' minimum): x's rows beyond its real ones
+are masked on load (read as zeros) and on store, so no padded copy of x is made.
 """
 
 from __future__ import annotations
