@@ -41,6 +41,19 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.aot_decode import (
+    DECODE_ROWS,
+    FUSED_DECODE_GATES,
+    HEAD_DIM,
+    HEAD_MATMUL_SHAPES,
+    MLA_DECODE_SHAPES,
+    check_projections,
+    lower_head_matmul,
+    lower_kda_decode,
+    lower_kda_decode_fused,
+    lower_mla_decode,
+    lower_route_top_k,
+)
 from pallas_kernels.attention_pallas import (
     FlashConfig,
     flash_attention_pallas,
@@ -48,28 +61,18 @@ from pallas_kernels.attention_pallas import (
 )
 from pallas_kernels.gmm_pallas import gmm_pallas
 from pallas_kernels.gmm_tuning import GmmConfig, select_gmm_config
-from pallas_kernels.head_matmul_pallas import head_matmul_pallas
-from pallas_kernels.head_matmul_pallas import select_tiling as select_head_tiling
 from pallas_kernels.index_scores_pallas import (
     IndexConfig,
     index_scores_pallas,
     select_index_config,
 )
-from pallas_kernels.kda_decode_fused import DecodeLayerWeights
-from pallas_kernels.kda_decode_fused_pallas import FusedDecodeShape, kda_decode_fused_pallas
-from pallas_kernels.kda_decode_pallas import kda_decode_pallas
 from pallas_kernels.kda_pallas import kda_prefill_pallas
-from pallas_kernels.mla_decode_pallas import mla_decode_pallas
-from pallas_kernels.mla_decode_pallas import select_tiling as select_mla_decode_tiling
-from pallas_kernels.moe_routing_pallas import route_top_k_pallas
 from pallas_kernels.moe_shapes import MOE_SHAPES, GemmSpec, gemm_specs
 from pallas_kernels.sparse_attention_pallas import (
     SparseConfig,
     select_sparse_config,
     sparse_attention_pallas,
 )
-from pallas_kernels.stream_matmul import select_config as select_stream_config
-from pallas_kernels.stream_matmul_pallas import StreamConfig, stream_matmul_pallas
 from pallas_kernels.top_k_pallas import TopKConfig, select_top_k_config, select_top_k_pallas
 from pallas_kernels.triton_compile import (
     KernelReport,
@@ -80,33 +83,19 @@ from pallas_kernels.triton_compile import (
 )
 from pallas_kernels.tuning import (
     KNOWN_DEVICES,
-    DecodeConfig,
     DeviceSpec,
     KernelConfig,
     select_config,
-    select_decode_config,
 )
 
 HEAD_COUNTS = (32, 64)
 # The segment-parallel scan's kernels, at the shape it is for: TP4's 16 of GLM's 64 KDA
 # heads, one long prompt (the runtime's pick there; 4 segments if it keeps the plain scan).
 SEGMENT_HEADS, SEGMENT_TOKENS = 16, 32768
-HEAD_DIM = 128
 NUM_TOKENS = 8192
 CAPACITY = 4
-DECODE_ROWS = (1, 64)  # the decode kernel's tiling depends on the row count (tuning.py)
-DECODE_POOL_SLOTS = 256
-FUSED_DECODE_GATES = {32: "softplus", 64: "sigmoid_bound"}  # kimi-linear-48b, glm5.3-flash
 # MLA prefill attention (heads, qk dim, v dim): kimi-linear-48b, glm5.3-flash.
 ATTENTION_SHAPES = ((32, 192, 128), (64, 256, 256))
-# MLA decode attention (heads, kv_lora, rope, DSA mask): kimi-linear-48b, glm5.3-flash; one
-# sequence of 8192 + 512 positions in blocks of 512 (a batch-1 decode step: the most splits).
-MLA_DECODE_SHAPES = ((32, 512, 64, False), (64, 512, 0, True))
-MLA_DECODE_BLOCKS, MLA_DECODE_BLOCK_SIZE = 17, 512
-# MLA decode's per-head products (heads, nope, v; kv_lora 512): kimi-linear-48b,
-# glm5.3-flash, at HEAD_MATMUL_ROWS rows (one full row tile).
-HEAD_MATMUL_SHAPES = ((32, 128, 128), (64, 192, 256))
-HEAD_MATMUL_ROWS = 64
 # DSA sparse attention (heads, kv_lora, rope, top_k): glm5.3-flash.
 SPARSE_SHAPES = ((64, 512, 0, 2048),)
 # DSA index scores (index heads, head dim): glm5.3-flash; 1024 queries (the layer's block).
@@ -118,13 +107,6 @@ TOP_K_SHAPES = ((32768, 2048), (65536, 2048))
 # The two ends of bench.moe (they get different tilings) and a decode step's one token (the
 # per-row schedule).
 GMM_TOKENS = (1, 512, 8192)
-# The decode projections' weight-stream launches (`glmjax.layers.projection`): kimi-linear-48b's
-# KDA input launch (q, k, v, f_a, g_a, beta of one input) and its o projection, at 1 and 64
-# rows.
-PROJECTION_LAUNCHES = {"kda_in": ((2304, 4096),) * 3 + ((2304, 128),) * 2 + ((2304, 32),),
-                       "kda_o": ((4096, 2304),)}
-PROJECTION_ROWS = (1, 64)
-PROJECTION_FP32 = ("kda_o", 1)  # one launch also in fp32 operands (fp32 models), at 1 row
 
 
 def lower_kda_prefill(spec: DeviceSpec, heads: int, config: KernelConfig | None = None, *,
@@ -157,105 +139,14 @@ def segment_config(spec: DeviceSpec) -> KernelConfig:
     return config if config.scan_segments > 1 else dataclasses.replace(config, scan_segments=4)
 
 
-def lower_kda_decode(spec: DeviceSpec, heads: int, config: DecodeConfig | None = None,
-                     *, rows: int = 64) -> list[TritonModule]:
-    """The Triton module of the KDA decode kernel for `spec` at `rows` rows of bf16 q/k/v
-    and fp32 gates (as the layer passes them) on a pool of DECODE_POOL_SLOTS slots, by
-    default with the config the runtime picks for that device and row count; named
-    `kda_decode_bv{block_v}` (the tiling differs with the row count)."""
-    config = config or select_decode_config(spec, num_rows=rows, num_heads=heads,
-                                            head_k=HEAD_DIM, head_v=HEAD_DIM)
-    shape = jax.ShapeDtypeStruct
-    rows_hk = (rows, heads, HEAD_DIM)
-    args = (shape(rows_hk, jnp.bfloat16), shape(rows_hk, jnp.bfloat16),
-            shape(rows_hk, jnp.bfloat16), shape(rows_hk, jnp.float32),
-            shape((rows, heads), jnp.float32), shape((rows,), jnp.int32),
-            shape((DECODE_POOL_SLOTS, heads, HEAD_DIM, HEAD_DIM), jnp.float32))
-
-    def decode(*arrays):
-        return kda_decode_pallas(*arrays, scale=HEAD_DIM ** -0.5, config=config,
-                                 interpret=False)
-
-    return [dataclasses.replace(module, name=f"{module.name}_bv{config.block_v}")
-            for module in triton_modules(decode, args, spec)]
 
 
-def lower_kda_decode_fused(spec: DeviceSpec, heads: int, *, rows: int = 1,
-                          gate: str = "sigmoid_bound") -> list[TritonModule]:
-    """The Triton module of the fused KDA decode step (`pallas_kernels.kda_decode_fused`):
-    `rows` rows of bf16 activations, bf16 weights and conv pool, an fp32 state pool of
-    DECODE_POOL_SLOTS slots, conv width 4."""
-    shape = jax.ShapeDtypeStruct
-    bf16, hk = jnp.bfloat16, heads * HEAD_DIM
-    weights = DecodeLayerWeights(shape((3 * hk, 4), bf16), shape((HEAD_DIM, hk), bf16),
-                                 shape((hk,), jnp.float32), shape((heads,), jnp.float32),
-                                 shape((HEAD_DIM, hk), bf16), shape((HEAD_DIM,), bf16))
-    args = (shape((rows, 3 * hk), bf16), shape((rows, HEAD_DIM), bf16),
-            shape((rows, HEAD_DIM), bf16), shape((rows, heads), jnp.float32), weights,
-            shape((rows,), jnp.int32),
-            shape((DECODE_POOL_SLOTS, heads, HEAD_DIM, HEAD_DIM), jnp.float32),
-            shape((DECODE_POOL_SLOTS, 3 * hk, 3), bf16))
-    launch = FusedDecodeShape(heads=heads, dim=HEAD_DIM, width=4, gate=gate, gate_bound=-5.0,
-                              norm_eps=1e-5, l2_eps=1e-6)
-
-    def decode(*arrays):
-        return kda_decode_fused_pallas(*arrays, shape=launch, interpret=False)
-
-    return [dataclasses.replace(module, name=f"{module.name}_{gate}")
-            for module in triton_modules(decode, args, spec)]
 
 
-def lower_route_top_k(spec: DeviceSpec, num_experts: int, top_k: int,
-                      tokens: int = 64) -> list[TritonModule]:
-    """The Triton module of the router's top-k (`pallas_kernels.moe_routing`); its tiling
-    does not depend on the token count."""
-    args = (jax.ShapeDtypeStruct((tokens, num_experts), jnp.float32),
-            jax.ShapeDtypeStruct((num_experts,), jnp.float32))
-
-    def route(logits, bias):
-        return route_top_k_pallas(logits, bias, top_k=top_k, scaling=2.5, interpret=False)
-
-    return [dataclasses.replace(module, name=f"{module.name}_e{num_experts}")
-            for module in triton_modules(route, args, spec)]
 
 
-def lower_head_matmul(spec: DeviceSpec, heads: int, nope: int, v: int) -> list[TritonModule]:
-    """The Triton modules of MLA decode's absorb and expand (`pallas_kernels.head_matmul`)
-    with the runtime's tiling, bf16, kv_lora 512."""
-    modules = []
-    weight = jax.ShapeDtypeStruct((512, heads, nope + v), jnp.bfloat16)
-    for name, transposed, k, offset, width in (("absorb", True, nope, 0, 512),
-                                              ("expand", False, 512, nope, v)):
-        x = jax.ShapeDtypeStruct((HEAD_MATMUL_ROWS, heads, k), jnp.bfloat16)
-
-        def call(x, w, transposed=transposed, offset=offset, width=width, k=k):
-            return head_matmul_pallas(x, w, transposed=transposed, offset=offset, width=width,
-                                      tiling=select_head_tiling(width, k), interpret=False)
-
-        modules += [dataclasses.replace(module, name=f"{module.name}_{name}_h{heads}")
-                    for module in triton_modules(call, (x, weight), spec)]
-    return modules
 
 
-def lower_mla_decode(spec: DeviceSpec, heads: int, kv_lora: int, rope: int, masked: bool,
-                     rows: int = 1) -> list[TritonModule]:
-    """The Triton module of the MLA decode attention (`pallas_kernels.mla_decode`) with the
-    runtime's tiling for `rows` sequences of MLA_DECODE_BLOCKS blocks, bf16 latents."""
-    shape = jax.ShapeDtypeStruct
-    width = MLA_DECODE_BLOCKS * MLA_DECODE_BLOCK_SIZE
-    tiling = select_mla_decode_tiling(MLA_DECODE_BLOCK_SIZE)
-    args = (shape((rows, heads, kv_lora), jnp.bfloat16),
-            shape((rows, heads, rope), jnp.bfloat16) if rope else None,
-            shape((64, MLA_DECODE_BLOCK_SIZE, kv_lora + rope), jnp.bfloat16),
-            shape((rows, MLA_DECODE_BLOCKS), jnp.int32), shape((rows,), jnp.int32),
-            shape((rows, width), jnp.bool_) if masked else None)
-
-    def decode(q_abs, q_pe, pages, block_table, context_lens, mask):
-        return mla_decode_pallas(q_abs, q_pe, pages, block_table, context_lens, mask,
-                                 scale=0.07, tiling=tiling, interpret=False)
-
-    return [dataclasses.replace(module, name=f"{module.name}_h{heads}")
-            for module in triton_modules(decode, args, spec)]
 
 
 def lower_flash_attention(spec: DeviceSpec, heads: int, head_qk: int, head_v: int,
@@ -428,36 +319,8 @@ def check_gmm(names: list[str], tokens: tuple[int, ...] = GMM_TOKENS,
     return reports
 
 
-def lower_stream(spec: DeviceSpec, rows: int, shapes: tuple[tuple[int, int], ...],
-                 dtype=jnp.bfloat16) -> tuple[TritonModule, StreamConfig]:
-    """The Triton module of one weight-stream launch for `spec` and the runtime's tiling."""
-    config = select_stream_config(spec, rows, shapes, operand_bytes=jnp.dtype(dtype).itemsize)
-    x = jax.ShapeDtypeStruct((rows, shapes[0][0]), dtype)
-    weights = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in shapes)
-
-    def call(x, weights):
-        return stream_matmul_pallas(x, weights, config=config, interpret=False)
-
-    (module,) = triton_modules(call, (x, weights), spec)
-    return module, config
 
 
-def check_projections(names: list[str]) -> list[KernelReport]:
-    """The weight-stream launches of `PROJECTION_LAUNCHES` at `PROJECTION_ROWS` rows in
-    bf16, and `PROJECTION_FP32` in fp32."""
-    reports = []
-    fp32_launch, fp32_rows = PROJECTION_FP32
-    cases = [(launch, rows, jnp.bfloat16) for launch in PROJECTION_LAUNCHES
-             for rows in PROJECTION_ROWS] + [(fp32_launch, fp32_rows, jnp.float32)]
-    for name in names:
-        spec = KNOWN_DEVICES[name]
-        for launch, rows, dtype in cases:
-            module, config = lower_stream(spec, rows, PROJECTION_LAUNCHES[launch], dtype)
-            label = (f"{launch} {jnp.dtype(dtype).name} rows={rows} splits "
-                     f"{'/'.join(str(t.splits) for t in config.tilings)} "
-                     f"w{config.num_warps} s{config.num_stages}")
-            reports.append(compile_module(module, spec, 0, kernel="stream_matmul", shape=label))
-    return reports
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the AOT check needs the triton package (test extra)")
 
-from pallas_kernels import aot, triton_compile  # noqa: E402
+from pallas_kernels import aot, aot_decode, triton_compile  # noqa: E402
 from pallas_kernels.tuning import GB10, H200, KernelConfig, estimate_shared_memory  # noqa: E402
 
 
@@ -31,15 +31,15 @@ def test_every_kernel_compiles_within_limits(device):
         "index_scores",
         *(f"select_top_k_{num_keys // 1024}K" for num_keys, _ in aot.TOP_K_SHAPES),
         *(f"route_top_k_e{shape.experts}" for shape in aot.MOE_SHAPES),
-        *(f"mla_decode_h{heads}" for heads, *_ in aot.MLA_DECODE_SHAPES),
-        *(f"head_matmul_{name}_h{heads}" for heads, *_ in aot.HEAD_MATMUL_SHAPES
+        *(f"mla_decode_h{heads}" for heads, *_ in aot_decode.MLA_DECODE_SHAPES),
+        *(f"head_matmul_{name}_h{heads}" for heads, *_ in aot_decode.HEAD_MATMUL_SHAPES
           for name in ("absorb", "expand")),
     }
     decode = [r for r in reports if r.kernel.startswith("kda_decode_bv")]
     assert {r.heads for r in decode} == set(aot.HEAD_COUNTS)
     fused = [r for r in reports if r.kernel.startswith("kda_decode_fused")]
     assert {(r.kernel, r.heads) for r in fused} == {
-        (f"kda_decode_fused_{gate}", heads) for heads, gate in aot.FUSED_DECODE_GATES.items()}
+        (f"kda_decode_fused_{gate}", heads) for heads, gate in aot_decode.FUSED_DECODE_GATES.items()}
     # The fused step holds a head's whole state over 16 warps (128 registers): kimi's
     # softplus gate spills a little (88 B on sm_90, 64 B on sm_121; the 14.8 us a layer
     # measured on the H200 includes it), never more.
@@ -126,8 +126,8 @@ def test_grouped_gemm_compiles_within_limits(device):
 def test_projection_stream_compiles_within_limits(device):
     """The decode projections' weight-stream launches at kimi-linear-48b's shapes, 1 and 64
     rows, and one in fp32 operands (fewer pipeline stages fit)."""
-    reports = aot.check_projections([device])
-    assert len(reports) == len(aot.PROJECTION_LAUNCHES) * len(aot.PROJECTION_ROWS) + 1
+    reports = aot_decode.check_projections([device])
+    assert len(reports) == len(aot_decode.PROJECTION_LAUNCHES) * len(aot_decode.PROJECTION_ROWS) + 1
     for report in reports:
         assert report.compiled, report.error
         assert report.ok, triton_compile.format_table([report])
