@@ -9,7 +9,7 @@ Why: MTP verification runs N + 1 rows per sequence where plain decoding runs one
 ladder prefill step holds other rows than a coalesced one; greedy outputs stay identical
 only where every op rounds a row the same whatever the rows beside it.
 
-Ops (`bench.batch_invariance_ops.OPS`, `--ops` picks some): each built at `--preset`'s
+Ops (`bench.batch_invariance_step_ops.OPS`, `--ops` picks some): each built at `--preset`'s
 shapes (the MoE layer at its full expert count; `decode_step` a model cut to
 `--num-layers` layers and `--num-experts` experts) with fresh random inputs for the
 largest R, and called through the function or module the model calls, so it picks its
@@ -38,7 +38,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.batch_invariance_ops import OPS, Op, Shapes
+from bench.batch_invariance_ops import Op, Shapes
+from bench.batch_invariance_step_ops import OPS
 from bench.buckets import log
 from bench.common import fill_defaults, positive_sizes, write_json
 from glmjax.config import ModelConfig

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import bench.batch_invariance as bi
-from bench.batch_invariance_ops import OPS, Op
+from bench.batch_invariance_ops import Op
+from bench.batch_invariance_step_ops import OPS
 
 
 def test_difference_is_bitwise():
