@@ -209,8 +209,9 @@ def profile_case(run: Run, length: int, config: ModelConfig, device_kind: str,
 
 def compare_greedy(on: dict[str, Output], off: dict[str, Output]) -> dict:
     """Paired requests' tokens up to the first difference, logprobs where the tokens agree
-    (DESIGN section 6: |on - off| <= 0.1 + 0.02 |off|), and at each first difference
-    whether it is a near tie (`_first_difference`)."""
+    (DESIGN section 6: |on - off| <= 0.1 + 0.02 |off|), at each first difference whether
+    it is a near tie (`_first_difference`), and each schedule's count of non-finite
+    logprobs (a NaN or inf logit row)."""
     tokens, compared, differing, max_diff, within = {}, 0, [], 0.0, True
     near_ties = {}
     for request_id in sorted(on.keys() & off.keys()):
@@ -228,8 +229,11 @@ def compare_greedy(on: dict[str, Output], off: dict[str, Output]) -> dict:
             within &= bool(np.all(diff <= 0.1 + 0.02 * np.abs(b.logprobs[:same])))
         tokens[request_id] = {"coalesced": list(a.output_token_ids),
                               "ladder": list(b.output_token_ids)}
+    nonfinite = {name: int(sum(np.count_nonzero(~np.isfinite(o.logprobs)) for o in outs.values()))
+                 for name, outs in (("coalesced", on), ("ladder", off))}
     return dict(requests=len(tokens), compared_tokens=compared, identical=not differing,
-                differing_requests=differing, max_abs_logprob_diff=max_diff,
+                differing_requests=differing, nonfinite_logprobs=nonfinite,
+                max_abs_logprob_diff=max_diff,
                 logprobs_within_design_bound=within,
                 all_differences_near_ties=all(t["near_tie"] for t in near_ties.values()),
                 near_ties=near_ties, tokens=tokens)

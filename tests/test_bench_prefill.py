@@ -146,5 +146,9 @@ def test_compare_greedy_tells_a_near_tie_from_a_real_difference():
     lost = compare_greedy({"r": out([5, 4], [agree, ((0, np.nan), (1, np.nan))])},
                           {"r": out([5, 8], [agree, tie_off])})
     assert not lost["near_ties"]["r"]["near_tie"] and "not among" in lost["near_ties"]["r"]["reason"]
+    nan_row = compare_greedy({"r": Output("r", (5, 4), (-1.0, np.nan), 0, (agree, agree))},
+                             {"r": out([5, 8], [agree, tie_off])})
+    assert nan_row["nonfinite_logprobs"] == {"coalesced": 1, "ladder": 0}
     same = compare_greedy({"r": out([5], [agree])}, {"r": out([5], [agree])})
     assert same["identical"] and same["all_differences_near_ties"]
+    assert same["nonfinite_logprobs"] == {"coalesced": 0, "ladder": 0}
