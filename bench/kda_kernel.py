@@ -144,7 +144,7 @@ def time_passes(inputs, lens, config, timing):
     offsets = snapshot_offsets(lens, 4)
     matrices = jax.jit(lambda s: kda_prep.chunk_matrices(
         q, k, g, beta, s, scale=HEAD_K ** -0.5, bounded_gates=True, **flags))
-    w_u = jax.jit(lambda m, s: kda_prep.chunk_w_u(m, k, v, beta, s, **flags))
+    w_u = jax.jit(lambda m, s: kda_prep.chunk_w_u(m, v, beta, s, **flags))
     prep = jax.jit(lambda s: kda_prep.chunk_prep(
         q, k, v, g, beta, s, scale=HEAD_K ** -0.5, bounded_gates=True, **flags))
     transitions = jax.jit(lambda t, s: kda_segments.segment_transitions(t, s, cu, init,

@@ -338,15 +338,16 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
                                *diagonal_blocks))
 
 
-def chunk_w_u(matrices: ChunkMatrices, k, v, beta, slots: ChunkSlots, *,
+def chunk_w_u(matrices: ChunkMatrices, v, beta, slots: ChunkSlots, *,
               config: KernelConfig, interpret: bool, exact: bool) -> ChunkTensors:
     """Pass 1b: W and U from T (`_w_u_kernel`); returns everything the scan needs."""
     inter = operand_dtype(exact)
     w_u = pl.pallas_call(
         functools.partial(_w_u_kernel, chunk=config.chunk_size,
                           precision=matmul_precision(exact)),
-        out_shape=(_rows_of(k, k.shape[-1], inter), _rows_of(v, v.shape[-1], inter)),
-        grid=(slots.start.shape[0], k.shape[1]),
+        out_shape=(_rows_of(matrices.kb, matrices.kb.shape[-1], inter),
+                   _rows_of(v, v.shape[-1], inter)),
+        grid=(slots.start.shape[0], v.shape[1]),
         compiler_params=_params(config.w_u_num_warps),
         interpret=interpret,
         name="kda_chunk_w_u",
@@ -368,4 +369,4 @@ def chunk_prep(q, k, v, g, beta, slots: ChunkSlots, *, scale: float,
     flags = dict(config=config, interpret=interpret, exact=exact)
     matrices = chunk_matrices(q, k, g, beta, slots, scale=scale,
                               bounded_gates=bounded_gates, **flags)
-    return chunk_w_u(matrices, k, v, beta, slots, **flags)
+    return chunk_w_u(matrices, v, beta, slots, **flags)

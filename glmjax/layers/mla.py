@@ -335,9 +335,7 @@ class MLA(nnx.Module):
         scores): q [T, H, *] -> [T, H, v]. On a mesh each device attends with its own
         heads; the keys and the selection are replicated."""
         top = self.select_keys(index_queries, keys, cu_keys, seq, pos, valid, plan)
-        w_uk, w_uv = self._absorption(q_nope.dtype)
-        q = jnp.einsum("thd,chd->thc", q_nope, w_uk,
-                       preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        q = self._absorbed_queries(q_nope)
         if self.rope:
             q = jnp.concatenate([q, q_pe], axis=-1)  # [T, H, kv_lora + rope]
         attend = functools.partial(sparse_attention, kv_lora=self.kv_lora, scale=self.scale,
@@ -350,8 +348,7 @@ class MLA(nnx.Module):
                 out_specs=(s.heads, s.head_scalars), check_vma=False)
         with jax.named_scope("attention"):
             out_latent, _ = attend(q, keys.latent.astype(q.dtype), top)  # [T, H, kv_lora]
-        return jnp.einsum("thc,chv->thv", out_latent, w_uv,
-                          preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        return self._from_latent(out_latent, q_nope.dtype)
 
     def _kv_b(self, dtype) -> jax.Array:
         """kv_b_proj's kernel as [C, H, nope + v]: W_uk | W_uv of each head."""
@@ -368,23 +365,22 @@ class MLA(nnx.Module):
         `kernel`: per head in `head_matmul`'s Pallas kernel, whose sums do not depend on N
         (decode on one GPU: MTP's verify runs N + 1 rows per sequence where plain decoding
         runs one); XLA's batched product otherwise."""
-        w = self._kv_b(q_nope.dtype)
         if kernel:
-            q_abs = head_matmul(q_nope, w, transposed=True, implementation="pallas")
+            q_abs = head_matmul(q_nope, self._kv_b(q_nope.dtype), transposed=True,
+                                implementation="pallas")
         else:
-            q_abs = jnp.einsum("nhd,chd->nhc", q_nope, w[..., :self.nope],
-                               preferred_element_type=jnp.float32)
+            w_uk, _ = self._absorption(q_nope.dtype)
+            q_abs = jnp.einsum("nhd,chd->nhc", q_nope, w_uk, preferred_element_type=jnp.float32)
         return q_abs.astype(q_nope.dtype)
 
     def _from_latent(self, out_latent, dtype, kernel: bool = False) -> jax.Array:
-        """The attention's output latent fp32 [N, H, kv_lora] -> [N, H, v] (W_uv) in dtype;
+        """The attention's output latent [N, H, kv_lora] -> [N, H, v] (W_uv) in dtype;
         `kernel` as in `_absorbed_queries`."""
-        w = self._kv_b(dtype)
         latent = out_latent.astype(dtype)
         if kernel:
-            out = head_matmul(latent, w, transposed=False, offset=self.nope, width=self.v_dim,
-                              implementation="pallas")
+            out = head_matmul(latent, self._kv_b(dtype), transposed=False, offset=self.nope,
+                              width=self.v_dim, implementation="pallas")
         else:
-            out = jnp.einsum("nhc,chv->nhv", latent, w[..., self.nope:],
-                             preferred_element_type=jnp.float32)
+            _, w_uv = self._absorption(dtype)
+            out = jnp.einsum("nhc,chv->nhv", latent, w_uv, preferred_element_type=jnp.float32)
         return out.astype(dtype)
