@@ -64,7 +64,7 @@ from bench.profile import (
     summarize,
     traceable,
 )
-from glmjax import compile_cache, xla_options
+from glmjax import compile_cache
 from glmjax.model import HybridModel, decode_step
 from glmjax.random_weights import random_model
 from serving.compiles import CompileLog
@@ -352,7 +352,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    xla_options.stable_temporaries(devices=1)
     compile_cache.enable_from_args(args)
     result = run_benchmark(args)
     print_table(result)

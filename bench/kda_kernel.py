@@ -16,9 +16,11 @@ any-decay path with 4 snapshots; the jitted jax.numpy chunked oracle; fla-core `
 `torch.inference_mode`) on identical inputs when fla imports, by default (any decay) and
 with `safe_gate=True, lower_bound=-5` (its bounded-gate path). `--segments P,...` adds our
 bounded path with 4 snapshots and the scan forced to P segments per sequence (1: the plain
-scan), at each of `--segment-warps`; `--fuse-output` adds both gate paths with the output
-computed by the scan (`KernelConfig.fuse_output`). Each case prints the bytes the kernel moves per
-token-head by source count (`pallas_kernels.kda_traffic`) and the time they take at GB10's 273 GB/s.
+scan), at each of `--segment-warps`; `--unfused-output` adds both gate paths with the scan
+leaving the output to the chunk-parallel output pass (the runtime's pick,
+`KernelConfig.fuse_output`, has the scan compute it). Each case prints the bytes the kernel
+moves per token-head by source count (`pallas_kernels.kda_traffic`) and the time they take
+at GB10's 273 GB/s.
 
 Timing: warm-up, then `--samples` samples of `--iters` back-to-back launches closed by one
 device synchronisation (the launches queue on the device, so a sample measures device
@@ -132,8 +134,9 @@ def fla_runner(inputs, lens, **options):
 
 def time_passes(inputs, lens, config, timing):
     """Milliseconds of each pass alone: prep (its two kernels, then both), with P > 1 scan
-    segments their transitions and their combine, the scan with 4 snapshots, the output
-    pass. On the CPU (interpret mode, inputs padded by a chunk of rows) as a smoke test."""
+    segments their transitions and their combine, the scan with 4 snapshots (computing
+    the output too, with config.fuse_output), else the output pass. On the CPU
+    (interpret mode, inputs padded by a chunk of rows) as a smoke test."""
     chunk, segments = config.chunk_size, config.scan_segments
     interpret = jax.default_backend() == "cpu"
     flags = dict(config=config, interpret=interpret, exact=False)
@@ -168,9 +171,10 @@ def time_passes(inputs, lens, config, timing):
         segment_states = combine(trans)
         calls["segment transitions"] = lambda: transitions(tensors, slots)
         calls["segment combine"] = lambda: combine(trans)
-    entry_states, v_new, _, _ = scan(tensors, slots, segment_states)
     calls["scan"] = lambda: scan(tensors, slots, segment_states)
-    calls["output"] = lambda: output(tensors, entry_states, v_new, slots)
+    if not config.fuse_output:  # the output pass after a plain scan
+        entry_states, v_new, _, _ = scan(tensors, slots, segment_states)
+        calls["output"] = lambda: output(tensors, entry_states, v_new, slots)
     return {name: time_calls(call, jax.block_until_ready, **timing)[0]
             for name, call in calls.items()}
 
@@ -196,11 +200,11 @@ def run_case(name, lens, config, args, bandwidth):
     measure("pallas, 0 snapshots", ours(1), **timing)
     measure("pallas, 4 snapshots", bounded4, **timing)
     measure("pallas any decay, 4 snap", any_decay4, **timing)
-    if args.fuse_output:  # the scan computing the output itself, both gate paths
-        fused = dataclasses.replace(config, fuse_output=True)
-        for row, bound in (("pallas fused output, 4 snap", GATE_LOWER_BOUND),
-                           ("pallas any decay fused output, 4 snap", None)):
-            checked[row] = ours(4, bound, config=fused)
+    if args.unfused_output:  # the output pass after a plain scan, both gate paths
+        unfused = dataclasses.replace(config, fuse_output=False)
+        for row, bound in (("pallas output pass, 4 snap", GATE_LOWER_BOUND),
+                           ("pallas any decay output pass, 4 snap", None)):
+            checked[row] = ours(4, bound, config=unfused)
             measure(row, checked[row], **timing)
     for segments in map(int, filter(None, args.segments.split(","))):
         # one segment is the plain scan, at its own warps
@@ -232,9 +236,9 @@ def run_case(name, lens, config, args, bandwidth):
         case=name, lens=lens, ms=rows, relative_error_vs_reference=errors,
         traffic=traffic_summary(config, HEAD_K, HEAD_V, bounded=True, tokens=sum(lens),
                                 heads=HEADS),
-        traffic_fused_output=(traffic_summary(
-            dataclasses.replace(config, fuse_output=True), HEAD_K, HEAD_V, bounded=True,
-            tokens=sum(lens), heads=HEADS) if args.fuse_output else None),
+        traffic_unfused_output=(traffic_summary(
+            dataclasses.replace(config, fuse_output=False), HEAD_K, HEAD_V, bounded=True,
+            tokens=sum(lens), heads=HEADS) if args.unfused_output else None),
         pass_ms=(time_passes(inputs, lens, config, timing)
                  if name in args.pass_cases.split(",") else None),
         snapshot_overhead=ours4 / rows["pallas, 0 snapshots"] - 1.0,
@@ -304,8 +308,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="8K,32K,4x8K")
     parser.add_argument("--heads", type=int, default=HEADS)
-    parser.add_argument("--fuse-output", action="store_true",
-                        help="also time the scan with the output fused in (both gate paths)")
+    parser.add_argument("--unfused-output", action="store_true",
+                        help="also time the plain scan and the output pass (both gate paths)")
     parser.add_argument("--segments", default="",
                         help="also time the scan forced to these segment counts, e.g. 1,3,8")
     parser.add_argument("--segment-warps", default=str(KernelConfig.segment_num_warps),

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from bench.common import time_calls, write_json
-from glmjax import compile_cache, xla_options
+from glmjax import compile_cache
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
@@ -133,7 +133,6 @@ def main(argv=None):
     parser.add_argument("--out", type=Path)
     compile_cache.add_arguments(parser)
     args = parser.parse_args(argv)
-    xla_options.stable_temporaries(devices=1)
     compile_cache.enable_from_args(args)
     if args.quick:
         for name, value in QUICK.items():

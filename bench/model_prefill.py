@@ -32,7 +32,7 @@ from flax import nnx
 from bench.common import write_json
 from bench.flops import Span, step_flops
 from bench.profile import print_profile, profile_call, traceable
-from glmjax import compile_cache, xla_options
+from glmjax import compile_cache
 from glmjax.batch import PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import MLA_ATTENTIONS, ModelConfig
@@ -80,7 +80,6 @@ def main():
     parser.add_argument("--scan-layers", action="store_true",
                         help="run the repeated layer groups as one scan (config.scan_layers)")
     args = parser.parse_args()
-    xla_options.stable_temporaries(devices=1)
     compile_cache.enable_from_args(args)
 
     config = ModelConfig.preset(args.preset)

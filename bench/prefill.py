@@ -63,7 +63,7 @@ from bench.buckets import DryRun, log, precompile, step_functions
 from bench.common import fill_defaults, git_commit, write_json
 from bench.prefill_cases import CASES, MODES, Run, Session, compare_greedy, profile_case
 from bench.profile import print_profile
-from glmjax import compile_cache, xla_options
+from glmjax import compile_cache
 from glmjax.config import ModelConfig
 from glmjax.model import HybridModel
 from glmjax.random_weights import random_model
@@ -368,7 +368,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    xla_options.stable_temporaries(devices=args.tp)
     request_cpu_devices(args.tp)  # a mesh on a CPU: before JAX starts its backends
     compile_cache.enable_from_args(args)
     result = run_benchmark(args)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import fill_defaults, write_json
-from glmjax import compile_cache, xla_options
+from glmjax import compile_cache
 from glmjax.config import ModelConfig
 from glmjax.random_weights import random_model
 from serving.compiles import CompileLog
@@ -113,7 +113,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=RESULTS / "speculative.json")
     compile_cache.add_arguments(parser)
     args = parser.parse_args(argv)
-    xla_options.stable_temporaries(devices=1)
     compile_cache.enable_from_args(args)
     fill_defaults(args, QUICK, FULL)
     config = ModelConfig.preset(args.preset)

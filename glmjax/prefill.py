@@ -51,7 +51,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from glmjax import compile_cache, distributed, xla_options
+from glmjax import compile_cache, distributed
 from glmjax.config import ModelConfig
 from glmjax.fingerprint import model_fingerprint
 from glmjax.model import ModelState
@@ -159,7 +159,6 @@ def main(argv: Sequence[str] | None = None, *, progress: TextIO | None = sys.std
     args = _parser().parse_args(argv)
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
-    xla_options.stable_temporaries(devices=args.tp)
     if args.tp > 1:
         request_cpu_devices(args.tp)
     distributed.initialize(args, tp=args.tp, flags=vars(args))

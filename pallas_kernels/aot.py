@@ -255,15 +255,15 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
             for bounded in (True, False):
                 for module in lower_kda_prefill(spec, num_heads, bounded_gates=bounded):
                     modules.setdefault(module.name, module)
-            # The scan with the output fused in (`KernelConfig.fuse_output`, not yet the
-            # runtime's pick): the other kernels are the plain path's.
+            # The runtime's scan computes the output itself (`KernelConfig.fuse_output`);
+            # the alternative, a plain scan and the chunk-parallel output pass, too.
             picked = select_config(spec, num_seqs=1, num_heads=num_heads, head_k=HEAD_DIM,
                                    head_v=HEAD_DIM)
-            fused = dataclasses.replace(picked, fuse_output=True)
-            for module in lower_kda_prefill(spec, num_heads, fused, bounded_gates=True):
-                if module.name == "kda_chunk_scan":
-                    modules["kda_chunk_scan_fused"] = dataclasses.replace(
-                        module, name="kda_chunk_scan_fused")
+            unfused = dataclasses.replace(picked, fuse_output=False)
+            for module in lower_kda_prefill(spec, num_heads, unfused, bounded_gates=True):
+                if module.name in ("kda_chunk_scan", "kda_chunk_output"):
+                    name = module.name.replace("scan", "scan_unfused")
+                    modules[name] = dataclasses.replace(module, name=name)
             for rows in DECODE_ROWS:
                 for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)

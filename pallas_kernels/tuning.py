@@ -57,7 +57,7 @@ class KernelConfig:
     # The output O = Qg S_entry + Aqk Vnew computed by the scan itself, chunk by chunk,
     # instead of by the chunk-parallel output pass: the entry states and Vnew are never
     # stored (1,792 fewer bytes a token-head by source count, `kda_traffic`), at two more
-    # matmuls a chunk on the scan's serial path (docs/KERNEL.md).
+    # matmuls a chunk on the scan's serial path (docs/KERNEL.md). `select_config` picks it.
     fuse_output: bool = False
 
 
@@ -202,7 +202,11 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
     shared-memory estimate exceeds the device's per-block limit; the output pass takes the
     widest value block (128, 64, 32; 128 was fastest on the H200) that fits. When those
     programs leave most SMs idle (few sequences x heads, long sequences: `num_tokens` rows
-    in all), the scan is split into segments (`select_segments`).
+    in all), the scan is split into segments (`select_segments`). The scan computes the
+    output itself (`fuse_output`): 1-2% faster than the output pass on the H200 at 8K and
+    32K on both gate paths (bench/results/kda_kernel_fused_2026-12-02e.json) and 24% fewer
+    bytes, which is what decides GB10's speed; `output_block_v` then only matters to a
+    config that turns it off.
     """
     def fits(candidate, pass_name):
         estimate = estimate_shared_memory(candidate, head_k, head_v,
@@ -210,7 +214,7 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
                                           operand_bytes=operand_bytes)
         return estimate[pass_name] <= spec.smem_per_block
 
-    base = KernelConfig(block_v=min(32, head_v))
+    base = KernelConfig(block_v=min(32, head_v), fuse_output=True)
     for stages in (2, 1):
         config = dataclasses.replace(base, scan_num_stages=stages)
         if not (fits(config, "scan") and fits(config, "segment") and fits(config, "prep")):

@@ -60,6 +60,18 @@ def fused_projection(u: jax.Array, phi: jax.Array) -> jax.Array:
     return stream_matmul(u, (padded,))[0][:, :width]
 
 
+def weighted_sum(weights: jax.Array, streams: jax.Array) -> jax.Array:
+    """sum_j weights[..., j] * streams[..., j, :] in fp32, j = 0 .. n - 1 in order:
+    weights [T, ..., n] fp32, streams [T, ..., n, D] -> [T, ..., D]. Written as n
+    elementwise multiply-adds rather than an einsum, which XLA may lower to a batched
+    matmul whose summation order changes with T (on the H200 a row of 64 tokens' write
+    differed from the same token alone)."""
+    acc = weights[..., 0, None] * streams[..., 0, :].astype(jnp.float32)
+    for j in range(1, weights.shape[-1]):
+        acc = acc + weights[..., j, None] * streams[..., j, :].astype(jnp.float32)
+    return acc
+
+
 def expand_streams(x: jax.Array, num_streams: int) -> jax.Array:
     """[T, D] -> [T, n, D]: every stream starts as the embedding."""
     return jnp.broadcast_to(x[:, None], (x.shape[0], num_streams, x.shape[1]))
@@ -95,12 +107,12 @@ class HyperConnection(nnx.Module):
             post = 2 * jax.nn.sigmoid(alpha[1] * p[:, n:2 * n] + self.b_post[...])
             res = sinkhorn(alpha[2] * p[:, 2 * n:].reshape(tokens, n, n) + self.b_res[...],
                            self.sinkhorn_iters)
-            x = jnp.einsum("tn,tnd->td", pre, streams.astype(jnp.float32))
+            x = weighted_sum(pre, streams)
             return x.astype(streams.dtype), Mixing(post, res)
 
     def write(self, streams: jax.Array, y: jax.Array, mixing: Mixing) -> jax.Array:
         """X' = H_res X + H_post^T y; streams [T, n, D], y [T, D] -> [T, n, D]."""
         with jax.named_scope("mhc_write"):
-            mixed = jnp.einsum("tij,tjd->tid", mixing.res, streams.astype(jnp.float32))
+            mixed = weighted_sum(mixing.res, streams[:, None])  # [T, n, D]
             out = mixed + mixing.post[..., None] * y.astype(jnp.float32)[:, None]
             return out.astype(streams.dtype)
