@@ -25,7 +25,8 @@ samples of a case are not timed.
   their decode tokens/s while the prompt prefills.
 - decode: `--concurrency` requests decoding at `--decode-context` tokens, tokens/s over
   samples of `--decode-steps` steps; ratio coalesced / ladder.
-The two engines' greedy tokens are compared request by request (`greedy` in the JSON).
+The two engines' greedy tokens are compared request by request (`greedy` in the JSON);
+`--dtype float32` runs the model in fp32, where the schedules must agree to rounding.
 
 Profile (`--profile`, the default on a GPU without `--quick`): after the cases, one cold
 prompt of `--profile-length` tokens (the budget) per engine, its first step traced with
@@ -56,6 +57,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -98,6 +100,8 @@ def model_config(args) -> ModelConfig:
     config = ModelConfig.preset(args.preset)
     if args.num_layers or args.num_experts:
         config = config.replace_depth(args.num_layers or config.num_layers, args.num_experts)
+    if args.dtype == "float32":
+        config = dataclasses.replace(config, dtype=jnp.float32, param_dtype=jnp.float32)
     return dataclasses.replace(config, kv_block_size=args.block_size * args.dcp,
                                scan_layers=args.scan_layers)
 
@@ -356,6 +360,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
              "off with --quick)")
     add("--profile-length", type=int, help="prompt tokens of the traced step (--budget)")
     add("--trace-dir", type=Path, help="where the traces go (a new temp dir)")
+    add("--dtype", choices=("preset", "float32"), default="preset",
+        help="float32: activations, caches and weights in fp32 (with "
+             "JAX_DEFAULT_MATMUL_PRECISION=highest), to tell rounding from logic when the "
+             "schedules' greedy tokens part")
     add("--seed", type=int, default=0)
     add("--json", type=Path, help="output (bench/results/prefill_<preset>.json)")
     compile_cache.add_arguments(parser)

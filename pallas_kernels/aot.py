@@ -66,6 +66,7 @@ from pallas_kernels.index_scores_pallas import (
     index_scores_pallas,
     select_index_config,
 )
+from pallas_kernels.kda_conv_pallas import ConvShape, kda_conv_pallas
 from pallas_kernels.kda_pallas import kda_prefill_pallas
 from pallas_kernels.moe_shapes import MOE_SHAPES, GemmSpec, gemm_specs
 from pallas_kernels.sparse_attention_pallas import (
@@ -147,6 +148,23 @@ def segment_config(spec: DeviceSpec) -> KernelConfig:
 
 
 
+
+
+def lower_kda_conv(spec: DeviceSpec, heads: int) -> list[TritonModule]:
+    """The Triton module of the KDA prefill conv (`kda_conv`) for `spec`: NUM_TOKENS bf16
+    rows of 3 x `heads` x HEAD_DIM channels, kernel width 4, CAPACITY sequences."""
+    channels, width = 3 * heads * HEAD_DIM, 4
+    shape = ConvShape(heads=heads, dim=HEAD_DIM, width=width, num_seqs=CAPACITY, l2_eps=1e-6)
+    rows = jax.ShapeDtypeStruct((NUM_TOKENS,), jnp.int32)
+    args = (jax.ShapeDtypeStruct((NUM_TOKENS, channels), jnp.bfloat16),
+            jax.ShapeDtypeStruct((width, channels), jnp.float32),
+            jax.ShapeDtypeStruct((CAPACITY * (width - 1), channels), jnp.bfloat16),
+            jax.ShapeDtypeStruct((CAPACITY + 1,), jnp.int32), rows, rows)
+
+    def conv(*arrays):
+        return kda_conv_pallas(*arrays, shape=shape, interpret=False)
+
+    return triton_modules(conv, args, spec)
 
 
 def lower_flash_attention(spec: DeviceSpec, heads: int, head_qk: int, head_v: int,
@@ -264,6 +282,8 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                 if module.name in ("kda_chunk_scan", "kda_chunk_output"):
                     name = module.name.replace("scan", "scan_unfused")
                     modules[name] = dataclasses.replace(module, name=name)
+            for module in lower_kda_conv(spec, num_heads):
+                modules.setdefault(module.name, module)
             for rows in DECODE_ROWS:
                 for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)

@@ -23,6 +23,7 @@ def test_every_kernel_compiles_within_limits(device):
         "kda_chunk_w_u",
         "kda_chunk_scan",
         "kda_chunk_scan_unfused",
+        "kda_conv",
         "kda_chunk_output",
         "kda_segment_transition",
         "kda_segment_scan",

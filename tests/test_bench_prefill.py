@@ -11,6 +11,7 @@ each.
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -45,6 +46,15 @@ def test_real_presets_at_their_full_expert_count_are_selectable(preset, layers, 
     assert (config.num_layers, config.num_experts, config.num_experts_per_token) == (
         layers, experts, 8)
     assert config.kv_block_size == 512
+
+
+def test_float32_runs_the_model_in_fp32():
+    """`--dtype float32` (to tell rounding from logic when the schedules part): weights,
+    activations and caches in fp32; the preset's dtype otherwise."""
+    assert model_config(parse_args(["--quick"])).dtype == jnp.float32  # the tiny preset's
+    for dtype, want in (("preset", jnp.bfloat16), ("float32", jnp.float32)):
+        config = model_config(parse_args(["--preset", "kimi-linear-48b", "--dtype", dtype]))
+        assert config.dtype == want and config.param_dtype == want
 
 
 @pytest.mark.slow  # ~30-60 s on two busy cores, most of it compiling

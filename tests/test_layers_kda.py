@@ -125,6 +125,22 @@ def test_pallas_scan_in_the_layer(rng, bound):
     check_layer_against_oracle(rng, config, cold=False)
 
 
+def test_conv_kernel_in_the_layer(rng, monkeypatch):
+    """On one GPU the conv, its SiLU and q and k's norms run as the `kda_conv` kernel
+    (interpret mode here); the layer still matches the oracle, states and snapshots too."""
+    monkeypatch.setattr(kda_module, "on_one_gpu", lambda: True)
+    implementations, real = [], kda_module.kda_conv
+
+    def recorded(*args, **kwargs):
+        implementations.append(kwargs["implementation"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kda_module, "kda_conv", recorded)
+    config = dataclasses.replace(ModelConfig.preset("tiny"), kda_backend="pallas")
+    check_layer_against_oracle(rng, config, cold=False)
+    assert implementations == ["pallas"]
+
+
 def test_resume_from_snapshot_equals_cold_run(rng):
     """Prefill [0, L) retaining a snapshot at p, then [p, L) from it == the one pass.
 

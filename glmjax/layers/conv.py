@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from glmjax.layers.packing import sequence_ids
+from pallas_kernels.kda_conv import conv_silu, history_rows
 
 
 class ConvResult(NamedTuple):
@@ -26,7 +26,7 @@ class ConvResult(NamedTuple):
 def causal_conv1d(x: jax.Array, weight: jax.Array, cu_seqlens: jax.Array,
                   history: jax.Array, checkpoint_offsets: jax.Array) -> ConvResult:
     """``silu(sum_j weight[:, j] * x[t - (W - 1) + j])`` per sequence, reading the history
-    before each sequence's start.
+    before each sequence's start (`pallas_kernels.kda_conv.conv_silu`), and the histories.
 
     Args:
       x: [T, C] packed pre-convolution inputs.
@@ -36,42 +36,24 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, cu_seqlens: jax.Array,
       checkpoint_offsets: int32 [N, capacity]; p >= 0 asks for the history before token p
         of the sequence (so p = len is the final history); -1 gives zeros.
     """
-    num_tokens, channels = x.shape
-    num_seqs, width = history.shape[0], weight.shape[1]
-    hist = width - 1
-    buf = jnp.concatenate(
-        [history.transpose(0, 2, 1).reshape(num_seqs * hist, channels).astype(x.dtype), x])
+    return ConvResult(conv_silu(x, weight, cu_seqlens, history),
+                      *conv_states(x, cu_seqlens, history, checkpoint_offsets))
+
+
+def conv_states(x: jax.Array, cu_seqlens: jax.Array, history: jax.Array,
+                checkpoint_offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`causal_conv1d`'s histories alone: after each whole sequence [N, C, W - 1] and at
+    each checkpoint offset [N, capacity, C, W - 1], in history's dtype."""
+    num_seqs, hist = history.shape[0], history.shape[2]
+    buf = jnp.concatenate([history_rows(history, x.dtype), x])
 
     def rows(seq, rel):
         """Buffer row of relative position `rel` (negative: inside the history) of `seq`."""
         return jnp.where(rel >= 0, num_seqs * hist + cu_seqlens[seq] + rel,
                          seq * hist + rel + hist)
 
-    def conv(taps):
-        """silu of the taps' weighted sum, tap 0 the oldest (the order `conv_decode` sums in:
-        the same rounding)."""
-        acc = jnp.zeros(taps[0].shape, jnp.float32)
-        for j, tap in enumerate(taps):
-            acc = acc + tap.astype(jnp.float32) * weight[:, j].astype(jnp.float32)
-        return jax.nn.silu(acc)
-
-    # Every row as if its window lay inside its own sequence: static shifts of x, one
-    # elementwise pass. Gathering each tap's row instead (the history for a window reaching
-    # before the sequence) made XLA write the fp32 sum apart from the SiLU: 0.5 + 0.2 ms a
-    # layer at 8K tokens, 12,288 channels on the H200.
-    seq_ids, valid = sequence_ids(cu_seqlens, num_tokens)
-    padded = jnp.pad(x, ((hist, 0), (0, 0)))
-    y = jnp.where(valid[:, None], conv([padded[j:j + num_tokens] for j in range(width)]), 0)
-    y = y.astype(x.dtype)
-    # Then the first W - 1 rows of each sequence again, their windows read through the
-    # history: N (W - 1) rows gathered, computed and scattered in place.
     seqs = jnp.arange(num_seqs, dtype=jnp.int32)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    first = jnp.arange(hist, dtype=jnp.int32)  # [W - 1] relative positions
-    taps = [jnp.take(buf, rows(seqs[:, None], first - hist + j), axis=0, mode="clip")
-            for j in range(width)]  # each [N, W - 1, C]
-    target = jnp.where(first < lengths[:, None], cu_seqlens[:-1, None] + first, num_tokens)
-    y = y.at[target].set(conv(taps).astype(x.dtype), mode="drop")
 
     def history_before(seq, pos):
         """[..., C, W-1]: the W-1 inputs before relative position `pos` of `seq`."""
@@ -82,8 +64,8 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, cu_seqlens: jax.Array,
     snapshots = history_before(jnp.broadcast_to(seqs[:, None], checkpoint_offsets.shape),
                                checkpoint_offsets)
     snapshots = jnp.where((checkpoint_offsets >= 0)[..., None, None], snapshots, 0)
-    return ConvResult(y, history_before(seqs, lengths).astype(history.dtype),
-                      snapshots.astype(history.dtype))
+    return (history_before(seqs, lengths).astype(history.dtype),
+            snapshots.astype(history.dtype))
 
 
 def conv_decode(x: jax.Array, weight: jax.Array, pool: jax.Array, state_slots: jax.Array
@@ -129,6 +111,10 @@ class ShortConvolution(nnx.Module):
     def __call__(self, x, cu_seqlens, history, checkpoint_offsets) -> ConvResult:
         """See `causal_conv1d`; x [T, C], history [N, C, W-1]."""
         return causal_conv1d(x, self.weight[...], cu_seqlens, history, checkpoint_offsets)
+
+    def states(self, x, cu_seqlens, history, checkpoint_offsets) -> tuple[jax.Array, jax.Array]:
+        """See `conv_states`: the histories after each sequence and at its checkpoints."""
+        return conv_states(x, cu_seqlens, history, checkpoint_offsets)
 
     def decode(self, x, pool, state_slots) -> tuple[jax.Array, jax.Array]:
         """See `conv_decode`; x [N, C], pool [S, C, W-1], state_slots int32 [N]."""

@@ -20,9 +20,10 @@ from flax import nnx
 from glmjax.config import ModelConfig
 from glmjax.layers.conv import ShortConvolution
 from glmjax.layers.norms import GatedRMSNorm, l2_normalize
-from glmjax.layers.projection import project_together, projection
+from glmjax.layers.projection import on_one_gpu, project_together, projection
 from pallas_kernels import kda_decode, kda_prefill
 from pallas_kernels.kda import MIN_GATE_LOWER_BOUND
+from pallas_kernels.kda_conv import kda_conv
 from pallas_kernels.kda_decode_fused import (
     DecodeLayerGates,
     DecodeLayerWeights,
@@ -113,11 +114,13 @@ class KDA(nnx.Module):
             tokens, shape = x.shape[0], (x.shape[0], self.num_heads, self.head_dim)
             qkv, f_a, g_a, beta = self.project(x)
             # Scopes name the glue between the projections and the scan in a profile.
-            with jax.named_scope("conv"):
-                conv = self.conv(qkv, cu_seqlens, state.conv, checkpoint_offsets)
-            with jax.named_scope("qk_norm"):
-                q, k, v = (part.reshape(shape) for part in jnp.split(conv.y, 3, axis=-1))
-                q, k = l2_normalize(q), l2_normalize(k)
+            with jax.named_scope("conv"):  # with the SiLU and q and k's norms
+                q, k, v = kda_conv(qkv, self.conv.weight[...], state.conv, cu_seqlens,
+                                   heads=self.num_heads,
+                                   implementation="pallas" if plan is None and on_one_gpu()
+                                   else "xla")
+                conv_history, conv_snapshots = self.conv.states(qkv, cu_seqlens, state.conv,
+                                                                checkpoint_offsets)
             with jax.named_scope("decay"):
                 g = self.decay(f_a)
             # The kernel's tensor-core diagonal needs g >= a bound in [-5, 0).
@@ -139,8 +142,8 @@ class KDA(nnx.Module):
                 gate = self.g_b_proj(g_a).reshape(shape)
                 normed = self.o_norm(o, gate).reshape(tokens, -1)
             y = self.o_proj(normed)
-            return KDAResult(y, KDAState(final, conv.history),
-                             KDAState(snapshots, conv.snapshots))
+            return KDAResult(y, KDAState(final, conv_history),
+                             KDAState(snapshots, conv_snapshots))
 
     def decode(self, x: jax.Array, pool: KDAState, state_slots: jax.Array, *,
                plan: ShardingPlan | None = None) -> tuple[jax.Array, KDAState]:

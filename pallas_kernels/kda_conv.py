@@ -1,0 +1,137 @@
+"""`kda_conv`: the KDA layer's short convolution over a packed prefill, with its SiLU and the
+L2 norms of q and k, from the input projection's output to the scan's q, k and v.
+
+    y[t, c] = silu(sum_j w[c, j] x[t - (W - 1) + j, c])       j = 0 .. W - 1, oldest first
+    q, k, v = split(y, 3) per head;  q, k <- q / sqrt(|q|^2 + eps), per head and row
+
+where a tap before its sequence's first token reads the sequence's conv history (the W - 1
+inputs before it, oldest first) and padding rows give zeros. Every sum runs in fp32 in that
+order and y is rounded to x's dtype before the norms, as the layer's decode step does.
+
+Two implementations behind one signature: jax.numpy (`conv_silu` then the norms: XLA's
+fusions, also the path on a mesh, where the channels are sharded) and a Pallas kernel
+(`kda_conv_pallas`: one program per block of rows and head of one part, every row through
+the same code, history included). In the H200 profile of kimi-linear-48b's 8K prefill step
+(`bench/results/model_prefill_kimi_27L256E_8192_skip_temp_2026-12-02e.json`) the glue
+directly in the KDA layer's scope, XLA's conv fusion most of it, took 8.3 ms (415 us a
+layer) and the q / k norms 1.3 ms, where reading x and writing q, k, v is ~400 MB a layer:
+~0.1 ms at the H200's bandwidth.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gmm import resolve_interpret
+from pallas_kernels.kda_conv_pallas import ConvShape, kda_conv_pallas
+
+IMPLEMENTATIONS = ("pallas", "xla")
+L2_EPS = 1e-6  # fla's l2norm
+
+
+def sequence_rows(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """Sequence int32 [T] of each packed row (padding rows: the last) and the row's position
+    in it, int32 [T]."""
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    # side="right" skips empty sequences: the last n with cu[n] <= t owns row t.
+    seq = jnp.searchsorted(cu_seqlens, rows, side="right").astype(jnp.int32) - 1
+    seq = jnp.clip(seq, 0, cu_seqlens.shape[0] - 2)
+    return seq, rows - cu_seqlens[seq]
+
+
+def history_rows(history: jax.Array, dtype) -> jax.Array:
+    """[N, C, W - 1] -> [N (W - 1), C] in dtype: row n (W - 1) + i is input i (oldest first)
+    before sequence n."""
+    num_seqs, channels, hist = history.shape
+    return history.transpose(0, 2, 1).reshape(num_seqs * hist, channels).astype(dtype)
+
+
+def conv_silu(x: jax.Array, weight: jax.Array, cu_seqlens: jax.Array,
+              history: jax.Array) -> jax.Array:
+    """The convolution and SiLU alone, jax.numpy: y [T, C] in x's dtype (zero on padding
+    rows). x [T, C]; weight [C, W]; cu_seqlens int32 [N + 1]; history [N, C, W - 1]."""
+    num_tokens, hist = x.shape[0], weight.shape[1] - 1
+    num_seqs = history.shape[0]
+
+    def conv(taps):
+        acc = jnp.zeros(taps[0].shape, jnp.float32)
+        for j, tap in enumerate(taps):
+            acc = acc + tap.astype(jnp.float32) * weight[:, j].astype(jnp.float32)
+        return jax.nn.silu(acc)
+
+    # Every row as if its window lay inside its own sequence: static shifts of x, one
+    # elementwise pass. Gathering each tap's row instead (the history for a window reaching
+    # before the sequence) made XLA write the fp32 sum apart from the SiLU: 0.5 + 0.2 ms a
+    # layer at 8K tokens, 12,288 channels on the H200.
+    valid = jnp.arange(num_tokens) < cu_seqlens[-1]
+    padded = jnp.pad(x, ((hist, 0), (0, 0)))
+    y = jnp.where(valid[:, None], conv([padded[j:j + num_tokens] for j in range(hist + 1)]), 0)
+    y = y.astype(x.dtype)
+    # Then the first W - 1 rows of each sequence again, their windows read through the
+    # history: N (W - 1) rows gathered, computed and scattered in place.
+    buf = jnp.concatenate([history_rows(history, x.dtype), x])
+    seqs = jnp.arange(num_seqs, dtype=jnp.int32)[:, None]
+    first = jnp.arange(hist, dtype=jnp.int32)  # [W - 1] positions in the sequence
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    taps = []
+    for j in range(hist + 1):
+        rel = first - hist + j
+        taps.append(jnp.take(buf, jnp.where(rel >= 0, num_seqs * hist + cu_seqlens[seqs] + rel,
+                                            seqs * hist + rel + hist), axis=0, mode="clip"))
+    target = jnp.where(first < lengths[:, None], cu_seqlens[:-1, None] + first, num_tokens)
+    return y.at[target].set(conv(taps).astype(x.dtype), mode="drop")
+
+
+def l2_normalize_heads(x: jax.Array, eps: float) -> jax.Array:
+    """x [..., K] / sqrt(sum(x^2) + eps) in fp32, x's dtype out."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def kda_conv_reference(x, weight, history, cu_seqlens, *, heads: int, l2_eps: float):
+    """The jax.numpy path (see `kda_conv`)."""
+    y = conv_silu(x, weight, cu_seqlens, history)
+    shape = (x.shape[0], heads, x.shape[1] // (3 * heads))
+    q, k, v = (part.reshape(shape) for part in jnp.split(y, 3, axis=-1))
+    return l2_normalize_heads(q, l2_eps), l2_normalize_heads(k, l2_eps), v
+
+
+def kda_conv(x: jax.Array, weight: jax.Array, history: jax.Array, cu_seqlens: jax.Array, *,
+             heads: int, l2_eps: float = L2_EPS, implementation: str = "xla",
+             interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The scan's q, k, v from the input projection's q | k | v channels.
+
+    Args:
+      x: [T, 3 H K] packed rows (bf16 or fp32), the channels q, k, v, each head-major.
+      weight: [3 H K, W] depthwise taps (fp32 or x's dtype), W >= 1.
+      history: [N, 3 H K, W - 1], the W - 1 inputs before each sequence, oldest first.
+      cu_seqlens: int32 [N + 1], non-decreasing from 0 (rows past cu_seqlens[N] padding).
+      heads: H. l2_eps: the L2 norms' epsilon.
+      implementation: "xla" (jax.numpy) or "pallas" (interpret mode by default on the CPU).
+
+    Returns q, k, v [T, H, K] in x's dtype: q and k L2-normalized per head; zero on padding
+    rows.
+    """
+    if x.ndim != 2 or weight.ndim != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"x must be [T, C] and weight [C, W], got {x.shape}, {weight.shape}")
+    channels, width = weight.shape
+    if channels % (3 * heads):
+        raise ValueError(f"channels {channels} are not 3 x heads {heads} x a head dim")
+    if history.shape[1:] != (channels, width - 1) or cu_seqlens.shape != (history.shape[0] + 1,):
+        raise ValueError(f"history must be [N, {channels}, {width - 1}] and cu_seqlens [N + 1], "
+                         f"got {history.shape}, {cu_seqlens.shape}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
+                         f"{implementation!r}")
+    if implementation == "xla":
+        return kda_conv_reference(x, weight, history, cu_seqlens, heads=heads, l2_eps=l2_eps)
+    num_tokens = x.shape[0]
+    seq, pos = sequence_rows(cu_seqlens, num_tokens)
+    shape = ConvShape(heads=heads, dim=channels // (3 * heads), width=width,
+                      num_seqs=history.shape[0], l2_eps=float(l2_eps))
+    q, k, v = kda_conv_pallas(x, weight.T.astype(jnp.float32), history_rows(history, x.dtype),
+                              cu_seqlens, seq, pos, shape=shape,
+                              interpret=resolve_interpret(interpret))
+    out = (num_tokens, heads, shape.dim)
+    return q.reshape(out), k.reshape(out), v.reshape(out)

@@ -1,0 +1,95 @@
+"""The KDA prefill conv (`pallas_kernels.kda_conv`) as one Pallas kernel lowered through
+Triton.
+
+One program per block of BLOCK_T rows and one head of one part (q, k or v): K channels.
+For each of the W taps it loads the block's rows shifted by the tap, each row from x when
+the tap lies inside the row's sequence and from the sequence's history rows otherwise (two
+masked row gathers: the history load is empty except on a sequence's first W - 1 rows), so
+every row runs the same sums whatever schedule brought it (a span's first rows and a
+continuation's alike). Then SiLU, the rounding to x's dtype, and for q and k the row's L2
+norm over the head; the store goes to the part's output.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.tiles import iota
+
+BLOCK_T = 32  # rows a program: with 8 warps no spills on sm_90 / sm_121 (64 rows at 4 warps spilled)
+
+
+class ConvShape(NamedTuple):
+    """Static parameters of one launch (hashable: a jit static argument)."""
+
+    heads: int
+    dim: int  # K, channels of one head
+    width: int  # W
+    num_seqs: int
+    l2_eps: float
+    num_warps: int = 8
+
+
+def _kernel(cu_ref, seq_ref, pos_ref, x_ref, w_ref, hist_ref, q_ref, k_ref, v_ref, *,
+            shape: ConvShape):
+    i, c = pl.program_id(0), pl.program_id(1)
+    num_tokens, dim, hist = x_ref.shape[0], shape.dim, shape.width - 1
+    rows = i * BLOCK_T + iota((BLOCK_T,), 0)
+    in_range = rows < num_tokens
+    valid = in_range & (rows < cu_ref[shape.num_seqs])
+    seq = plgpu.load(seq_ref.at[rows], mask=in_range, other=0)
+    pos = plgpu.load(pos_ref.at[rows], mask=in_range, other=0)
+    cols = c * dim + iota((dim,), 0)
+    f32 = jnp.float32
+    acc = jnp.zeros((BLOCK_T, dim), f32)
+    for j in range(hist + 1):
+        rel = pos - hist + j  # the tap's position in the row's sequence
+        inside = valid & (rel >= 0)
+        tap = plgpu.load(x_ref.at[jnp.where(inside, rows - hist + j, 0)[:, None], cols[None, :]],
+                         mask=inside[:, None], other=0).astype(f32)
+        if hist:
+            before = valid & (rel < 0)
+            from_history = plgpu.load(
+                hist_ref.at[jnp.where(before, seq * hist + rel + hist, 0)[:, None],
+                            cols[None, :]],
+                mask=before[:, None], other=0).astype(f32)
+            tap = jnp.where(before[:, None], from_history, tap)
+        acc = acc + tap * w_ref[j, pl.ds(c * dim, dim)][None, :]
+    y = jnp.where(valid[:, None], acc * jax.nn.sigmoid(acc), 0.0).astype(x_ref.dtype)
+    yf = y.astype(f32)
+    normed = (yf * jax.lax.rsqrt(jnp.sum(yf * yf, axis=1) + shape.l2_eps)[:, None]
+              ).astype(x_ref.dtype)
+    part, head = c // shape.heads, c % shape.heads
+    out_cols = (head * dim + iota((dim,), 0))[None, :]
+    mask = in_range[:, None]
+    for index, out_ref, value in ((0, q_ref, normed), (1, k_ref, normed), (2, v_ref, y)):
+        @pl.when(part == index)
+        def _(out_ref=out_ref, value=value):
+            plgpu.store(out_ref.at[rows[:, None], out_cols], value, mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "interpret"))
+def kda_conv_pallas(x, taps, history_rows, cu_seqlens, seq, pos, *, shape: ConvShape,
+                    interpret: bool):
+    """The kernel (arguments checked by `kda_conv`): x [T, 3 H K]; taps fp32 [W, 3 H K];
+    history_rows [N (W - 1), 3 H K] in x's dtype (at least one row: a zero row when W = 1);
+    cu_seqlens int32 [N + 1]; seq, pos int32 [T] (each row's sequence and position in it).
+    Returns q, k, v [T, H K] in x's dtype."""
+    num_tokens = x.shape[0]
+    if history_rows.shape[0] == 0:  # W = 1: nothing is read from it, but a ref needs a row
+        history_rows = jnp.zeros((1, x.shape[1]), x.dtype)
+    out = jax.ShapeDtypeStruct((num_tokens, shape.heads * shape.dim), x.dtype)
+    return pl.pallas_call(
+        functools.partial(_kernel, shape=shape),
+        out_shape=(out, out, out),
+        grid=(pl.cdiv(num_tokens, BLOCK_T), 3 * shape.heads),
+        compiler_params=plgpu.CompilerParams(num_warps=shape.num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_conv",
+    )(cu_seqlens, seq, pos, x, taps, history_rows)
