@@ -346,6 +346,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.profile_batch not in args.batch_sizes:
         parser.error(f"--profile-batch {args.profile_batch}: not one of --batches {args.batches}")
     args.dcp = 1  # one device (bench.prefill.model_config reads it)
+    args.dtype = "preset"  # the preset's bf16 (read there too)
     args.json = args.json or RESULTS / f"decode_{args.preset}.json"
     return args
 
