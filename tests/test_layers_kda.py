@@ -85,12 +85,13 @@ def run(layer, x, cu, state, offsets):
     return layer(x, cu, state, offsets)
 
 
-def check_layer_against_oracle(rng, config, *, cold):
-    """One random batch through the jitted layer; output, final and snapshot states (the
-    recurrent state and the conv history) against the oracle."""
+def check_layer_against_oracle(rng, config, *, cold, call=run):
+    """One random batch through the jitted layer (`call`: a fresh jit where a test patches
+    what the layer calls, since `run` reuses its traces); output, final and snapshot states
+    (the recurrent state and the conv history) against the oracle."""
     layer = random_module(lambda: KDA(config, rngs=nnx.Rngs(0)), rng)
     x, cu, state, offsets = random_batch(rng, config, cold=cold)
-    out = run(
+    out = call(
         layer,
         jnp.asarray(x),
         jnp.asarray(cu),
@@ -137,7 +138,8 @@ def test_conv_kernel_in_the_layer(rng, monkeypatch):
 
     monkeypatch.setattr(kda_module, "kda_conv", recorded)
     config = dataclasses.replace(ModelConfig.preset("tiny"), kda_backend="pallas")
-    check_layer_against_oracle(rng, config, cold=False)
+    check_layer_against_oracle(rng, config, cold=False,
+                               call=nnx.jit(lambda layer, *inputs: layer(*inputs)))
     assert implementations == ["pallas"]
 
 
