@@ -2,6 +2,7 @@
 path XLA fuses (the layer's path before the kernel, and still on a mesh).
 
     python -m bench.kda_conv                # both presets' head counts at 8K and 32K tokens
+    python -m bench.kda_conv --sweep        # also the kernel at each tiling of SWEEP
     python -m bench.kda_conv --quick        # CPU smoke run: interpret mode, small shapes
 
 Cases: `--cases` of TOKENS x HEADS (K = 128, kernel width 4, bf16 rows, fp32 taps), the
@@ -9,8 +10,9 @@ tokens packed in 4 sequences of equal length with warm histories, as a prefill s
 four prompts. Each row: median ms of `--samples` samples of `--iters` queued jitted calls
 (`bench.common.time_calls`), the GB/s of the least traffic (x read once, q, k and v
 written once) and the time that traffic takes at 4.8 TB/s; per case the ratio xla / pallas
-and the kernel's largest relative difference from the xla path (bf16 rounding of y).
-The JSON (`--out`) is rewritten after every case.
+and the kernel's largest relative difference from the xla path (bf16 rounding of y);
+with `--sweep`, the kernel's ms at each (rows a program, warps) of SWEEP (`sweep` in the
+JSON, the fastest printed). The JSON (`--out`) is rewritten after every case.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ import numpy as np
 
 from bench.common import fill_defaults, relative_error, time_calls, write_json
 from pallas_kernels.kda_conv import kda_conv
+from pallas_kernels.kda_conv_pallas import ConvTiling
 
 RESULTS = Path(__file__).parent / "results"
 HEAD_DIM, WIDTH, SEQS = 128, 4, 4
 H200_BANDWIDTH = 4.8e12
 QUICK = dict(cases="64x2", iters=1, samples=1)
 FULL = dict(cases="8192x32,32768x32,8192x64,32768x64", iters=20, samples=5)
+SWEEP = tuple(ConvTiling(rows, warps) for rows, warps in
+              ((16, 4), (32, 4), (32, 8), (64, 8), (64, 16), (128, 16)))
 
 
 def case_inputs(tokens: int, heads: int, seed: int):
@@ -57,6 +62,13 @@ def run_case(tokens: int, heads: int, args) -> dict:
     row["xla_over_pallas"] = row["ms"]["xla"] / row["ms"]["pallas"]
     ours, theirs = calls["pallas"](*inputs), calls["xla"](*inputs)
     row["relative_difference"] = max(relative_error(a, b) for a, b in zip(ours, theirs))
+    if args.sweep:
+        row["sweep"] = {}
+        for tiling in SWEEP:
+            call = jax.jit(lambda x, w, h, cu, tiling=tiling: kda_conv(
+                x, w, h, cu, heads=heads, implementation="pallas", tiling=tiling))
+            row["sweep"][f"{tiling.block_rows}x{tiling.num_warps}"] = time_calls(
+                lambda call=call: call(*inputs), iters=args.iters, samples=args.samples)[0]
     return row
 
 
@@ -67,6 +79,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--cases", help=f"TOKENSxHEADS, comma-separated ({FULL['cases']})")
     parser.add_argument("--iters", type=int)
     parser.add_argument("--samples", type=int)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the kernel at each tiling of SWEEP")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "kda_conv.json")
     args = parser.parse_args(argv)
@@ -83,6 +97,10 @@ def main(argv=None) -> dict:
         print(f"{tokens:>7} {heads:>5} {row['ms']['pallas']:>10.3f} {row['ms']['xla']:>8.3f} "
               f"{row['xla_over_pallas']:>10.2f} {row['gb_per_s']['pallas']:>11.0f} "
               f"{row['floor_ms']:>8.3f} {row['relative_difference']:>9.1e}", flush=True)
+        if args.sweep:
+            best = min(row["sweep"], key=row["sweep"].get)
+            print("  sweep (rows x warps: ms): " + ", ".join(
+                f"{name} {ms:.3f}" for name, ms in row["sweep"].items()) + f"; fastest {best}")
     print(f"wrote {args.out}")
     return result
 

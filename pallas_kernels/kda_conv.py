@@ -24,10 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gmm import resolve_interpret
-from pallas_kernels.kda_conv_pallas import ConvShape, kda_conv_pallas
+from pallas_kernels.kda_conv_pallas import ConvShape, ConvTiling, kda_conv_pallas
 
 IMPLEMENTATIONS = ("pallas", "xla")
 L2_EPS = 1e-6  # fla's l2norm
+DEFAULT_TILING = ConvTiling()
 
 
 def sequence_rows(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -99,7 +100,8 @@ def kda_conv_reference(x, weight, history, cu_seqlens, *, heads: int, l2_eps: fl
 
 def kda_conv(x: jax.Array, weight: jax.Array, history: jax.Array, cu_seqlens: jax.Array, *,
              heads: int, l2_eps: float = L2_EPS, implementation: str = "xla",
-             interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+             interpret: bool | None = None, tiling: ConvTiling = DEFAULT_TILING
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The scan's q, k, v from the input projection's q | k | v channels.
 
     Args:
@@ -109,6 +111,7 @@ def kda_conv(x: jax.Array, weight: jax.Array, history: jax.Array, cu_seqlens: ja
       cu_seqlens: int32 [N + 1], non-decreasing from 0 (rows past cu_seqlens[N] padding).
       heads: H. l2_eps: the L2 norms' epsilon.
       implementation: "xla" (jax.numpy) or "pallas" (interpret mode by default on the CPU).
+      tiling: the kernel's rows a program and warps.
 
     Returns q, k, v [T, H, K] in x's dtype: q and k L2-normalized per head; zero on padding
     rows.
@@ -129,7 +132,7 @@ def kda_conv(x: jax.Array, weight: jax.Array, history: jax.Array, cu_seqlens: ja
     num_tokens = x.shape[0]
     seq, pos = sequence_rows(cu_seqlens, num_tokens)
     shape = ConvShape(heads=heads, dim=channels // (3 * heads), width=width,
-                      num_seqs=history.shape[0], l2_eps=float(l2_eps))
+                      num_seqs=history.shape[0], l2_eps=float(l2_eps), tiling=tiling)
     q, k, v = kda_conv_pallas(x, weight.T.astype(jnp.float32), history_rows(history, x.dtype),
                               cu_seqlens, seq, pos, shape=shape,
                               interpret=resolve_interpret(interpret))

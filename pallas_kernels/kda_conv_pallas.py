@@ -1,7 +1,7 @@
 """The KDA prefill conv (`pallas_kernels.kda_conv`) as one Pallas kernel lowered through
 Triton.
 
-One program per block of BLOCK_T rows and one head of one part (q, k or v): K channels.
+One program per block of `block_rows` rows and one head of one part (q, k or v): K channels.
 For each of the W taps it loads the block's rows shifted by the tap, each row from x when
 the tap lies inside the row's sequence and from the sequence's history rows otherwise (two
 masked row gathers: the history load is empty except on a sequence's first W - 1 rows), so
@@ -22,7 +22,13 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.tiles import iota
 
-BLOCK_T = 32  # rows a program: with 8 warps no spills on sm_90 / sm_121 (64 rows at 4 warps spilled)
+
+class ConvTiling(NamedTuple):
+    """Rows a program and its warps: 32 x 8 compiles without spills on sm_90 / sm_121 (64
+    rows at 4 warps spilled); `python -m bench.kda_conv --sweep` times others."""
+
+    block_rows: int = 32
+    num_warps: int = 8
 
 
 class ConvShape(NamedTuple):
@@ -33,21 +39,21 @@ class ConvShape(NamedTuple):
     width: int  # W
     num_seqs: int
     l2_eps: float
-    num_warps: int = 8
+    tiling: ConvTiling = ConvTiling()
 
 
 def _kernel(cu_ref, seq_ref, pos_ref, x_ref, w_ref, hist_ref, q_ref, k_ref, v_ref, *,
             shape: ConvShape):
     i, c = pl.program_id(0), pl.program_id(1)
     num_tokens, dim, hist = x_ref.shape[0], shape.dim, shape.width - 1
-    rows = i * BLOCK_T + iota((BLOCK_T,), 0)
+    rows = i * shape.tiling.block_rows + iota((shape.tiling.block_rows,), 0)
     in_range = rows < num_tokens
     valid = in_range & (rows < cu_ref[shape.num_seqs])
     seq = plgpu.load(seq_ref.at[rows], mask=in_range, other=0)
     pos = plgpu.load(pos_ref.at[rows], mask=in_range, other=0)
     cols = c * dim + iota((dim,), 0)
     f32 = jnp.float32
-    acc = jnp.zeros((BLOCK_T, dim), f32)
+    acc = jnp.zeros((shape.tiling.block_rows, dim), f32)
     for j in range(hist + 1):
         rel = pos - hist + j  # the tap's position in the row's sequence
         inside = valid & (rel >= 0)
@@ -88,8 +94,8 @@ def kda_conv_pallas(x, taps, history_rows, cu_seqlens, seq, pos, *, shape: ConvS
     return pl.pallas_call(
         functools.partial(_kernel, shape=shape),
         out_shape=(out, out, out),
-        grid=(pl.cdiv(num_tokens, BLOCK_T), 3 * shape.heads),
-        compiler_params=plgpu.CompilerParams(num_warps=shape.num_warps, num_stages=1),
+        grid=(pl.cdiv(num_tokens, shape.tiling.block_rows), 3 * shape.heads),
+        compiler_params=plgpu.CompilerParams(num_warps=shape.tiling.num_warps, num_stages=1),
         interpret=interpret,
         name="kda_conv",
     )(cu_seqlens, seq, pos, x, taps, history_rows)

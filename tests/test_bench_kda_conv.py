@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from bench.kda_conv import H200_BANDWIDTH, main
+from bench.kda_conv import H200_BANDWIDTH, SWEEP, main
 
 
 def test_quick_run_times_both_paths_and_writes_json(tmp_path):
     path = tmp_path / "kda_conv.json"
-    main(["--quick", "--cases", "70x2", "--out", str(path)])
+    main(["--quick", "--cases", "70x2", "--sweep", "--out", str(path)])
     (row,) = json.loads(path.read_text())["rows"]
 
     assert (row["tokens"], row["heads"]) == (70, 2)
@@ -19,3 +19,5 @@ def test_quick_run_times_both_paths_and_writes_json(tmp_path):
     assert row["floor_ms"] == pytest.approx(row["least_bytes"] / H200_BANDWIDTH * 1e3)
     assert row["xla_over_pallas"] == pytest.approx(row["ms"]["xla"] / row["ms"]["pallas"])
     assert row["relative_difference"] < 2e-2  # bf16 outputs
+    assert set(row["sweep"]) == {f"{t.block_rows}x{t.num_warps}" for t in SWEEP}
+    assert all(ms > 0 for ms in row["sweep"].values())
