@@ -48,10 +48,14 @@ def case_inputs(tokens: int, heads: int, seed: int):
     return x, weight, history, cu
 
 
+def jitted(heads: int, **options):
+    """`kda_conv` at `heads` heads with `options` (implementation, tiling), jitted."""
+    return jax.jit(lambda x, w, h, cu: kda_conv(x, w, h, cu, heads=heads, **options))
+
+
 def run_case(tokens: int, heads: int, args) -> dict:
     inputs = case_inputs(tokens, heads, args.seed)
-    calls = {impl: jax.jit(lambda x, w, h, cu, impl=impl: kda_conv(
-        x, w, h, cu, heads=heads, implementation=impl)) for impl in ("pallas", "xla")}
+    calls = {impl: jitted(heads, implementation=impl) for impl in ("pallas", "xla")}
     least_bytes = 2 * inputs[0].size * inputs[0].dtype.itemsize  # x in, q | k | v out
     row = dict(tokens=tokens, heads=heads, least_bytes=least_bytes,
                floor_ms=least_bytes / H200_BANDWIDTH * 1e3, ms={}, gb_per_s={})
@@ -65,8 +69,7 @@ def run_case(tokens: int, heads: int, args) -> dict:
     if args.sweep:
         row["sweep"] = {}
         for tiling in SWEEP:
-            call = jax.jit(lambda x, w, h, cu, tiling=tiling: kda_conv(
-                x, w, h, cu, heads=heads, implementation="pallas", tiling=tiling))
+            call = jitted(heads, implementation="pallas", tiling=tiling)
             row["sweep"][f"{tiling.block_rows}x{tiling.num_warps}"] = time_calls(
                 lambda call=call: call(*inputs), iters=args.iters, samples=args.samples)[0]
     return row

@@ -35,6 +35,7 @@ from jax import lax
 
 from pallas_kernels.attention_cudnn import attention_cudnn
 from pallas_kernels.attention_pallas import flash_attention_pallas, select_flash_config
+from pallas_kernels.packing import sequence_rows
 
 IMPLEMENTATIONS = ("reference", "pallas", "cudnn")
 # By compute capability major: (one sequence, a packed batch). On the H200 (sm_90,
@@ -71,9 +72,7 @@ def key_ranges(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, num_queries: in
     another sequence's rows or past the array.
     """
     rows = jnp.arange(num_queries, dtype=jnp.int32)
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    seq = jnp.clip(jnp.searchsorted(cu_seqlens_q, rows, side="right").astype(jnp.int32) - 1,
-                   0, num_seqs - 1)
+    seq, _ = sequence_rows(cu_seqlens_q, num_queries)
     real = rows < cu_seqlens_q[-1]
     first, last = cu_seqlens_k[seq], jnp.minimum(cu_seqlens_k[seq + 1], num_keys)
     first = jnp.clip(first, 0, num_keys)

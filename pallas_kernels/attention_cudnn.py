@@ -30,6 +30,8 @@ from jax import lax
 from jax._src.cudnn.fused_attention_stablehlo import MaskType
 from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_sdpa
 
+from pallas_kernels.packing import sequence_rows
+
 
 def _segments(offsets, lengths):
     """[1, max(N, 2) + 1] offsets and [1, max(N, 2)] lengths, segments of length 0 dropped
@@ -91,10 +93,7 @@ def attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale: float):
         v = jnp.pad(v, [(0, 0), (0, 0), (0, head_qk - head_v)])
     len_q = jnp.diff(cu_seqlens_q)
     prefix = jnp.maximum(jnp.diff(cu_seqlens_k) - len_q, 0)
-    rows = jnp.arange(num_queries, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_seqlens_q, rows, side="right").astype(jnp.int32) - 1,
-                   0, len_q.shape[0] - 1)
-    row_in_seq = rows - cu_seqlens_q[seq]
+    seq, row_in_seq = sequence_rows(cu_seqlens_q, num_queries)
     q_start = cu_seqlens_q[:-1]
     own = _packed_call(q, k, v, q_start, len_q, cu_seqlens_k[:-1] + prefix, len_q, seq,
                        row_in_seq, scale=scale, causal=True)

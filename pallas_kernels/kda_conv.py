@@ -25,20 +25,11 @@ import jax.numpy as jnp
 
 from pallas_kernels.gmm import resolve_interpret
 from pallas_kernels.kda_conv_pallas import ConvShape, ConvTiling, kda_conv_pallas
+from pallas_kernels.packing import sequence_rows
 
 IMPLEMENTATIONS = ("pallas", "xla")
 L2_EPS = 1e-6  # fla's l2norm
 DEFAULT_TILING = ConvTiling()
-
-
-def sequence_rows(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
-    """Sequence int32 [T] of each packed row (padding rows: the last) and the row's position
-    in it, int32 [T]."""
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    # side="right" skips empty sequences: the last n with cu[n] <= t owns row t.
-    seq = jnp.searchsorted(cu_seqlens, rows, side="right").astype(jnp.int32) - 1
-    seq = jnp.clip(seq, 0, cu_seqlens.shape[0] - 2)
-    return seq, rows - cu_seqlens[seq]
 
 
 def history_rows(history: jax.Array, dtype) -> jax.Array:
@@ -48,12 +39,24 @@ def history_rows(history: jax.Array, dtype) -> jax.Array:
     return history.transpose(0, 2, 1).reshape(num_seqs * hist, channels).astype(dtype)
 
 
+def history_buffer(x: jax.Array, history: jax.Array) -> jax.Array:
+    """The N histories' rows, then x's: [N (W - 1) + T, C] in x's dtype (`buffer_rows`)."""
+    return jnp.concatenate([history_rows(history, x.dtype), x])
+
+
+def buffer_rows(cu_seqlens: jax.Array, hist: int, seq: jax.Array, rel: jax.Array
+                ) -> jax.Array:
+    """The `history_buffer` row of position `rel` of sequence `seq` (negative: inside its
+    history of `hist` rows); int32 arrays broadcast together."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    return jnp.where(rel >= 0, num_seqs * hist + cu_seqlens[seq] + rel, seq * hist + rel + hist)
+
+
 def conv_silu(x: jax.Array, weight: jax.Array, cu_seqlens: jax.Array,
               history: jax.Array) -> jax.Array:
     """The convolution and SiLU alone, jax.numpy: y [T, C] in x's dtype (zero on padding
     rows). x [T, C]; weight [C, W]; cu_seqlens int32 [N + 1]; history [N, C, W - 1]."""
     num_tokens, hist = x.shape[0], weight.shape[1] - 1
-    num_seqs = history.shape[0]
 
     def conv(taps):
         acc = jnp.zeros(taps[0].shape, jnp.float32)
@@ -71,21 +74,19 @@ def conv_silu(x: jax.Array, weight: jax.Array, cu_seqlens: jax.Array,
     y = y.astype(x.dtype)
     # Then the first W - 1 rows of each sequence again, their windows read through the
     # history: N (W - 1) rows gathered, computed and scattered in place.
-    buf = jnp.concatenate([history_rows(history, x.dtype), x])
-    seqs = jnp.arange(num_seqs, dtype=jnp.int32)[:, None]
+    buf = history_buffer(x, history)
+    seqs = jnp.arange(history.shape[0], dtype=jnp.int32)[:, None]
     first = jnp.arange(hist, dtype=jnp.int32)  # [W - 1] positions in the sequence
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    taps = []
-    for j in range(hist + 1):
-        rel = first - hist + j
-        taps.append(jnp.take(buf, jnp.where(rel >= 0, num_seqs * hist + cu_seqlens[seqs] + rel,
-                                            seqs * hist + rel + hist), axis=0, mode="clip"))
+    taps = [jnp.take(buf, buffer_rows(cu_seqlens, hist, seqs, first - hist + j), axis=0,
+                     mode="clip") for j in range(hist + 1)]  # each [N, W - 1, C]
     target = jnp.where(first < lengths[:, None], cu_seqlens[:-1, None] + first, num_tokens)
     return y.at[target].set(conv(taps).astype(x.dtype), mode="drop")
 
 
-def l2_normalize_heads(x: jax.Array, eps: float) -> jax.Array:
-    """x [..., K] / sqrt(sum(x^2) + eps) in fp32, x's dtype out."""
+def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:
+    """``x / sqrt(sum(x**2, -1) + eps)`` (fla's ``l2norm``), fp32 math, x's dtype out (the
+    model's L2 norm of KDA queries and keys, `glmjax.layers.norms` too)."""
     xf = x.astype(jnp.float32)
     return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
@@ -95,7 +96,7 @@ def kda_conv_reference(x, weight, history, cu_seqlens, *, heads: int, l2_eps: fl
     y = conv_silu(x, weight, cu_seqlens, history)
     shape = (x.shape[0], heads, x.shape[1] // (3 * heads))
     q, k, v = (part.reshape(shape) for part in jnp.split(y, 3, axis=-1))
-    return l2_normalize_heads(q, l2_eps), l2_normalize_heads(k, l2_eps), v
+    return l2_normalize(q, l2_eps), l2_normalize(k, l2_eps), v
 
 
 def kda_conv(x: jax.Array, weight: jax.Array, history: jax.Array, cu_seqlens: jax.Array, *,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.kda_conv import conv_silu, history_rows
+from pallas_kernels.kda_conv import buffer_rows, conv_silu, history_buffer
 
 
 class ConvResult(NamedTuple):
@@ -45,20 +45,14 @@ def conv_states(x: jax.Array, cu_seqlens: jax.Array, history: jax.Array,
     """`causal_conv1d`'s histories alone: after each whole sequence [N, C, W - 1] and at
     each checkpoint offset [N, capacity, C, W - 1], in history's dtype."""
     num_seqs, hist = history.shape[0], history.shape[2]
-    buf = jnp.concatenate([history_rows(history, x.dtype), x])
-
-    def rows(seq, rel):
-        """Buffer row of relative position `rel` (negative: inside the history) of `seq`."""
-        return jnp.where(rel >= 0, num_seqs * hist + cu_seqlens[seq] + rel,
-                         seq * hist + rel + hist)
-
+    buf = history_buffer(x, history)
     seqs = jnp.arange(num_seqs, dtype=jnp.int32)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
 
     def history_before(seq, pos):
         """[..., C, W-1]: the W-1 inputs before relative position `pos` of `seq`."""
         taps = jnp.arange(hist, dtype=jnp.int32) - hist
-        idx = rows(seq[..., None], pos[..., None] + taps)
+        idx = buffer_rows(cu_seqlens, hist, seq[..., None], pos[..., None] + taps)
         return jnp.swapaxes(jnp.take(buf, idx, axis=0, mode="clip"), -1, -2)
 
     snapshots = history_before(jnp.broadcast_to(seqs[:, None], checkpoint_offsets.shape),

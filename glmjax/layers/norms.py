@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.kda_conv import l2_normalize as l2_normalize  # the one L2 norm
+
 GateActivation = Literal["sigmoid", "silu"]
 
 
@@ -15,13 +17,6 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     """``x / sqrt(mean(x**2, -1) + eps)`` in fp32."""
     x = x.astype(jnp.float32)
     return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
-
-
-def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """``x / sqrt(sum(x**2, -1) + eps)`` (fla's ``l2norm``), fp32 math, x's dtype out."""
-    xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.sum(jnp.square(xf), axis=-1, keepdims=True) + eps)
-            ).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):

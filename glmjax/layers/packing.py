@@ -7,6 +7,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.packing import sequence_rows
+
 
 class PackedBatch(NamedTuple):
     """What the layers read about one step's packed batch of N sequences."""
@@ -27,8 +29,5 @@ def sequence_ids(cu_seqlens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax
     Returns:
       seq_ids int32 [T] in [0, N) (padding rows get N - 1) and valid bool [T].
     """
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    num_seqs = cu_seqlens.shape[0] - 1
-    # side="right" skips empty sequences: the last n with cu[n] <= t owns row t.
-    seq_ids = jnp.searchsorted(cu_seqlens, rows, side="right").astype(jnp.int32) - 1
-    return jnp.clip(seq_ids, 0, num_seqs - 1), rows < cu_seqlens[-1]
+    seq_ids, _ = sequence_rows(cu_seqlens, num_tokens)
+    return seq_ids, jnp.arange(num_tokens, dtype=jnp.int32) < cu_seqlens[-1]
