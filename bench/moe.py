@@ -15,7 +15,8 @@ Two parts per (preset, tokens):
           ragged_dot, tokamax, ours plain and with each fusion alone and all together;
           "dense" is the same three matmuls against one expert's weights.
 Memory floor: every expert's weights read once at 4.8 TB/s (H200) and 273 GB/s (GB10).
-TFLOP/s counts useful FLOPs only (the chosen experts: 2 * T * k * D * I per GEMM).
+TFLOP/s counts useful FLOPs only (the chosen experts: 2 * T * k * D * I per GEMM); a
+Pallas row's `mma_rows_per_row` is the rows its tiles run per useful row (first routing).
 
 Timing: warm-up, then the median of `--samples` samples of `--iters` queued calls, cycling
 through `--rotate` input sets (random x and routing; the weights are one random set: at
@@ -41,7 +42,7 @@ import jax.numpy as jnp
 from bench.common import write_json
 from pallas_kernels import gmm_tokamax, moe_experts
 from pallas_kernels.gmm import grouped_matmul, grouped_matmul_reference
-from pallas_kernels.gmm_pallas import Epilogue, gmm_pallas
+from pallas_kernels.gmm_pallas import Epilogue, gmm_pallas, issued_rows
 from pallas_kernels.gmm_tuning import GmmConfig, estimate_shared_memory, select_gmm_config
 from pallas_kernels.moe_shapes import MOE_SHAPES, TOKEN_COUNTS, MoEShape
 from pallas_kernels.tuning import device_spec
@@ -170,14 +171,15 @@ def run_gemm_part(shape: MoEShape, tokens: int, args, expert_weights, routings, 
     gemm_floor = shape.experts * shape.hidden * shape.inter * 2
     picked = select_gmm_config(device_spec(), rows=rows, k=shape.hidden, n=shape.inter,
                                num_groups=shape.experts)
+    sizes = sorted_inputs[0][2]
     for impl in implementations(args.quick):
         call = jax.jit(functools.partial(grouped_matmul, implementation=impl))
-        extra = dict(config=config_label(picked)) if impl == "pallas" else {}
+        extra = pallas_extras(picked, sizes, rows) if impl == "pallas" else {}
         measure("gemm", impl, call, sorted_inputs, expected, gemm_flops, gemm_floor, **extra)
     for config in sweep_configs(args, shape, picked):
         call = jax.jit(functools.partial(grouped_matmul, implementation="pallas", config=config))
         measure("gemm", f"pallas {config_label(config)}", call, sorted_inputs, expected,
-                gemm_flops, gemm_floor)
+                gemm_flops, gemm_floor, **pallas_extras(config, sizes, rows))
     dense = jax.jit(lambda lhs, w, sizes: jnp.dot(lhs, w[0], preferred_element_type=jnp.float32)
                     .astype(lhs.dtype))
     measure("gemm", "dense", dense, sorted_inputs, None, gemm_flops,
@@ -248,10 +250,13 @@ def run_fused_sweep(shape: MoEShape, tokens: int, expert_weights, routings, meas
         picked = select_gmm_config(spec, rows=rows, k=k, n=n, num_groups=shape.experts,
                                    num_rhs=len(stacks))
         tried = PER_ROW_SWEEP if per_row else FUSED_SWEEP
-        configs = [picked] + [c for c in (GmmConfig(*t) for t in tried)
-                              if c != picked and n % c.block_n == 0 and k % c.block_k == 0
-                              and estimate_shared_memory(c, num_rhs=len(stacks))
-                              <= spec.smem_per_block]
+        # The pick with whole tiles for every item too: what `half_tiles` buys, same run.
+        whole = dataclasses.replace(picked, half_tiles=False)
+        configs = [picked, whole] + [c for c in (GmmConfig(*t) for t in tried)
+                                     if c not in (picked, whole) and n % c.block_n == 0
+                                     and k % c.block_k == 0
+                                     and estimate_shared_memory(c, num_rhs=len(stacks))
+                                     <= spec.smem_per_block]
         expected = None
         label = f"{name}{' per-row' if per_row else ''}"
         for config in configs:
@@ -261,7 +266,8 @@ def run_fused_sweep(shape: MoEShape, tokens: int, expert_weights, routings, meas
                 expected = call(*inputs[0])
             measure("moe", f"{label} {config_label(config)}", call, inputs, expected,
                     2 * rows * shape.hidden * shape.inter * len(stacks),
-                    touched * k * n * len(stacks) * 2, picked=config == picked)
+                    touched * k * n * len(stacks) * 2, picked=config == picked,
+                    **({} if per_row else pallas_extras(config, inputs[0][2], rows)))
 
 
 def _fused_launch(lhs, stacks, sizes, row_tokens, row_scale, row_dest, row_groups, *, config,
@@ -274,7 +280,13 @@ def _fused_launch(lhs, stacks, sizes, row_tokens, row_scale, row_dest, row_group
 
 def config_label(config: GmmConfig) -> str:
     return (f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} "
-            f"s{config.num_stages} z{config.swizzle}")
+            f"s{config.num_stages} z{config.swizzle}{' half' if config.half_m else ''}")
+
+
+def pallas_extras(config: GmmConfig, sizes, rows: int) -> dict:
+    """A sorted-row Pallas row's tiling and the MMA rows it runs per useful row."""
+    return dict(config=config_label(config),
+                mma_rows_per_row=issued_rows(jax.device_get(sizes), config) / rows)
 
 
 def sweep_configs(args, shape: MoEShape, picked: GmmConfig) -> list[GmmConfig]:

@@ -23,7 +23,10 @@ class GmmConfig:
 
     block_m rows of one group x block_n columns per program, block_k deep k steps;
     swizzle: work items (m tiles) sharing one launch window across every n tile, so a
-    group's weight slab and a tile's rows are both read from L2 while they are hot.
+    group's weight slab and a tile's rows are both read from L2 while they are hot;
+    half_tiles: an item of at most block_m / 2 rows (a group's last) runs a tile of that
+    height, so the tensor cores skip the masked half (block_m >= 32: a Triton dot takes
+    at least 16 rows).
     """
 
     block_m: int = 128
@@ -32,6 +35,12 @@ class GmmConfig:
     num_warps: int = 8
     num_stages: int = 3
     swizzle: int = 8
+    half_tiles: bool = True
+
+    @property
+    def half_m(self) -> int | None:
+        """The short items' tile height, or None when every item runs block_m rows."""
+        return self.block_m // 2 if self.half_tiles and self.block_m >= 32 else None
 
     def __post_init__(self):
         check_tile_sizes(self, ("block_m", "block_n", "block_k"))

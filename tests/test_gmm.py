@@ -16,7 +16,13 @@ import pytest
 from glmjax.config import ModelConfig
 from pallas_kernels import moe_experts
 from pallas_kernels.gmm import grouped_matmul, pallas_config
-from pallas_kernels.gmm_pallas import Epilogue, gmm_pallas, num_work_items, work_schedule
+from pallas_kernels.gmm_pallas import (
+    Epilogue,
+    gmm_pallas,
+    issued_rows,
+    num_work_items,
+    work_schedule,
+)
 from pallas_kernels.gmm_tuning import GmmConfig, estimate_shared_memory, select_gmm_config
 from pallas_kernels.moe_shapes import MOE_SHAPES
 from pallas_kernels.tuning import GB10, H200
@@ -92,6 +98,19 @@ class GmmCases:
         out = self.pallas(lhs, (rhs,), sizes)
         assert out.shape == (rows, self.N) and out.dtype == lhs.dtype
         assert_close(out, gmm_oracle(lhs, rhs, sizes), DTYPES[dtype])
+
+    @pytest.mark.parametrize("case", ["empty-groups", "off-tile"])
+    def test_whole_tiles(self, rng, case):
+        """`half_tiles=False`: every item runs a block_m tile, short ones masked."""
+        rows, spec = CASES[case]
+        sizes = group_sizes_for(rng, spec)
+        lhs = self.random(rng, (rows, self.K), jnp.float32)
+        rhs = self.random(rng, (len(sizes), self.K, self.N), jnp.float32)
+        config = dataclasses.replace(pallas_config(rows, rhs, config=self.CONFIG),
+                                     half_tiles=False)
+        out = gmm_pallas(lhs, (rhs,), jnp.asarray(sizes), config=config, epilogue=PLAIN,
+                         interpret=self.INTERPRET)
+        assert_close(out, gmm_oracle(lhs, rhs, sizes), jnp.float32)
 
     @pytest.mark.parametrize("limit", [None, 1.5])
     @pytest.mark.parametrize("case", ["empty-groups", "e16", "e288"])
@@ -197,7 +216,7 @@ class GmmCases:
 
 class TestGmmInterpret(GmmCases):
     INTERPRET = True
-    CONFIG = GmmConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=1, swizzle=3)
+    CONFIG = GmmConfig(block_m=32, block_n=32, block_k=16, num_warps=4, num_stages=1, swizzle=3)
 
 
 @pytest.mark.gpu
@@ -231,26 +250,40 @@ class TestGmmGpu(GmmCases):
         assert error < 2e-2
 
 
-@pytest.mark.parametrize("sizes", [[0, 0, 0], [5, 0, 200, 3, 0, 1], [128, 128], [1] * 40])
+@pytest.mark.parametrize("sizes", [[0, 0, 0], [5, 0, 200, 3, 0, 1], [128, 128], [1] * 40,
+                                   [65, 64, 63, 129]])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_schedule_covers_each_row_once(sizes, block_m):
     """Every row lies in exactly one non-empty work item, of the group owning it (the
-    padding group E past the sizes' sum); the item count stays inside the static bound."""
+    padding group E past the sizes' sum); items are tiled from their group's first row, so
+    a group of n rows takes cdiv(n, block_m) items; the count stays inside the static
+    bound."""
     sizes = np.asarray(sizes, np.int32)
     rows = -(-(int(sizes.sum()) + 7) // block_m) * block_m
     schedule = jax.jit(work_schedule, static_argnames=("rows", "block_m"))
-    group, tile, lo, hi = map(np.asarray, schedule(jnp.asarray(sizes), rows=rows,
-                                                   block_m=block_m))
+    group, lo, hi = map(np.asarray, schedule(jnp.asarray(sizes), rows=rows, block_m=block_m))
     assert group.shape == (num_work_items(rows, len(sizes), block_m),)
-    owner = np.concatenate([np.repeat(np.arange(len(sizes)), sizes),
-                            np.full(rows - sizes.sum(), len(sizes))])
+    owners = np.concatenate([sizes, [rows - sizes.sum()]])
+    owner = np.repeat(np.arange(len(owners)), owners)
     covered = np.zeros(rows, int)
-    for g, t, a, b in zip(group, tile, lo, hi):
+    for g, a, b in zip(group, lo, hi):
         if b > a:
-            assert t * block_m <= a < b <= (t + 1) * block_m
-            assert (owner[a:b] == g).all()
+            assert b - a <= block_m and (owner[a:b] == g).all()
             covered[a:b] += 1
     np.testing.assert_array_equal(covered, 1)
+    items = np.bincount(group[hi > lo], minlength=len(owners))
+    np.testing.assert_array_equal(items, -(-owners // block_m))
+
+
+@pytest.mark.parametrize("half_tiles", [False, True])
+def test_issued_rows(half_tiles):
+    """The MMA rows the schedule runs: whole tiles, a short last item at half height."""
+    config = GmmConfig(block_m=64, half_tiles=half_tiles)
+    sizes = [0, 1, 32, 33, 64, 65, 128, 150]
+    expected = [0, 64, 64, 64, 64, 128, 128, 192] if not half_tiles else [
+        0, 32, 32, 64, 64, 96, 128, 160]
+    assert issued_rows(sizes, config) == sum(expected)
+    assert issued_rows([5, 9], GmmConfig(block_m=16)) == 32  # half of 16 is below a dot
 
 
 @pytest.mark.parametrize("spec", [GB10, H200], ids=["gb10", "h200"])
