@@ -10,7 +10,7 @@ GPU_PYTHON ?= python3
 PYTHON_CANDIDATES := python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) \
 	python3.13 $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) python3
 
-.PHONY: venv test lint serve test-gpu
+.PHONY: venv test lint serve test-gpu device-wheels
 
 venv: $(STAMP)
 
@@ -41,3 +41,11 @@ serve: venv
 
 test-gpu:
 	$(GPU_PYTHON) -m pytest -q -m gpu
+
+# The wheels the H200 image lacks, for the device tool's `carry: [".whl"]`
+# (bench/device_wheels.txt; bench/device_calls.sh installs them there).
+device-wheels: venv
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+	  -d .whl -r bench/device_wheels.txt

@@ -6,6 +6,7 @@ memory floor, at both presets' real shapes (`pallas_kernels.moe_shapes`).
     python -m bench.moe --quick                # CPU smoke run: tiny shapes, interpret mode
     python -m bench.moe --tokens 8192 --sweep 40   # also 40 other tilings of our kernel
     python -m bench.moe --tokens 8192 --parts moe --sweep-fused   # the model's two launches
+    python -m bench.moe --tokens 8192 --parts moe --sweep-fused 0 # ... the pick, whole tiles
 
 Two parts per (preset, tokens):
   gemm:   one gate-shaped grouped GEMM, sorted rows [T * k, D] x [E, D, I] (the unit of the
@@ -151,8 +152,8 @@ def run_case(shape: MoEShape, tokens: int, args, record):
 
     if "gemm" in args.parts:
         run_gemm_part(shape, tokens, args, expert_weights, routings, measure)
-    if args.sweep_fused:
-        run_fused_sweep(shape, tokens, expert_weights, routings, measure)
+    if args.sweep_fused is not None:
+        run_fused_sweep(shape, tokens, expert_weights, routings, measure, args.sweep_fused)
     if "moe" in args.parts:
         run_moe_part(shape, tokens, args, expert_weights, routings, measure)
 
@@ -221,11 +222,13 @@ PER_ROW_SWEEP = ((16, 32, 64, 4, 4, 8), (16, 32, 128, 4, 4, 8), (16, 16, 128, 4,
                  (16, 16, 64, 2, 8, 8))
 
 
-def run_fused_sweep(shape: MoEShape, tokens: int, expert_weights, routings, measure):
+def run_fused_sweep(shape: MoEShape, tokens: int, expert_weights, routings, measure,
+                    count: int):
     """The model's two fused launches alone, as `routed_experts` runs them (rows sorted by
     expert, or the per-row schedule for at most PER_ROW_COPIES copies): gather + gate / up +
-    SwiGLU, and down + combine, at the device's tiling and at each tiling of FUSED_SWEEP
-    (PER_ROW_SWEEP) that fits; errors are against the device's tiling."""
+    SwiGLU, and down + combine, at the device's tiling, at it with whole tiles for every
+    item (sorted rows) and at the first `count` tilings of FUSED_SWEEP (PER_ROW_SWEEP) that
+    fit; errors are against the device's tiling."""
     w_gate, w_up, w_down = expert_weights
     rows, spec = tokens * shape.top_k, device_spec()
     per_row = rows <= moe_experts.PER_ROW_COPIES
@@ -249,14 +252,14 @@ def run_fused_sweep(shape: MoEShape, tokens: int, expert_weights, routings, meas
         _, k, n = stacks[0].shape
         picked = select_gmm_config(spec, rows=rows, k=k, n=n, num_groups=shape.experts,
                                    num_rhs=len(stacks))
-        tried = PER_ROW_SWEEP if per_row else FUSED_SWEEP
+        tried = (PER_ROW_SWEEP if per_row else FUSED_SWEEP)[:count]
         # The pick with whole tiles for every item too: what `half_tiles` buys, same run.
-        whole = dataclasses.replace(picked, half_tiles=False)
-        configs = [picked, whole] + [c for c in (GmmConfig(*t) for t in tried)
-                                     if c not in (picked, whole) and n % c.block_n == 0
-                                     and k % c.block_k == 0
-                                     and estimate_shared_memory(c, num_rhs=len(stacks))
-                                     <= spec.smem_per_block]
+        whole = [] if per_row else [dataclasses.replace(picked, half_tiles=False)]
+        configs = [picked, *whole] + [c for c in (GmmConfig(*t) for t in tried)
+                                      if c not in (picked, *whole) and n % c.block_n == 0
+                                      and k % c.block_k == 0
+                                      and estimate_shared_memory(c, num_rhs=len(stacks))
+                                      <= spec.smem_per_block]
         expected = None
         label = f"{name}{' per-row' if per_row else ''}"
         for config in configs:
@@ -327,8 +330,9 @@ def main(argv=None) -> int:
     parser.add_argument("--parts", nargs="+", choices=["gemm", "moe"], default=["gemm", "moe"])
     parser.add_argument("--sweep", type=int, default=0, metavar="N",
                         help="also time up to N other Pallas tilings on the gemm part")
-    parser.add_argument("--sweep-fused", action="store_true",
-                        help="also time the model's two fused launches at other tilings")
+    parser.add_argument("--sweep-fused", type=int, nargs="?", const=len(FUSED_SWEEP),
+                        metavar="N", help="also time the model's two fused launches at the "
+                        "pick, with whole tiles, and at up to N other tilings (default all)")
     args = parser.parse_args(argv)
     if args.quick:
         shapes, args.tokens = [QUICK_SHAPE], [24]

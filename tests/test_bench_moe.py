@@ -18,3 +18,18 @@ def test_quick_run_writes_every_implementation(tmp_path):
         assert row["ms"] > 0 and row["floor_ms_gb10"] > row["floor_ms_h200"] > 0
         if row["impl"] != "dense":
             assert row["rel_error"] < 1e-2, row
+
+
+def test_fused_launches_with_and_without_half_tiles(tmp_path):
+    """--sweep-fused 0: the model's two launches at the pick and at it with whole tiles, each
+    with the MMA rows it runs per useful row (more with whole tiles)."""
+    out = tmp_path / "moe.json"
+    assert moe.main(["--quick", "--parts", "moe", "--sweep-fused", "0", "--out", str(out)]) == 0
+    rows = [row for row in json.loads(out.read_text())["rows"]
+            if row["impl"].startswith(("gate_up", "down"))]
+    assert len(rows) == 4
+    for launch in ("gate_up", "down"):
+        half, whole = (row for row in rows if row["impl"].startswith(launch))
+        assert half["picked"] and half["config"].endswith("half") and not whole["picked"]
+        assert 1 <= half["mma_rows_per_row"] < whole["mma_rows_per_row"]
+        assert half["rel_error"] == 0 and whole["rel_error"] < 1e-6
