@@ -64,6 +64,16 @@ m.main(['--tokens', '8192', '--parts', 'moe', '--sweep-fused', '--out', sys.argv
     "$OUT/moe_8192_before.json")
 }
 
+# The decode steps' routed experts (batch 1 and 2: the per-row schedule, never swept on the
+# H200; 2.9 TB/s at batch 1 where the floor assumes 4.8): the pick and every PER_ROW_SWEEP
+# tiling. A faster one goes into gmm_tuning.select_gmm_config for few rows.
+moe_decode() {
+  run_logged moe_decode 300 python3 -c "import sys, bench.moe as m
+m.run_moe_part = lambda *args: None
+m.main(['--tokens', '1', '2', '--presets', 'kimi-linear-48b', '--parts', 'moe',
+        '--sweep-fused', '--out', sys.argv[1]])" "$OUT/moe_decode_per_row_sweep.json"
+}
+
 conv() {
   run_logged kda_conv 240 python3 -m bench.kda_conv --sweep --out "$OUT/kda_conv.json"
 }
@@ -122,8 +132,8 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="prepare setup verify verify_kda moe conv kimi_step diag_token kimi_fp32 decode
-fused_decode_all kda_full dsa_schedule invariance_glm"
+STEPS="prepare setup verify verify_kda moe moe_decode conv kimi_step diag_token kimi_fp32
+decode fused_decode_all kda_full dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then
   echo "steps, in the order docs/STATUS.md gives them: $STEPS"
