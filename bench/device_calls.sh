@@ -93,6 +93,19 @@ diag_token() {
     --out "$OUT/kda_kernel_main.json"
 }
 
+# Where kimi's ladder and coalesced schedules part, layer by layer (retained KDA states,
+# MLA latents, next-token logprobs): fp32 at 64 experts (rounding ~1e-6 everywhere, or a
+# layer that stands out), then bf16 at the full 256.
+kimi_schedule() {
+  JAX_DEFAULT_MATMUL_PRECISION=highest run_logged schedule_kimi_fp32 420 python3 -m \
+    bench.dsa_schedule --no-layer-rows --preset kimi-linear-48b --model-layers 27 \
+    --model-experts 64 --model-dtype float32 --lengths 8192 \
+    --out "$OUT/schedule_kimi_27L64E_fp32.json"
+  run_logged schedule_kimi_bf16 300 python3 -m bench.dsa_schedule --no-layer-rows \
+    --preset kimi-linear-48b --model-layers 27 --model-experts 256 --lengths 8192 \
+    --out "$OUT/schedule_kimi_27L256E_bf16.json"
+}
+
 kimi_fp32() {
   JAX_DEFAULT_MATMUL_PRECISION=highest run_logged prefill_kimi_fp32 540 python3 -m \
     bench.prefill --preset kimi-linear-48b --num-layers 27 --num-experts 64 --dtype float32 \
@@ -132,8 +145,8 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="prepare setup verify verify_kda moe moe_decode conv kimi_step diag_token kimi_fp32
-decode fused_decode_all kda_full dsa_schedule invariance_glm"
+STEPS="prepare setup verify verify_kda moe moe_decode conv kimi_step diag_token kimi_schedule
+kimi_fp32 decode fused_decode_all kda_full dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then
   echo "steps, in the order docs/STATUS.md gives them: $STEPS"

@@ -21,14 +21,22 @@ Per prompt length:
   step (rounding noise, as a different upstream schedule leaves it), coalesced both times:
   the same statistics, with DSA and dense. Their ratio is how much the discrete selection
   amplifies rounding noise in y.
-- model (--model-layers N > 0): the whole model (glm5.3-flash cut to N layers and
-  --model-experts experts, random weights; `glmjax.random_weights`) over random tokens,
-  through `glmjax.prefill_loop.run_prefill` along both schedules (each pads its steps to
-  its longest span): the next-token logprobs (max difference, both argmaxes, each run's
-  gap between them), every KDA layer's recurrent state at each position both retain
-  (fraction of elements whose bits differ), and every MLA layer's cached latents and
-  index keys (fraction of positions with a differing bit, the first one). The first
-  layer and position that differ locate where the schedules part.
+- model (--model-layers N > 0): the whole model (--preset, glm5.3-flash by default, cut
+  to N layers and --model-experts experts, random weights; `glmjax.random_weights`; in
+  fp32 with --model-dtype float32) over random tokens, through
+  `glmjax.prefill_loop.run_prefill` along both schedules (each pads its steps to its
+  longest span): the next-token logprobs (max difference, both argmaxes, each run's gap
+  between them), every KDA layer's recurrent state at each position both retain (fraction
+  of elements whose bits differ, and the largest relative difference, ||a - b|| / ||b||
+  of a state), and every MLA layer's cached latents and index keys (fraction of positions
+  with a differing bit, the first one, the median and largest relative difference of a
+  position's row). Layer by layer, the relative differences tell rounding from logic: a
+  schedule's rounding starts near the dtype's epsilon and grows with depth (in jumps where
+  a router or DSA flips a discrete choice); a logic error stands out at its layer, in
+  fp32 too.
+
+  python -m bench.dsa_schedule --no-layer-rows --preset kimi-linear-48b --model-layers 27 \
+      --model-experts 64 --model-dtype float32 --lengths 8192    # where kimi's schedules part
 
 Where both schedules take the same attention path, identical inputs give schedule rows of
 zero with kernels whose rows do not depend on the step's shape (as the CPU's: the quick
@@ -85,8 +93,10 @@ def model_config(args) -> ModelConfig:
                                      num_experts_per_token=min(2, args.model_experts),
                                      mhc_streams=None)
     else:
-        config = ModelConfig.preset("glm5.3-flash").replace_depth(args.model_layers,
-                                                                  args.model_experts)
+        config = ModelConfig.preset(args.preset).replace_depth(args.model_layers,
+                                                               args.model_experts)
+    if args.model_dtype == "float32":
+        config = dataclasses.replace(config, dtype=jnp.float32, param_dtype=jnp.float32)
     return dataclasses.replace(config, kv_block_size=args.block_size)
 
 
@@ -215,6 +225,13 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum())
 
 
+def relative_difference(a: np.ndarray, b: np.ndarray, axis=None) -> np.ndarray:
+    """||a - b|| / ||b|| in float64 over `axis` (None: the whole array; 0 when b is 0)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    norm = np.linalg.norm(b, axis=axis)
+    return np.linalg.norm(a - b, axis=axis) / np.where(norm > 0, norm, 1.0)
+
+
 def run_model(length: int, args, config: ModelConfig, model_state) -> dict:
     tokens = np.random.default_rng(args.seed).integers(0, config.vocab_size, length)
     runs = {mode: run_prefill(model_state, config, tokens, plan_prefill(
@@ -229,17 +246,24 @@ def run_model(length: int, args, config: ModelConfig, model_state) -> dict:
                                  float(lp_b[top_b] - lp_b[top_a])]}}
     sa, sb = a.states, b.states
     common = sorted(set(sa.positions) & set(sb.positions))
+    pairs = [[(ra[sa.positions.index(p)], rb[sb.positions.index(p)]) for p in common]
+             for ra, rb in zip(sa.recurrent, sb.recurrent, strict=True)]
     out["kda_recurrent_bits_differing"] = [
-        {str(p): float(np.mean(ra[sa.positions.index(p)] != rb[sb.positions.index(p)]))
-         for p in common} for ra, rb in zip(sa.recurrent, sb.recurrent, strict=True)]
+        {str(p): float(np.mean(x != y)) for p, (x, y) in zip(common, layer)} for layer in pairs]
+    out["kda_recurrent_rel_diff_max"] = [
+        max((float(relative_difference(x, y)) for x, y in layer), default=0.0)
+        for layer in pairs]
     out["mla"] = []
     for ma, mb in zip(sa.mla, sb.mla, strict=True):
         layer = {}
         for name in ma:
             rows = [m[name].reshape(-1, m[name].shape[-1])[:length] for m in (ma, mb)]
             differ = np.any(rows[0] != rows[1], axis=1)
+            rel = relative_difference(*rows, axis=1)
             layer[name] = {"positions_differing": float(differ.mean()),
-                           "first_differing": int(differ.argmax()) if differ.any() else None}
+                           "first_differing": int(differ.argmax()) if differ.any() else None,
+                           "row_rel_diff_median": float(np.median(rel)),
+                           "row_rel_diff_max": float(rel.max())}
         out["mla"].append(layer)
     print(f"{length} model: {out}", flush=True)
     return out
@@ -259,6 +283,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--model-layers", type=int,
         help="layers of the model rows (6; 0: no model rows)")
     add("--model-experts", type=int, help="routed experts of the model rows (288)")
+    add("--preset", default="glm5.3-flash", help="the model rows' preset (glm5.3-flash)")
+    add("--model-dtype", choices=("preset", "float32"), default="preset",
+        help="float32: the model rows' weights, activations and caches in fp32 (with "
+             "JAX_DEFAULT_MATMUL_PRECISION=highest)")
+    add("--layer-rows", action=argparse.BooleanOptionalAction, default=True,
+        help="the glm5.3-flash DSA layer's rows (off: the model rows alone)")
     add("--seed", type=int, default=0)
     add("--out", type=Path, help="output (bench/results/dsa_schedule.json)")
     args = parser.parse_args(argv)
@@ -272,7 +302,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     result = {"device": str(jax.devices()[0]), "host": platform.node(),
               "args": {k: str(v) for k, v in vars(args).items()}, "lengths": []}
-    for length in args.lengths:
+    for length in args.lengths if args.layer_rows else ():
         result["lengths"].append(run_length(length, args))
         write_json(result, args.out)
     if args.model_layers:

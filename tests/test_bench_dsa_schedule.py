@@ -3,7 +3,8 @@ preset's MLA with DSA (bf16, top-k 8), one coalesced span against the ladder 32,
 The CPU's kernels give every row the same bits whatever the span, so the ladder selects
 exactly the coalesced keys and writes the same cache; a one-step perturbation of 1% of
 the input moves every output row. The model rows: a KDA + MLA tiny model along both
-schedules, every retained state and cached key compared."""
+schedules, every retained state and cached key compared; in fp32 (--model-dtype float32,
+model rows alone) the schedules differ by rounding only."""
 
 import json
 
@@ -30,6 +31,21 @@ def test_quick_run_layer_ladder_is_coalesced_bit_for_bit_and_model_rows_filled(t
     (kda,) = run["kda_recurrent_bits_differing"]
     assert set(kda) == {"48", "56", "64"}  # the ladder's last boundaries and the end
     assert all(0 <= v <= 1 for v in kda.values())
+    (rel,) = run["kda_recurrent_rel_diff_max"]
+    assert 0 <= rel < 1e-2  # bf16 inputs, fp32 state
     (mla,) = run["mla"]
     assert set(mla) == {"latent", "index_keys"}
-    assert all(0 <= v["positions_differing"] <= 1 for v in mla.values())
+    for v in mla.values():
+        assert 0 <= v["positions_differing"] <= 1
+        assert 0 <= v["row_rel_diff_median"] <= v["row_rel_diff_max"] < 1e-1
+
+
+def test_model_rows_alone_in_fp32_differ_by_rounding(tmp_path):
+    path = tmp_path / "dsa_schedule.json"
+    main(["--quick", "--no-layer-rows", "--model-dtype", "float32", "--out", str(path)])
+    result = json.loads(path.read_text())
+    assert result["lengths"] == []
+    (run,) = result["model"]["lengths"]
+    assert run["logprobs"]["max_abs_diff"] < 1e-4
+    assert run["kda_recurrent_rel_diff_max"][0] < 1e-5
+    assert all(v["row_rel_diff_max"] < 1e-5 for v in run["mla"][0].values())
