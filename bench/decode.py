@@ -16,7 +16,9 @@ on its own (`Engine.step()` ends with a blocking device-to-host fetch; with asyn
 scheduling the host builds step n + 1 while the device runs step n, so a step's time is
 the longer of the two). Every timed step must generate exactly B tokens. Reported per
 case: the median step time, the mean (the timed steps' wall time over their count),
-tokens/s = B / mean, and the memory floor of each timed step (`bench.decode_floor`: the weights,
+tokens/s = B / mean, the engine thread's wait for the device per step (its
+`device_wait_seconds`) and the host's share, the mean step less that wait (a wait near
+zero: the host sets the pace), and the memory floor of each timed step (`bench.decode_floor`: the weights,
 the routed experts B rows touch, the KDA states read and written, the MLA latents read over
 each row's actual context, at 4.8 TB/s), with the ratio step / floor. The requests are
 then aborted. Prefix caching is off (`--prefix-caching` turns it on): the prompts are
@@ -140,9 +142,11 @@ def run_case(session: Session, args, batch: int, rng, config, sizes, compile_log
     floors = [decode_step_bytes(config, sizes, [c + i for c in contexts])
               for i in range(args.steps)]
     compiles = compile_log.count
+    waited = session.engine.metrics().device_wait_seconds
     start = time.perf_counter()
     times = [case.step() for _ in range(args.steps)]
     wall_s = time.perf_counter() - start
+    waited = session.engine.metrics().device_wait_seconds - waited
     compiles = compile_log.count - compiles
     device = device_time(case, args) if args.device_time else {}
     case.close()
@@ -151,6 +155,8 @@ def run_case(session: Session, args, batch: int, rng, config, sizes, compile_log
     floor_s = floor_seconds(floor["total"])
     return dict(batch=batch, context=args.context, step_s=times, median_step_s=step_s,
                 mean_step_s=wall_s / args.steps, tokens_per_s=batch * args.steps / wall_s,
+                device_wait_ms_per_step=waited / args.steps * 1e3,
+                host_ms_per_step=(wall_s - waited) / args.steps * 1e3,
                 floor_bytes=floor, floor_s=floor_s,
                 floor_tokens_per_s=batch / floor_s, step_over_floor=step_s / floor_s,
                 compiles_during_timing=compiles, **device)
@@ -285,13 +291,14 @@ def _update_totals(result: dict, compile_log: CompileLog, start: float) -> None:
 def print_table(result: dict) -> None:
     print(f"\ndecode at {result['args']['context']} tokens of context, {result['model']['name']}"
           f" on {result['device']} (floor: bytes a step must move at 4.8 TB/s)")
-    print(f"{'batch':>5} {'step ms':>9} {'mean ms':>8} {'device ms':>9} {'tokens/s':>9} "
-          f"{'floor ms':>9} {'x floor':>8} {'floor GB':>9} {'weights':>8} {'experts':>8} "
-          f"{'states':>7} {'kv':>6}")
+    print(f"{'batch':>5} {'step ms':>9} {'mean ms':>8} {'host ms':>8} {'wait ms':>8} "
+          f"{'device ms':>9} {'tokens/s':>9} {'floor ms':>9} {'x floor':>8} {'floor GB':>9} "
+          f"{'weights':>8} {'experts':>8} {'states':>7} {'kv':>6}")
     for e in result.get("cases", []):
         gb = {k: v / 1e9 for k, v in e["floor_bytes"].items()}
         device = e.get("device_ms_per_step")
         print(f"{e['batch']:>5} {e['median_step_s'] * 1e3:>9.2f} {e['mean_step_s'] * 1e3:>8.2f} "
+              f"{e['host_ms_per_step']:>8.2f} {e['device_wait_ms_per_step']:>8.2f} "
               f"{'-' if device is None else f'{device:.2f}':>9} {e['tokens_per_s']:>9.1f} "
               f"{e['floor_s'] * 1e3:>9.3f} {e['step_over_floor']:>8.2f} {gb['total']:>9.2f} "
               f"{gb['weights']:>8.2f} {gb['experts']:>8.2f} {gb['states']:>7.2f} "

@@ -227,8 +227,8 @@ def run_fused_sweep(shape: MoEShape, tokens: int, expert_weights, routings, meas
     """The model's two fused launches alone, as `routed_experts` runs them (rows sorted by
     expert, or the per-row schedule for at most PER_ROW_COPIES copies): gather + gate / up +
     SwiGLU, and down + combine, at the device's tiling, at it with whole tiles for every
-    item (sorted rows) and at the first `count` tilings of FUSED_SWEEP (PER_ROW_SWEEP) that
-    fit; errors are against the device's tiling."""
+    item (sorted rows) and at those of the first `count` tilings of FUSED_SWEEP
+    (PER_ROW_SWEEP) that fit; errors are against the device's tiling."""
     w_gate, w_up, w_down = expert_weights
     rows, spec = tokens * shape.top_k, device_spec()
     per_row = rows <= moe_experts.PER_ROW_COPIES

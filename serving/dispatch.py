@@ -12,6 +12,7 @@ that step's sampled tokens on the device (``feed_tokens``): no transfer between 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import NamedTuple
 
 import jax
@@ -196,7 +197,8 @@ class StepDispatch:
         Raises:
           StepRefusedError: a call refused its cache update.
         """
-        codes, drawn = jax.device_get(([status for _, status in flight.statuses], flight.calls))
+        codes, drawn = self.device_get(([status for _, status in flight.statuses],
+                                        flight.calls))
         for (what, _), code in zip(flight.statuses, codes):
             if PoolStatus(int(code)) is not PoolStatus.OK:
                 raise StepRefusedError(
@@ -208,6 +210,16 @@ class StepDispatch:
                 num_top = flight.owners[request_id].request.sampling.top_logprobs
                 draws[request_id] = Draw.from_row(sampled, k, num_top)
         return draws
+
+    def device_get(self, tree):
+        """``jax.device_get(tree)``, the seconds the engine's thread waited for it added to
+        ``device_wait_seconds``: of a step's wall time, the rest is the host's (scheduling,
+        dispatch, the CUDA graph's update and launch), so a wait near zero marks a
+        host-bound step."""
+        start = time.perf_counter()
+        values = jax.device_get(tree)
+        self._counts["device_wait_seconds"] += time.perf_counter() - start
+        return values
 
     def _fed(self, step: ScheduledStep, batch, previous: InFlight | None):
         """The decode batch with its placeholder tokens taken from ``previous``'s samples

@@ -150,6 +150,7 @@ class Engine(StepDispatch, StepFailures):
             preemptions=0,
             kv_block_copies=0,
             steps=0,
+            device_wait_seconds=0.0,
         ) | dict.fromkeys(SPECULATIVE_COUNTERS, 0)
 
     def _make_pools(self) -> None:

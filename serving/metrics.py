@@ -65,6 +65,8 @@ HELP = {
     "preemptions": "requests preempted (recomputed later through the prefix cache)",
     "kv_block_copies": "copy-on-write KV block copies",
     "steps": "engine steps run",
+    "device_wait_seconds": "seconds the engine waited for the device's results (the rest "
+                           "of its time is the host's: near zero, the host sets the pace)",
     "prefix_cache_lookups": "prefix-cache lookups",
     "prefix_cache_hits": "prefix-cache lookups that resumed from a retained state",
     "kv_block_evictions": "cached KV blocks evicted",

@@ -58,7 +58,8 @@ class EngineMetrics:
     Counters (since start): requests added / finished / aborted / failed, steps that
     failed and engine resets (``serving.engine``), prompt tokens added,
     prompt tokens served by the prefix cache at first admission, tokens generated,
-    preemptions, copy-on-write block copies, steps, prefix-cache lookups and hits, evictions,
+    preemptions, copy-on-write block copies, steps, seconds the engine's thread waited for
+    the device (``StepDispatch.device_get``), prefix-cache lookups and hits, evictions,
     and with speculative decoding the decodes that verified drafts, the drafts verified and
     those accepted. Gauges (now): requests running and waiting, KV blocks and state slots
     total / referenced / cached.
@@ -76,6 +77,7 @@ class EngineMetrics:
     preemptions: int
     kv_block_copies: int
     steps: int
+    device_wait_seconds: float
     prefix_cache_lookups: int
     prefix_cache_hits: int
     kv_block_evictions: int

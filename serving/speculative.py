@@ -143,9 +143,9 @@ class SpeculativeRunner:
         ``StepDispatch.fetch``."""
         step = flight.step
         self.drafts = {}
-        codes, fetched = jax.device_get(([s for _, s in flight.statuses],
-                                         [(sampled, drafted[:2])
-                                          for sampled, drafted, _ in flight.parts]))
+        codes, fetched = engine.device_get(([s for _, s in flight.statuses],
+                                            [(sampled, drafted[:2])
+                                             for sampled, drafted, _ in flight.parts]))
         for (what, _), code in zip(flight.statuses, codes):
             if PoolStatus(int(code)) is not PoolStatus.OK:
                 raise StepRefusedError(f"step {step.step_id}: the model refused the {what} "

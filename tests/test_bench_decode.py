@@ -82,6 +82,10 @@ def test_quick_run_times_each_batch_against_its_floor(tmp_path):
     assert case["batch"] == 2 and len(case["step_s"]) == 2
     assert case["mean_step_s"] >= min(case["step_s"])
     assert case["tokens_per_s"] == pytest.approx(2 / case["mean_step_s"])
+    # Of a step, the engine's wait for the device and the host's share add up to the mean.
+    assert case["device_wait_ms_per_step"] >= 0 and case["host_ms_per_step"] > 0
+    assert case["device_wait_ms_per_step"] + case["host_ms_per_step"] == pytest.approx(
+        case["mean_step_s"] * 1e3)
     floor = case["floor_bytes"]
     assert floor["total"] == pytest.approx(sum(floor[k] for k in ("weights", "experts",
                                                                  "states", "kv")))

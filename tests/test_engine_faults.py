@@ -8,6 +8,7 @@ the real call. The engines share ``tests/test_engine.py``'s shapes, so nothing r
 """
 
 import itertools
+import time
 
 import jax
 import numpy as np
@@ -222,9 +223,14 @@ def test_one_blocking_transfer_per_step(model_state, monkeypatch, pipelined):  #
                 break
             if call == 1:  # THIRD prefills beside SECOND's decodes
                 engine.add_request(*THIRD, GREEDY)
-            before = len(fetches)
+            before, waited = len(fetches), engine.metrics().device_wait_seconds
+            start = time.perf_counter()
             engine.step()
+            seconds = time.perf_counter() - start
             assert len(fetches) - before <= 1
+            # The transfer's wait is counted, and is part of the step's time.
+            waited = engine.metrics().device_wait_seconds - waited
+            assert (waited > 0) == (len(fetches) > before) and waited <= seconds
     busy = sorted(i for i, step in steps.items() if not step.is_empty)
     assert len(fetches) == len(busy) and sorted(in_flight) == busy
     for i in busy:

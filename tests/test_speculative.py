@@ -126,8 +126,13 @@ def test_verify_matches_plain_decodes_and_keeps_the_accepted_state(engine_model_
     for r, accepted in enumerate([3, 1]):
         for layer, pool in enumerate(drafted.caches.kda):
             want = want_pools[accepted][layer]
+            # The two paths' fp32 sums round differently (more rows per matmul): an
+            # element's error scales with the state, not with the element (on an AVX-512
+            # host one of 16,384 was 2.5e-5 off relative to itself; the largest error is
+            # 1.2e-6 of the state's largest element).
+            scale = np.abs(want.recurrent[r]).max()
             np.testing.assert_allclose(pool.recurrent[r], want.recurrent[r], rtol=1e-5,
-                                       atol=1e-6, err_msg=f"row {r} layer {layer}")
+                                       atol=1e-5 * scale, err_msg=f"row {r} layer {layer}")
             np.testing.assert_allclose(pool.conv[r], want.conv[r], rtol=1e-5, atol=1e-5)
 
 
