@@ -32,9 +32,10 @@ lint: venv
 
 # Two pytest workers (pytest-xdist): most tests compile or run on one core, so one worker
 # left the CI's second core idle about half the time. --dist loadfile keeps each file in one
-# worker, so its module-scoped fixtures (servers, engines) are built once.
+# worker, so its module-scoped fixtures (servers, engines) are built once. The 15 slowest
+# tests close the log: the suite must stay under CI's 20 minutes on 2 cores.
 test: lint
-	$(PYTHON) -m pytest -q -m "not gpu" -n 2 --dist loadfile
+	$(PYTHON) -m pytest -q -m "not gpu" -n 2 --dist loadfile --durations=15
 
 serve: venv
 	$(PYTHON) -m serving.server $(SERVE_ARGS)
