@@ -314,6 +314,7 @@ def main(argv=None) -> dict:
             result["model"]["lengths"].append({"length": length} | run_model(
                 length, args, config, model_state))
             write_json(result, args.out)
+    write_json(result, args.out)
     print(f"wrote {args.out}")
     return result
 
