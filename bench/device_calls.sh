@@ -54,16 +54,18 @@ verify_kda() {
 }
 
 # Routed experts at 8K, both presets: the model's two fused launches at the pick, with and
-# without half tiles (one run), against the global row grid (the tree before, same machine;
-# its --sweep-fused takes no count, so the other tilings and the whole-MoE part are cut here).
+# without half tiles, and at 64-row tiles (1.06x the useful rows at kimi 8K against the
+# pick's 1.12x, but twice the weight loads), one run; then the global row grid (the tree
+# before, same machine; its --sweep-fused takes no count, so its other tilings and the
+# whole-MoE part are cut here).
 moe() {
-  local only_launches="import os, sys, bench.moe as m
-m.FUSED_SWEEP = ()
+  local launches="import sys, bench.moe as m
+m.FUSED_SWEEP = tuple(t for t in m.FUSED_SWEEP if t[0] == 64) if sys.argv[2] == 'now' else ()
 m.run_moe_part = lambda *args: None
 m.main(['--tokens', '8192', '--parts', 'moe', '--sweep-fused', '--out', sys.argv[1]])"
-  run_logged moe_8192 300 python3 -c "$only_launches" "$OUT/moe_8192_half_tiles.json"
-  (cd exp/old && run_logged moe_8192_before 300 python3 -c "$only_launches" \
-    "$OUT/moe_8192_before.json")
+  run_logged moe_8192 300 python3 -c "$launches" "$OUT/moe_8192_half_tiles.json" now
+  (cd exp/old && run_logged moe_8192_before 300 python3 -c "$launches" \
+    "$OUT/moe_8192_before.json" before)
 }
 
 # The decode steps' routed experts (batch 1 and 2: the per-row schedule, never swept on the
