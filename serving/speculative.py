@@ -116,12 +116,12 @@ class SpeculativeRunner:
             statuses.append(("resume copies", engine._copy_slots(step.resume_state_copies)))
         prefill = verified = None
         if prefill_batch is not None:
-            out = spec_prefill(engine.model_state, engine.caches, jax.device_put(prefill_batch),
+            out = spec_prefill(engine.model_state, engine.caches, prefill_batch,
                                self._following_tokens(engine, step, prefill_batch))
             engine.caches, prefill = out.caches, out
             statuses.append(("prefill", out.status))
         if verify_batch is not None:
-            out = verify(engine.model_state, engine.caches, jax.device_put(verify_batch))
+            out = verify(engine.model_state, engine.caches, verify_batch)
             engine.caches, verified = out.caches, out
             statuses.append(("verify", out.status))
         if step.retain_state_copies:
