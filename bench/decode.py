@@ -142,11 +142,11 @@ def run_case(session: Session, args, batch: int, rng, config, sizes, compile_log
     floors = [decode_step_bytes(config, sizes, [c + i for c in contexts])
               for i in range(args.steps)]
     compiles = compile_log.count
-    waited = session.engine.metrics().device_wait_seconds
+    waited = session.device_wait_seconds()
     start = time.perf_counter()
     times = [case.step() for _ in range(args.steps)]
     wall_s = time.perf_counter() - start
-    waited = session.engine.metrics().device_wait_seconds - waited
+    waited = session.device_wait_seconds() - waited
     compiles = compile_log.count - compiles
     device = device_time(case, args) if args.device_time else {}
     case.close()

@@ -20,7 +20,8 @@ the same requests, sample by sample, alternating which goes first; the first `--
 samples of a case are not timed.
 - cold: a fresh random prompt of each `--lengths` and `--unaligned` length (no prefix-cache
   hit: checked), one greedy token; median time to first token (TTFT), prompt tokens / TTFT,
-  and the ratio ladder TTFT / coalesced TTFT.
+  the ratio ladder TTFT / coalesced TTFT, and the engine's wait for the device within each
+  TTFT (`device_wait_s`; the rest of a TTFT is the host's).
 - beside: the same beside `--decoders` requests decoding at `--decode-context` tokens; also
   their decode tokens/s while the prompt prefills.
 - decode: `--concurrency` requests decoding at `--decode-context` tokens, tokens/s over
@@ -276,12 +277,14 @@ def print_table(result: dict) -> None:
     def get(entry, mode, key):
         return entry.get(mode, {}).get(key)
 
-    print("\ncold prefill: median TTFT (ms), prompt tokens/s, ratio ladder / coalesced")
-    print(f"{'tokens':>7} {'ladder':>8} {'coal.':>8} {'ladder/s':>9} {'coal./s':>9} "
+    print("\ncold prefill: median TTFT (ms), the coalesced TTFT's wait for the device (ms), "
+          "prompt tokens/s, ratio ladder / coalesced")
+    print(f"{'tokens':>7} {'ladder':>8} {'coal.':>8} {'wait':>8} {'ladder/s':>9} {'coal./s':>9} "
           f"{'ratio':>6} {'target':>6}")
     for e in result.get("cold", []):
         print(f"{e['tokens']:>7} {_fmt(get(e, 'ladder', 'median_ttft_s'), '.0f', 1e3):>8} "
               f"{_fmt(get(e, 'coalesced', 'median_ttft_s'), '.0f', 1e3):>8} "
+              f"{_fmt(get(e, 'coalesced', 'median_device_wait_s'), '.0f', 1e3):>8} "
               f"{_fmt(get(e, 'ladder', 'tokens_per_s'), '.0f'):>9} "
               f"{_fmt(get(e, 'coalesced', 'tokens_per_s'), '.0f'):>9} "
               f"{_fmt(e.get('ratio'), '.2f'):>6} {_fmt(e.get('target_ratio'), '.2f'):>6} "

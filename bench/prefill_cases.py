@@ -57,6 +57,11 @@ class Session:
                 return time.perf_counter() - start, steps
         raise RuntimeError(f"request {request_id!r} got no token in {MAX_STEPS} steps")
 
+    def device_wait_seconds(self) -> float:
+        """The engine's wait for the device since it started (`Engine.metrics`; a dry run
+        has no device: 0)."""
+        return 0.0 if isinstance(self.engine, DryRun) else self.engine.metrics().device_wait_seconds
+
     def generated(self, request_ids: Sequence[str]) -> int:
         return sum(len(self.outputs[r].output_token_ids) for r in request_ids)
 
@@ -122,15 +127,19 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def cold_case(run: Run, length: int) -> dict:
-    """Cold prompts of `length` tokens, one greedy token each."""
+    """Cold prompts of `length` tokens, one greedy token each; of each TTFT, the seconds the
+    engine waited for the device (the rest is the host's: scheduling, batch building,
+    dispatch, the CUDA graphs' update and launch)."""
 
     def measure(tag, session, prompt):
         request_id = f"cold-{length}-{tag}"
+        waited = session.device_wait_seconds()
         seconds, steps = session.add(request_id, prompt, 1)
-        return dict(ttft_s=seconds, steps=steps,
+        waited = session.device_wait_seconds() - waited
+        return dict(ttft_s=seconds, steps=steps, device_wait_s=waited,
                     cached_tokens=session.outputs[request_id].num_cached_tokens)
 
-    modes = _with_medians(run.samples(measure, length), "ttft_s")
+    modes = _with_medians(run.samples(measure, length), "ttft_s", "device_wait_s")
     for values in modes.values():
         values["tokens_per_s"] = _ratio(length, values["median_ttft_s"])
     ladder, coalesced = (modes[m]["median_ttft_s"] for m in ("ladder", "coalesced"))

@@ -81,6 +81,9 @@ def test_quick_run_writes_every_field_and_both_schedules_agree(tmp_path):
         for mode in ("coalesced", "ladder"):
             assert entry[mode]["median_ttft_s"] > 0 and entry[mode]["tokens_per_s"] > 0
             assert entry[mode]["cached_tokens"] == [0]  # cold: no prefix-cache hit
+            # The engine's wait for the device is a part of each TTFT.
+            assert all(0 < w <= t for w, t in zip(entry[mode]["device_wait_s"],
+                                                  entry[mode]["ttft_s"], strict=True))
         assert entry["ratio"] > 0
         assert entry["coalesced"]["steps"] == [2] and entry["ladder"]["steps"] == [3]
     (beside,) = result["beside"]
