@@ -82,9 +82,10 @@ class GmmCases:
     def random(self, rng, shape, dtype):
         return jnp.asarray(rng.standard_normal(shape), dtype)
 
-    def pallas(self, lhs, rhs, sizes, epilogue=PLAIN, **extras):
+    def pallas(self, lhs, rhs, sizes, epilogue=PLAIN, half_tiles=True, **extras):
         rows = extras["row_tokens"].shape[0] if epilogue.gather else lhs.shape[0]
         config = pallas_config(rows, rhs[0], num_rhs=len(rhs), config=self.CONFIG)
+        config = dataclasses.replace(config, half_tiles=half_tiles)
         return gmm_pallas(lhs, tuple(rhs), jnp.asarray(sizes), config=config,
                           epilogue=epilogue, interpret=self.INTERPRET, **extras)
 
@@ -106,10 +107,7 @@ class GmmCases:
         sizes = group_sizes_for(rng, spec)
         lhs = self.random(rng, (rows, self.K), jnp.float32)
         rhs = self.random(rng, (len(sizes), self.K, self.N), jnp.float32)
-        config = dataclasses.replace(pallas_config(rows, rhs, config=self.CONFIG),
-                                     half_tiles=False)
-        out = gmm_pallas(lhs, (rhs,), jnp.asarray(sizes), config=config, epilogue=PLAIN,
-                         interpret=self.INTERPRET)
+        out = self.pallas(lhs, (rhs,), sizes, half_tiles=False)
         assert_close(out, gmm_oracle(lhs, rhs, sizes), jnp.float32)
 
     @pytest.mark.parametrize("limit", [None, 1.5])
