@@ -137,6 +137,14 @@ kda_full() {
     --unfused-output --out "$OUT/kda_kernel.json"
 }
 
+# Issue 20's profile: every kernel of one kda_prefill call (both gate paths) and of fla's
+# chunk_kda (default, safe_gate) at 8K, ncu's full set (stall reasons, occupancy, bytes).
+ncu_kda() {
+  run_logged ncu_kda 420 ncu --profile-from-start off --set full -f -o "$OUT/ncu_kda_8K" \
+    python3 -m bench.kda_ncu --case 8K
+  ncu -i "$OUT/ncu_kda_8K.ncu-rep" --csv --page details > "$OUT/ncu_kda_8K.csv"
+}
+
 dsa_schedule() {
   run_logged dsa_schedule_layers 240 python3 -m bench.dsa_schedule --model-layers 0 \
     --out "$OUT/dsa_schedule_layers.json"
@@ -150,7 +158,7 @@ invariance_glm() {
 }
 
 STEPS="prepare setup verify verify_kda moe moe_decode conv kimi_step diag_token kimi_schedule
-kimi_fp32 decode fused_decode_all kda_full dsa_schedule invariance_glm"
+kimi_fp32 decode fused_decode_all kda_full ncu_kda dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then
   echo "steps, in the order docs/STATUS.md gives them: $STEPS"
