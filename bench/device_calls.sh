@@ -139,8 +139,13 @@ kda_full() {
 
 # Issue 20's profile: every kernel of one kda_prefill call (both gate paths) and of fla's
 # chunk_kda (default, safe_gate) at 8K, ncu's full set (stall reasons, occupancy, bytes).
+# Without preallocation (ncu saves and restores the memory a kernel may touch before each
+# of its ~38 replays: all of it under XLA's 95%) and without command buffers (ncu fails to
+# profile a kernel inside XLA's CUDA graphs); only the KDA kernels of both.
 ncu_kda() {
-  run_logged ncu_kda 420 ncu --profile-from-start off --set full -f -o "$OUT/ncu_kda_8K" \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+    run_logged ncu_kda 540 ncu --profile-from-start off --set full -f -o "$OUT/ncu_kda_8K" \
+    -k 'regex:kda_chunk|chunk_kda|inter_solve|intra|recompute|delta_h|fwd_o|cumsum' \
     python3 -m bench.kda_ncu --case 8K
   ncu -i "$OUT/ncu_kda_8K.ncu-rep" --csv --page details > "$OUT/ncu_kda_8K.csv"
 }
