@@ -26,8 +26,7 @@ section 2), in fully parallel programs (one per chunk slot and head):
      more matmul, with the reference at the block's middle row, so both factors stay
      within exp(8 |b|) ~ e^40;
    - any decay (`gate_lower_bound=None`): from `_diagonal_kernel`, which forms them
-     elementwise with every exponent <= 0 and also inverts I + L's diagonal blocks (as
-     matmul products, `_invert_by_products`).
+     elementwise, one program per row, with every exponent <= 0.
    T by blocks: T_bb = (I + L_bb)^-1 (by forward substitution when gates are bounded),
    T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (fp32 values; TF32 products on the fast path).
 2. `_w_u_kernel`: W and U, two [C, C] x [C, *] matmuls per chunk.
@@ -69,70 +68,43 @@ def _invert_by_substitution(l_blk):
     return lax.fori_loop(0, l_blk.shape[0], step, (rows == cols).astype(jnp.float32))
 
 
-def _invert_by_products(l_blk):
-    """(I + L)^-1 for a strictly lower triangular [16, 16] L, as IEEE fp32 matmuls.
+def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref, l_ref, *,
+                     chunk):
+    """One row i of one head: its row of the sub-chunk's diagonal [16, 16] blocks of Aqk
+    (inclusive, before scale) and of L (strict, before beta), stored at row i ([T', H, 16],
+    fp32; column c is the sub-chunk's key row c).
 
-    (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8) because L^16 = 0. The diagonal
-    kernel's choice: its small programs ran the any-decay path at 8.67 ms (32K, H200)
-    against 9.33 with the substitution loop.
+    Token-parallel, as fla's default path forms these blocks: the program walks back from
+    key j = i to the sub-chunk's first row, carrying the decay between key j and row i (g
+    summed over rows j + 1 .. i) from one key to the next, so every exponent is <= 0
+    (exact for any decay). A step's loads do not depend on the carry; many short programs
+    hide their latency where one program per sub-chunk walked 16 offsets in turn.
     """
-    hi = lax.Precision.HIGHEST
-    eye = (iota(l_blk.shape, 0) == iota(l_blk.shape, 1)).astype(jnp.float32)
-    l2 = dot(l_blk, l_blk, hi)
-    l4 = dot(l2, l2, hi)
-    l8 = dot(l4, l4, hi)
-    inv = dot(eye - l_blk, eye + l2, hi)
-    inv = dot(inv, eye + l4, hi)
-    return dot(inv, eye + l8, hi)
-
-
-def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, a_ref,
-                     inv_ref, *, chunk):
-    """One 16-row sub-chunk of one head: its diagonal [16, 16] block of Aqk (inclusive,
-    before scale) and the inverse (I + diag(beta) L_bb)^-1 of its block of I + L, both
-    stored at the sub-chunk's rows ([T', H, 16], fp32).
-
-    Formed one sub-diagonal at a time: entry (j + d, j) pairs key row j with the rows d
-    below it, loaded again at that offset, so no step reduces across rows. The decay
-    between them, g summed over rows j + 1 .. j + d, is carried from one offset to the next:
-    every exponent is <= 0 (exact for any decay). The blocks are built transposed (row j,
-    column j + d) and transposed once at the end.
-    """
-    sub, h = pl.program_id(0), pl.program_id(1)
-    slot = sub // (chunk // SUB_CHUNK)
-    first = (sub % (chunk // SUB_CHUNK)) * SUB_CHUNK
-    clen = chunk_len_ref[slot]
+    p, h = pl.program_id(0), pl.program_id(1)
+    slot, pos = p // chunk, p % chunk
+    last = pos % SUB_CHUNK  # row i's place in its sub-chunk: keys j = i - d for d <= last
     f32 = jnp.float32
 
-    @pl.when(first < clen)
+    @pl.when(pos < chunk_len_ref[slot])
     def _():
-        sub_row = iota((SUB_CHUNK, 1), 0)
-        start = chunk_start_ref[slot] + first
-        valid = sub_row + first < clen
-
-        def load(ref, d, keep):
-            return load_rows(ref, pl.ds(start + d, SUB_CHUNK), h, keep)
-
-        k, beta = load(k_ref, 0, valid), load(beta_ref, 0, valid)  # row j; beta [16, 1]
-        cols = iota((1, SUB_CHUNK), 1)
-
-        def offset(d, carry):
-            """Sub-diagonal d: the rows j + d, still in this sub-chunk and the chunk."""
-            a_t, l_t, decay = carry
-            keep = (sub_row + d < SUB_CHUNK) & (sub_row + first + d < clen)
-            decay = decay + load(g_ref, d, keep & (d > 0))       # sum of g over j+1 .. j+d
-            k_dec = k * jnp.exp(jnp.minimum(decay, 0.0))          # [16, K]
-            a_d = jnp.sum(load(q_ref, d, keep) * k_dec, axis=1, keepdims=True)  # [16, 1]
-            l_d = jnp.sum(load(k_ref, d, keep) * k_dec, axis=1, keepdims=True)
-            at_d = cols == sub_row + d
-            return (jnp.where(at_d, a_d, a_t), jnp.where(at_d & (d > 0), l_d, l_t), decay)
-
-        zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
-        a_t, l_t, _ = lax.fori_loop(0, SUB_CHUNK, offset,
-                                    (zeros, zeros, jnp.zeros(k.shape, f32)))
-        rows = pl.ds(start, SUB_CHUNK)
-        plgpu.store(a_ref.at[rows, h, :], a_t.T, mask=valid)
-        plgpu.store(inv_ref.at[rows, h, :], _invert_by_products(beta * l_t.T), mask=valid)
+        i = chunk_start_ref[slot] + pos
+        q_i, k_i = q_ref[i, h, :].astype(f32), k_ref[i, h, :].astype(f32)
+        cols = iota((SUB_CHUNK,), 0)
+        a_row = l_row = jnp.zeros((SUB_CHUNK,), f32)
+        decay = jnp.zeros(k_i.shape, f32)
+        for d in range(SUB_CHUNK):
+            keep = d <= last
+            j = jnp.where(keep, i - d, i)  # a row in range either way; masked below
+            if d:
+                decay = decay + jnp.where(keep, g_ref[j + 1, h, :], 0.0)  # g at row j + 1
+            k_dec = jnp.where(keep, k_ref[j, h, :].astype(f32), 0.0) * jnp.exp(
+                jnp.minimum(decay, 0.0))
+            at = cols == last - d
+            a_row = jnp.where(at, jnp.sum(q_i * k_dec), a_row)
+            if d:
+                l_row = jnp.where(at, jnp.sum(k_i * k_dec), l_row)
+        a_ref[i, h, :] = a_row
+        l_ref[i, h, :] = l_row
 
 
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_ref, g_ref,
@@ -144,10 +116,11 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
     Refs are whole arrays [T', H, ...]; rows past the chunk's length load as zeros
     (g = 0 keeps G flat there, k = beta = 0 adds nothing). bounded: the diagonal blocks
     are formed here by matmul; otherwise they come from `_diagonal_kernel` (two more
-    input refs, [T', H, 16]: Aqk's diagonal blocks and the inverses T_bb).
+    input refs, [T', H, 16]: the diagonal blocks of Aqk and of L). Either way T_bb is
+    inverted here.
     """
     if not bounded:
-        diag_a_ref, diag_inv_ref, *refs = refs
+        diag_a_ref, diag_l_ref, *refs = refs
     aqk_ref, t_ref, qg_ref, kg_ref, gcum_ref, glast_ref, kb_ref = refs
     slot, h = pl.program_id(0), pl.program_id(1)
     r0 = chunk_start_ref[slot]
@@ -235,7 +208,8 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
         t = {}
         for b in range(blocks):
             beta_b = load(beta_ref, b)                                       # [16, 1]
-            a_bb = a_blk[b, b] if bounded else load(diag_a_ref, b)
+            a_bb, l_bb = ((a_blk[b, b], l_blk[b, b]) if bounded else
+                          (load(diag_a_ref, b), load(diag_l_ref, b)))
             for c in range(blocks):
                 a_bc = a_blk[b, c] if c < b else jnp.where(col <= sub_row, a_bb, 0.0)
                 store(aqk_ref, b, scale * a_bc if c <= b else zeros,
@@ -244,8 +218,7 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
             # pass's precision (TF32 products on the fast path, as fla's merge; IEEE when
             # exact). Emulated TF32 left the bf16 errors unchanged to three digits.
             l_row = {c: beta_b * l_blk[b, c] for c in range(b)}
-            t[b, b] = (_invert_by_substitution(jnp.where(col < sub_row, beta_b * l_blk[b, b], 0.0))
-                       if bounded else load(diag_inv_ref, b))
+            t[b, b] = _invert_by_substitution(jnp.where(col < sub_row, beta_b * l_bb, 0.0))
             for c in range(b - 1, -1, -1):
                 coupled = sum(dot(l_row[m], t[m, c], precision) for m in range(c, b))
                 t[b, c] = -dot(t[b, b], coupled, precision)
@@ -314,12 +287,12 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
         diagonal = pl.pallas_call(
             functools.partial(_diagonal_kernel, chunk=chunk),
             out_shape=(_rows_of(q, SUB_CHUNK, f32), _rows_of(q, SUB_CHUNK, f32)),
-            grid=(num_slots * (chunk // SUB_CHUNK), q.shape[1]),
+            grid=(num_slots * chunk, q.shape[1]),
             compiler_params=_params(config.diagonal_num_warps),
             interpret=interpret,
             name="kda_chunk_diagonal",
         )
-        diagonal_blocks = diagonal(slots.start, slots.length, q, k, g, beta)
+        diagonal_blocks = diagonal(slots.start, slots.length, q, k, g)
     prep = pl.pallas_call(
         functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
                           block_k=min(config.prep_block_k, head_k),
