@@ -117,8 +117,11 @@ def kda_in(s: Shapes) -> Op:
     c, layer = s.config, kda_layer(s.config, s.seed)
     (k,) = keys(s.seed, "kda_in", 1)
     x = normal(k, (s.max_rows, c.hidden_size), c.dtype)
-    return module_op(layer, lambda m, x: dict(zip(("qkv", "f_a", "g_a", "beta"), m.project(x))),
-                     rows_of(x), kda_notes(layer))
+    def project(m, x):
+        (q, k, v), f_a, g_a, beta = m.project(x)
+        return dict(q=q, k=k, v=v, f_a=f_a, g_a=g_a, beta=beta)
+
+    return module_op(layer, project, rows_of(x), kda_notes(layer))
 
 
 def kda_o_proj(s: Shapes) -> Op:

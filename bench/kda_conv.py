@@ -8,9 +8,10 @@ path XLA fuses (the layer's path before the kernel, and still on a mesh).
 Cases: `--cases` of TOKENS x HEADS (K = 128, kernel width 4, bf16 rows, fp32 taps), the
 tokens packed in 4 sequences of equal length with warm histories, as a prefill step of
 four prompts. Each row: median ms of `--samples` samples of `--iters` queued jitted calls
-(`bench.common.time_calls`), the GB/s of the least traffic (x read once, q, k and v
-written once) and the time that traffic takes at 4.8 TB/s; per case the ratio xla / pallas
-and the kernel's largest relative difference from the xla path (bf16 rounding of y);
+(`bench.common.time_calls`), the GB/s of the least traffic (the q, k, v inputs read once,
+q, k and v written once) and the time that traffic takes at 4.8 TB/s; per case the ratio
+xla / pallas and the kernel's largest relative difference from the xla path (bf16 rounding
+of y);
 with `--sweep`, the kernel's ms at each (rows a program, warps) of SWEEP (`sweep` in the
 JSON, the fastest printed). The JSON (`--out`) is rewritten after every case.
 """
@@ -39,24 +40,27 @@ SWEEP = tuple(ConvTiling(rows, warps) for rows, warps in
 
 
 def case_inputs(tokens: int, heads: int, seed: int):
+    """(q, k, v) inputs [T, H K] each, as the projections leave them; taps, histories and
+    cu_seqlens."""
     rng = np.random.default_rng(seed)
     channels = 3 * heads * HEAD_DIM
-    x = jnp.asarray(rng.normal(size=(tokens, channels)), jnp.bfloat16)
+    parts = tuple(jnp.asarray(rng.normal(size=(tokens, channels // 3)), jnp.bfloat16)
+                  for _ in range(3))
     weight = jnp.asarray(rng.normal(size=(channels, WIDTH)) * 0.5, jnp.float32)
     history = jnp.asarray(rng.normal(size=(SEQS, channels, WIDTH - 1)), jnp.bfloat16)
     cu = jnp.asarray(np.linspace(0, tokens, SEQS + 1).astype(np.int32))
-    return x, weight, history, cu
+    return parts, weight, history, cu
 
 
 def jitted(heads: int, **options):
     """`kda_conv` at `heads` heads with `options` (implementation, tiling), jitted."""
-    return jax.jit(lambda x, w, h, cu: kda_conv(x, w, h, cu, heads=heads, **options))
+    return jax.jit(lambda parts, w, h, cu: kda_conv(parts, w, h, cu, heads=heads, **options))
 
 
 def run_case(tokens: int, heads: int, args) -> dict:
     inputs = case_inputs(tokens, heads, args.seed)
     calls = {impl: jitted(heads, implementation=impl) for impl in ("pallas", "xla")}
-    least_bytes = 2 * inputs[0].size * inputs[0].dtype.itemsize  # x in, q | k | v out
+    least_bytes = 2 * sum(x.nbytes for x in inputs[0])  # q, k, v in and out
     row = dict(tokens=tokens, heads=heads, least_bytes=least_bytes,
                floor_ms=least_bytes / H200_BANDWIDTH * 1e3, ms={}, gb_per_s={})
     for impl, call in calls.items():

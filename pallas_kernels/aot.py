@@ -151,12 +151,14 @@ def segment_config(spec: DeviceSpec) -> KernelConfig:
 
 
 def lower_kda_conv(spec: DeviceSpec, heads: int) -> list[TritonModule]:
-    """The Triton module of the KDA prefill conv (`kda_conv`) for `spec`: NUM_TOKENS bf16
-    rows of 3 x `heads` x HEAD_DIM channels, kernel width 4, CAPACITY sequences."""
+    """The Triton modules of the KDA prefill conv (`kda_conv`) for `spec`: NUM_TOKENS bf16
+    rows of q, k and v, each `heads` x HEAD_DIM channels, kernel width 4, CAPACITY
+    sequences: q's launch first (the caller keeps it: k's is the same module, v's the same
+    without the L2 norm)."""
     channels, width = 3 * heads * HEAD_DIM, 4
     shape = ConvShape(heads=heads, dim=HEAD_DIM, width=width, num_seqs=CAPACITY, l2_eps=1e-6)
     rows = jax.ShapeDtypeStruct((NUM_TOKENS,), jnp.int32)
-    args = (jax.ShapeDtypeStruct((NUM_TOKENS, channels), jnp.bfloat16),
+    args = ((jax.ShapeDtypeStruct((NUM_TOKENS, channels // 3), jnp.bfloat16),) * 3,
             jax.ShapeDtypeStruct((width, channels), jnp.float32),
             jax.ShapeDtypeStruct((CAPACITY * (width - 1), channels), jnp.bfloat16),
             jax.ShapeDtypeStruct((CAPACITY + 1,), jnp.int32), rows, rows)

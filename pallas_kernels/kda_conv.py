@@ -10,15 +10,21 @@ order and y is rounded to x's dtype before the norms, as the layer's decode step
 
 Two implementations behind one signature: jax.numpy (`conv_silu` then the norms: XLA's
 fusions, also the path on a mesh, where the channels are sharded) and a Pallas kernel
-(`kda_conv_pallas`: one program per block of rows and head of one part, every row through
-the same code, history included). In the H200 profile of kimi-linear-48b's 8K prefill step
+(`kda_conv_pallas`: one launch per part, reading each projection output as it is; one
+program per block of rows and head, every row through the same code, history included).
+In the H200 profile of kimi-linear-48b's 8K prefill step
 (`bench/results/model_prefill_kimi_27L256E_8192_skip_temp_2026-12-02e.json`) the glue
 directly in the KDA layer's scope, XLA's conv fusion most of it, took 8.3 ms (415 us a
 layer) and the q / k norms 1.3 ms, where reading x and writing q, k, v is ~400 MB a layer:
-~0.1 ms at the H200's bandwidth.
+~0.1 ms at the H200's bandwidth. The kernel took 5.3 ms there (264 us a layer; its tilings
+not yet swept: `python -m bench.kda_conv --sweep`) and the q | k | v concatenation it then
+read 1.9 ms more (`model_prefill_kimi_27L256E_8192_2026-12-05.json`): it now takes the three
+projection outputs as they are.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -99,43 +105,49 @@ def kda_conv_reference(x, weight, history, cu_seqlens, *, heads: int, l2_eps: fl
     return l2_normalize(q, l2_eps), l2_normalize(k, l2_eps), v
 
 
-def kda_conv(x: jax.Array, weight: jax.Array, history: jax.Array, cu_seqlens: jax.Array, *,
-             heads: int, l2_eps: float = L2_EPS, implementation: str = "xla",
-             interpret: bool | None = None, tiling: ConvTiling = DEFAULT_TILING
-             ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The scan's q, k, v from the input projection's q | k | v channels.
+def kda_conv(parts: Sequence[jax.Array], weight: jax.Array, history: jax.Array,
+             cu_seqlens: jax.Array, *, heads: int, l2_eps: float = L2_EPS,
+             implementation: str = "xla", interpret: bool | None = None,
+             tiling: ConvTiling = DEFAULT_TILING) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The scan's q, k, v from the input projections' q, k and v.
 
     Args:
-      x: [T, 3 H K] packed rows (bf16 or fp32), the channels q, k, v, each head-major.
-      weight: [3 H K, W] depthwise taps (fp32 or x's dtype), W >= 1.
+      parts: the q, k, v projection outputs, each [T, H K] packed rows (bf16 or fp32, one
+        dtype), head-major: the conv's channels are their concatenation, in that order.
+      weight: [3 H K, W] depthwise taps (fp32 or the inputs' dtype), W >= 1.
       history: [N, 3 H K, W - 1], the W - 1 inputs before each sequence, oldest first.
       cu_seqlens: int32 [N + 1], non-decreasing from 0 (rows past cu_seqlens[N] padding).
       heads: H. l2_eps: the L2 norms' epsilon.
       implementation: "xla" (jax.numpy) or "pallas" (interpret mode by default on the CPU).
       tiling: the kernel's rows a program and warps.
 
-    Returns q, k, v [T, H, K] in x's dtype: q and k L2-normalized per head; zero on padding
-    rows.
+    Returns q, k, v [T, H, K] in the inputs' dtype: q and k L2-normalized per head; zero on
+    padding rows.
     """
-    if x.ndim != 2 or weight.ndim != 2 or weight.shape[0] != x.shape[1]:
-        raise ValueError(f"x must be [T, C] and weight [C, W], got {x.shape}, {weight.shape}")
-    channels, width = weight.shape
-    if channels % (3 * heads):
-        raise ValueError(f"channels {channels} are not 3 x heads {heads} x a head dim")
-    if history.shape[1:] != (channels, width - 1) or cu_seqlens.shape != (history.shape[0] + 1,):
-        raise ValueError(f"history must be [N, {channels}, {width - 1}] and cu_seqlens [N + 1], "
+    if len(parts) != 3 or any(x.ndim != 2 or x.shape != parts[0].shape or x.dtype != parts[0].dtype
+                              for x in parts):
+        raise ValueError(f"parts must be q, k, v of one shape [T, H K] and dtype, got "
+                         f"{[(x.shape, str(x.dtype)) for x in parts]}")
+    num_tokens, width = parts[0].shape
+    if weight.ndim != 2 or weight.shape[0] != 3 * width:
+        raise ValueError(f"weight must be [3 H K = {3 * width}, W], got {weight.shape}")
+    channels, taps = weight.shape
+    if width % heads:
+        raise ValueError(f"parts' {width} channels are not heads {heads} x a head dim")
+    if history.shape[1:] != (channels, taps - 1) or cu_seqlens.shape != (history.shape[0] + 1,):
+        raise ValueError(f"history must be [N, {channels}, {taps - 1}] and cu_seqlens [N + 1], "
                          f"got {history.shape}, {cu_seqlens.shape}")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
     if implementation == "xla":
-        return kda_conv_reference(x, weight, history, cu_seqlens, heads=heads, l2_eps=l2_eps)
-    num_tokens = x.shape[0]
+        return kda_conv_reference(jnp.concatenate(parts, axis=-1), weight, history, cu_seqlens,
+                                  heads=heads, l2_eps=l2_eps)
     seq, pos = sequence_rows(cu_seqlens, num_tokens)
-    shape = ConvShape(heads=heads, dim=channels // (3 * heads), width=width,
-                      num_seqs=history.shape[0], l2_eps=float(l2_eps), tiling=tiling)
-    q, k, v = kda_conv_pallas(x, weight.T.astype(jnp.float32), history_rows(history, x.dtype),
-                              cu_seqlens, seq, pos, shape=shape,
-                              interpret=resolve_interpret(interpret))
+    shape = ConvShape(heads=heads, dim=width // heads, width=taps, num_seqs=history.shape[0],
+                      l2_eps=float(l2_eps), tiling=tiling)
+    q, k, v = kda_conv_pallas(tuple(parts), weight.T.astype(jnp.float32),
+                              history_rows(history, parts[0].dtype), cu_seqlens, seq, pos,
+                              shape=shape, interpret=resolve_interpret(interpret))
     out = (num_tokens, heads, shape.dim)
     return q.reshape(out), k.reshape(out), v.reshape(out)

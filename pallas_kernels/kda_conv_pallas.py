@@ -1,13 +1,15 @@
 """The KDA prefill conv (`pallas_kernels.kda_conv`) as one Pallas kernel lowered through
 Triton.
 
-One program per block of `block_rows` rows and one head of one part (q, k or v): K channels.
-For each of the W taps it loads the block's rows shifted by the tap, each row from x when
-the tap lies inside the row's sequence and from the sequence's history rows otherwise (two
-masked row gathers: the history load is empty except on a sequence's first W - 1 rows), so
-every row runs the same sums whatever schedule brought it (a span's first rows and a
-continuation's alike). Then SiLU, the rounding to x's dtype, and for q and k the row's L2
-norm over the head; the store goes to the part's output.
+One launch per part (q, k, v), each reading that part's projection output as it is (a
+q | k | v concatenation ahead of the conv was a copy of every input: 1.9 ms of kimi's 8K
+step), one program per block of `block_rows` rows and one head: K channels. For each of the
+W taps it loads the block's rows shifted by the tap, each row from the input when the tap
+lies inside the row's sequence and from the sequence's history rows otherwise (two masked
+row gathers: the history load is empty except on a sequence's first W - 1 rows), so every
+row runs the same sums whatever schedule brought it (a span's first rows and a
+continuation's alike). Then SiLU, the rounding to the input's dtype, and for q and k the
+row's L2 norm over the head.
 """
 
 from __future__ import annotations
@@ -42,16 +44,16 @@ class ConvShape(NamedTuple):
     tiling: ConvTiling = ConvTiling()
 
 
-def _kernel(cu_ref, seq_ref, pos_ref, x_ref, w_ref, hist_ref, q_ref, k_ref, v_ref, *,
-            shape: ConvShape):
-    i, c = pl.program_id(0), pl.program_id(1)
+def _kernel(cu_ref, seq_ref, pos_ref, x_ref, w_ref, hist_ref, out_ref, *, shape: ConvShape,
+            normalize: bool):
+    i, head = pl.program_id(0), pl.program_id(1)
     num_tokens, dim, hist = x_ref.shape[0], shape.dim, shape.width - 1
     rows = i * shape.tiling.block_rows + iota((shape.tiling.block_rows,), 0)
     in_range = rows < num_tokens
     valid = in_range & (rows < cu_ref[shape.num_seqs])
     seq = plgpu.load(seq_ref.at[rows], mask=in_range, other=0)
     pos = plgpu.load(pos_ref.at[rows], mask=in_range, other=0)
-    cols = c * dim + iota((dim,), 0)
+    cols = head * dim + iota((dim,), 0)
     f32 = jnp.float32
     acc = jnp.zeros((shape.tiling.block_rows, dim), f32)
     for j in range(hist + 1):
@@ -66,36 +68,33 @@ def _kernel(cu_ref, seq_ref, pos_ref, x_ref, w_ref, hist_ref, q_ref, k_ref, v_re
                             cols[None, :]],
                 mask=before[:, None], other=0).astype(f32)
             tap = jnp.where(before[:, None], from_history, tap)
-        acc = acc + tap * w_ref[j, pl.ds(c * dim, dim)][None, :]
+        acc = acc + tap * w_ref[j, pl.ds(head * dim, dim)][None, :]
     y = jnp.where(valid[:, None], acc * jax.nn.sigmoid(acc), 0.0).astype(x_ref.dtype)
-    yf = y.astype(f32)
-    normed = (yf * jax.lax.rsqrt(jnp.sum(yf * yf, axis=1) + shape.l2_eps)[:, None]
-              ).astype(x_ref.dtype)
-    part, head = c // shape.heads, c % shape.heads
-    out_cols = (head * dim + iota((dim,), 0))[None, :]
-    mask = in_range[:, None]
-    for index, out_ref, value in ((0, q_ref, normed), (1, k_ref, normed), (2, v_ref, y)):
-        @pl.when(part == index)
-        def _(out_ref=out_ref, value=value):
-            plgpu.store(out_ref.at[rows[:, None], out_cols], value, mask=mask)
+    if normalize:
+        yf = y.astype(f32)
+        y = (yf * jax.lax.rsqrt(jnp.sum(yf * yf, axis=1) + shape.l2_eps)[:, None]
+             ).astype(x_ref.dtype)
+    plgpu.store(out_ref.at[rows[:, None], cols[None, :]], y, mask=in_range[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "interpret"))
-def kda_conv_pallas(x, taps, history_rows, cu_seqlens, seq, pos, *, shape: ConvShape,
+def kda_conv_pallas(parts, taps, history_rows, cu_seqlens, seq, pos, *, shape: ConvShape,
                     interpret: bool):
-    """The kernel (arguments checked by `kda_conv`): x [T, 3 H K]; taps fp32 [W, 3 H K];
-    history_rows [N (W - 1), 3 H K] in x's dtype (at least one row: a zero row when W = 1);
-    cu_seqlens int32 [N + 1]; seq, pos int32 [T] (each row's sequence and position in it).
-    Returns q, k, v [T, H K] in x's dtype."""
-    num_tokens = x.shape[0]
+    """The kernel (arguments checked by `kda_conv`): parts, the q, k, v inputs, each
+    [T, H K]; taps fp32 [W, 3 H K]; history_rows [N (W - 1), 3 H K] in the inputs' dtype (at
+    least one row: a zero row when W = 1); cu_seqlens int32 [N + 1]; seq, pos int32 [T]
+    (each row's sequence and position in it). Returns q, k, v [T, H K] in the inputs'
+    dtype."""
+    num_tokens, width = parts[0].shape
     if history_rows.shape[0] == 0:  # W = 1: nothing is read from it, but a ref needs a row
-        history_rows = jnp.zeros((1, x.shape[1]), x.dtype)
-    out = jax.ShapeDtypeStruct((num_tokens, shape.heads * shape.dim), x.dtype)
-    return pl.pallas_call(
-        functools.partial(_kernel, shape=shape),
-        out_shape=(out, out, out),
-        grid=(pl.cdiv(num_tokens, shape.tiling.block_rows), 3 * shape.heads),
-        compiler_params=plgpu.CompilerParams(num_warps=shape.tiling.num_warps, num_stages=1),
-        interpret=interpret,
-        name="kda_conv",
-    )(cu_seqlens, seq, pos, x, taps, history_rows)
+        history_rows = jnp.zeros((1, history_rows.shape[1]), parts[0].dtype)
+    out = jax.ShapeDtypeStruct((num_tokens, width), parts[0].dtype)
+    grid = (pl.cdiv(num_tokens, shape.tiling.block_rows), shape.heads)
+    params = plgpu.CompilerParams(num_warps=shape.tiling.num_warps, num_stages=1)
+    return tuple(
+        pl.pallas_call(functools.partial(_kernel, shape=shape, normalize=index < 2),
+                       out_shape=out, grid=grid, compiler_params=params,
+                       interpret=interpret, name="kda_conv",
+                       )(cu_seqlens, seq, pos, x, taps[:, index * width:(index + 1) * width],
+                         history_rows[:, index * width:(index + 1) * width])
+        for index, x in enumerate(parts))

@@ -52,7 +52,9 @@ class ConvCases:
     INTERPRET: bool = False
 
     def run(self, x, weight, history, cu, heads, dtype="float32"):
-        return kda_conv(jnp.asarray(x, dtype), jnp.asarray(weight), jnp.asarray(history, dtype),
+        """x [T, 3 H K]: its q, k, v thirds are the op's three inputs."""
+        parts = [jnp.asarray(part, dtype) for part in np.split(x, 3, axis=-1)]
+        return kda_conv(parts, jnp.asarray(weight), jnp.asarray(history, dtype),
                         jnp.asarray(cu), heads=heads, implementation=self.IMPLEMENTATION,
                         interpret=self.INTERPRET)
 
@@ -99,15 +101,19 @@ class TestConvXla(ConvCases):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(x=jnp.zeros((4,))), r"x must be \[T, C\]"),
-    (dict(weight=jnp.zeros((12, 4))), r"weight \[C, W\]"),
-    (dict(heads=5), "not 3 x heads 5"),
+    (dict(parts=[jnp.zeros((8, 32))] * 2), "parts must be q, k, v"),
+    (dict(parts=[jnp.zeros((8, 32))] * 2 + [jnp.zeros((8, 16))]), "parts must be q, k, v"),
+    (dict(parts=[jnp.zeros((8, 32))] * 2 + [jnp.zeros((8, 32), jnp.bfloat16)]),
+     "parts must be q, k, v"),
+    (dict(parts=[jnp.zeros((32,))] * 3), "parts must be q, k, v"),
+    (dict(weight=jnp.zeros((12, 4))), r"weight must be \[3 H K = 96, W\]"),
+    (dict(heads=5), "32 channels are not heads 5"),
     (dict(history=jnp.zeros((2, 96, 2))), r"history must be \[N, 96, 3\]"),
     (dict(cu_seqlens=jnp.zeros((2,), jnp.int32)), r"cu_seqlens \[N \+ 1\]"),
     (dict(implementation="triton"), "implementation must be one of"),
 ])
 def test_bad_arguments_name_the_value(change, message):
-    args = dict(x=jnp.zeros((8, 96)), weight=jnp.zeros((96, 4)),
+    args = dict(parts=[jnp.zeros((8, 32))] * 3, weight=jnp.zeros((96, 4)),
                 history=jnp.zeros((2, 96, 3)), cu_seqlens=jnp.zeros((3,), jnp.int32), heads=2)
     args.update(change)
     with pytest.raises(ValueError, match=message):

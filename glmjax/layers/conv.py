@@ -8,6 +8,7 @@ rows, so the function has static shapes, runtime lengths and offsets, and no vma
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -106,9 +107,16 @@ class ShortConvolution(nnx.Module):
         """See `causal_conv1d`; x [T, C], history [N, C, W-1]."""
         return causal_conv1d(x, self.weight[...], cu_seqlens, history, checkpoint_offsets)
 
-    def states(self, x, cu_seqlens, history, checkpoint_offsets) -> tuple[jax.Array, jax.Array]:
-        """See `conv_states`: the histories after each sequence and at its checkpoints."""
-        return conv_states(x, cu_seqlens, history, checkpoint_offsets)
+    def states(self, parts, cu_seqlens, history, checkpoint_offsets
+               ) -> tuple[jax.Array, jax.Array]:
+        """See `conv_states`: the histories after each sequence and at its checkpoints.
+        parts: the inputs [T, C_i] whose channels, concatenated in order, are the conv's C
+        (KDA's q, k, v projections, never copied into one array): each part's histories
+        are gathered from it alone and joined along the channel axis."""
+        bounds = [0, *itertools.accumulate(x.shape[-1] for x in parts)]
+        pieces = [conv_states(x, cu_seqlens, history[:, lo:hi], checkpoint_offsets)
+                  for x, lo, hi in zip(parts, bounds[:-1], bounds[1:])]
+        return tuple(jnp.concatenate(p, axis=-2) for p in zip(*pieces))
 
     def decode(self, x, pool, state_slots) -> tuple[jax.Array, jax.Array]:
         """See `conv_decode`; x [N, C], pool [S, C, W-1], state_slots int32 [N]."""

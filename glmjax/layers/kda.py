@@ -87,13 +87,14 @@ class KDA(nnx.Module):
         self.o_proj = linear(heads * dim, hidden)
 
     def project(self, x: jax.Array) -> tuple[jax.Array, ...]:
-        """x [T, D] -> qkv [T, 3 H K], f_a and g_a [T, K], beta fp32 [T, H]: the projections
-        of the layer's input, in one weight-stream launch where they stream (decode)."""
+        """x [T, D] -> (q, k, v) each [T, H K] (the conv's input channels in that order),
+        f_a and g_a [T, K], beta fp32 [T, H]: the projections of the layer's input, in one
+        weight-stream launch where they stream (decode)."""
         q, k, v, f_a, g_a, b = project_together(
             x, (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj,
                 self.b_proj))
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
-        return jnp.concatenate([q, k, v], axis=-1), f_a, g_a, beta
+        return (q, k, v), f_a, g_a, beta
 
     def decay(self, f_a: jax.Array) -> jax.Array:
         """Per-channel log-decay g <= 0, fp32 [T, H, K], from f_a = f_a_proj(x) [T, K]: the
@@ -112,14 +113,14 @@ class KDA(nnx.Module):
         heads (shard_map), so a Pallas kernel sees the per-device head count."""
         with jax.named_scope("kda"):
             tokens, shape = x.shape[0], (x.shape[0], self.num_heads, self.head_dim)
-            qkv, f_a, g_a, beta = self.project(x)
+            parts, f_a, g_a, beta = self.project(x)
             # Scopes name the glue between the projections and the scan in a profile.
             with jax.named_scope("conv"):  # with the SiLU and q and k's norms
-                q, k, v = kda_conv(qkv, self.conv.weight[...], state.conv, cu_seqlens,
+                q, k, v = kda_conv(parts, self.conv.weight[...], state.conv, cu_seqlens,
                                    heads=self.num_heads,
                                    implementation="pallas" if plan is None and on_one_gpu()
                                    else "xla")
-                conv_history, conv_snapshots = self.conv.states(qkv, cu_seqlens, state.conv,
+                conv_history, conv_snapshots = self.conv.states(parts, cu_seqlens, state.conv,
                                                                 checkpoint_offsets)
             with jax.named_scope("decay"):
                 g = self.decay(f_a)
@@ -172,7 +173,8 @@ class KDA(nnx.Module):
         with jax.named_scope("kda_decode"):
             chain = state_slots.reshape(-1, state_slots.shape[-1])  # [J, R]
             width = chain.shape[1]
-            qkv, f_a, g_a, beta = self.project(x)
+            parts, f_a, g_a, beta = self.project(x)
+            qkv = jnp.concatenate(parts, axis=-1)  # [N, 3 H K]: a few rows
             fused = plan is None and use_fused_decode(device_spec(), num_rows=width,
                                                       num_heads=self.num_heads)
             step = (functools.partial(self._fused_step, f_a=f_a, g_a=g_a, beta=beta) if fused
