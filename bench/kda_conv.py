@@ -11,9 +11,8 @@ four prompts. Each row: median ms of `--samples` samples of `--iters` queued jit
 (`bench.common.time_calls`), the GB/s of the least traffic (the q, k, v inputs read once,
 q, k and v written once) and the time that traffic takes at 4.8 TB/s; per case the ratio
 xla / pallas and the kernel's largest relative difference from the xla path (bf16 rounding
-of y);
-with `--sweep`, the kernel's ms at each (rows a program, warps) of SWEEP (`sweep` in the
-JSON, the fastest printed). The JSON (`--out`) is rewritten after every case.
+of y); with `--sweep`, the kernel's ms at each (rows a program, warps) of SWEEP (`sweep` in
+the JSON, the fastest printed). The JSON (`--out`) is rewritten after every case.
 """
 
 from __future__ import annotations

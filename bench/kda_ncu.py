@@ -1,7 +1,10 @@
 """One KDA prefill call of each kind inside a profiled range, for `ncu` (issue 20's profile).
 
-    ncu --profile-from-start off --set full --csv --page details \\
-        python3 -m bench.kda_ncu --case 8K > ncu_kda_8K.csv
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_enable_command_buffer= \\
+        ncu --profile-from-start off --set full -k 'regex:kda_chunk|chunk_kda' --csv \\
+        --page details python3 -m bench.kda_ncu --case 8K > ncu_kda_8K.csv
+
+(`bench/device_calls.sh ncu_kda` says why each setting is there.)
 
 Every call runs (compiles, autotunes) twice outside the range first, so ncu profiles one
 launch of each kernel of: our kernel on its bounded-gate and any-decay paths with 4
