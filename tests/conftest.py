@@ -23,9 +23,27 @@ SAME_WORKER = {
 }
 
 
+# The files that take longest on the two-core CI box (`make test --durations`), longest
+# first: they start first, so the run does not end on one of them while the other worker
+# idles. xdist would otherwise queue files by their number of tests, which puts these
+# few-test, long files last.
+LONGEST_FIRST = (
+    "tests/test_multiprocess.py",
+    "tests/test_aot.py",
+    "tests/test_kda_kernel.py",
+    "tests/test_engine.py",
+    "tests/test_load.py",
+    "tests/test_layer_scan.py",
+    "tests/test_sharding.py",
+    "tests/test_model.py",
+    "tests/test_bench_decode.py",
+)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile, with the files of SAME_WORKER in one work unit."""
+    """--dist loadfile, with the files of SAME_WORKER in one work unit, in collection order
+    (`pytest_collection_modifyitems` puts LONGEST_FIRST first)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -35,6 +53,7 @@ def pytest_xdist_make_scheduler(config, log):
             path = super()._split_scope(nodeid)
             return SAME_WORKER.get(path, path)
 
+    config.option.loadscopereorder = False
     return SharedCompiles(config, log)
 
 
@@ -45,7 +64,13 @@ def rng(request) -> np.random.Generator:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip tests marked ``gpu`` unless JAX's default device is a GPU."""
+    """LONGEST_FIRST's files first (each file's tests keep their order); skip tests marked
+    ``gpu`` unless JAX's default device is a GPU."""
+    def rank(item) -> int:
+        path = SAME_WORKER.get(f"tests/{item.path.name}", f"tests/{item.path.name}")
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
