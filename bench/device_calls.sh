@@ -88,6 +88,12 @@ decode_host() {
     "$OUT/decode_b1.prof" > "$OUT/decode_b1_prof.txt"
 }
 
+# The any-decay diagonal kernel's tilings (heads a program x warps) at 8K, before the case.
+kda_diagonal() {
+  run_logged kda_diagonal_sweep 540 python3 -m bench.kda_kernel --sweep any --sweep-case 8K \
+    --cases 8K --pass-cases '' --out "$OUT/kda_kernel_diagonal_sweep_8K.json"
+}
+
 kda_full() {
   run_logged kda_kernel_full 540 python3 -m bench.kda_kernel --cases 8K,32K,4x8K \
     --unfused-output --out "$OUT/kda_kernel.json"
@@ -118,7 +124,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup verify conv kimi_step kimi_ttft decode_host decode kda_full ncu_kda kimi_schedule
+STEPS="setup verify kda_diagonal conv kimi_step kimi_ttft decode_host decode kda_full ncu_kda kimi_schedule
 kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then

@@ -2,6 +2,8 @@
 
     python -m bench.kda_kernel                      # the three standard cases
     python -m bench.kda_kernel --sweep              # also time every tiling at 32K tokens
+    python -m bench.kda_kernel --sweep any --sweep-case 8K --cases 8K
+                                                    # the any-decay tilings at 8K
     python -m bench.kda_kernel --pass-cases 32K     # time the passes alone at 32K only
     python -m bench.kda_kernel --heads 16 --cases 32K --segments 1,3,4,8
                                                     # the segment-parallel scan (issue 20)
@@ -253,14 +255,22 @@ def run_case(name, lens, config, args, bandwidth):
 
 
 def sweep_configs(base: KernelConfig):
-    """The selected tiling, then one change at a time: the prep pass's warps and key slice,
-    W/U's warps, the scan's value block (16: twice the programs, 190 registers at 8 warps
-    on sm_90, untimed so far)."""
-    yield base
+    """(tiling, gate lower bound) pairs: the selected tiling on the bounded path, then one
+    change at a time: the prep pass's warps and key slice, W/U's warps, the scan's value
+    block (16: twice the programs, 190 registers at 8 warps on sm_90, untimed so far);
+    then the any-decay path at the selected tiling and at the diagonal kernel's other
+    (heads a program, warps) pairs."""
+    yield base, GATE_LOWER_BOUND
     for warps, block_k in ((4, 16), (1, 16), (2, 8), (2, 32), (4, 32)):
-        yield dataclasses.replace(base, prep_num_warps=warps, prep_block_k=block_k)
-    yield dataclasses.replace(base, w_u_num_warps=4)
-    yield dataclasses.replace(base, block_v=16)
+        yield dataclasses.replace(base, prep_num_warps=warps, prep_block_k=block_k), GATE_LOWER_BOUND
+    yield dataclasses.replace(base, w_u_num_warps=4), GATE_LOWER_BOUND
+    yield dataclasses.replace(base, block_v=16), GATE_LOWER_BOUND
+    yield base, None
+    for heads in (1, 2, 4, 8):
+        for warps in (1, 2, 4):
+            if (heads, warps) != (base.diagonal_heads, base.diagonal_num_warps):
+                yield dataclasses.replace(base, diagonal_heads=heads,
+                                          diagonal_num_warps=warps), None
 
 
 def print_table(results):
@@ -318,7 +328,10 @@ def main(argv=None):
                         help="CPU smoke run: the quick case, 2 heads of 32, one sample")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--samples", type=int, default=7)
-    parser.add_argument("--sweep", action="store_true", help="time every tiling at 32K")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=("all", "bounded", "any"),
+                        help="also time the tilings of `sweep_configs` at --sweep-case, on "
+                        "both gate paths or one")
+    parser.add_argument("--sweep-case", default="32K", choices=sorted(CASES))
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--pass-cases", default="8K,32K,4x8K",
                         help="cases whose passes are also timed alone (a minute of compiles each)")
@@ -338,21 +351,26 @@ def main(argv=None):
     print(f"device {device.device_kind}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     sweep = []
     if args.sweep:
-        lens = CASES["32K"]
+        lens = CASES[args.sweep_case]
         inputs = make_inputs(lens)
         offsets = snapshot_offsets(lens, 4)
-        base = select_config(spec, num_seqs=1, num_heads=HEADS, head_k=HEAD_K, head_v=HEAD_V)
-        for config in sweep_configs(base):
-            fn = jax.jit(lambda i, off, c=config: kda_prefill(
-                **i, checkpoint_offsets=off, config=c, gate_lower_bound=GATE_LOWER_BOUND))
+        base = select_config(spec, num_seqs=1, num_heads=HEADS, head_k=HEAD_K, head_v=HEAD_V,
+                             num_tokens=sum(lens))
+        for config, bound in sweep_configs(base):
+            if args.sweep != "all" and (bound is None) != (args.sweep == "any"):
+                continue
+            fn = jax.jit(lambda i, off, c=config, b=bound: kda_prefill(
+                **i, checkpoint_offsets=off, config=c, gate_lower_bound=b))
             try:
                 ms = time_calls(lambda fn=fn: fn(inputs, offsets), jax.block_until_ready,
                                 iters=5, samples=3)[0]
             except Exception as error:  # a tiling that fails to compile is reported
                 print(f"{config}: failed: {type(error).__name__}: {str(error)[:200]}")
                 ms = None
-            sweep.append(dict(config=dataclasses.asdict(config), ms_32k=ms))
-            print(f"sweep {config}: {ms} ms")
+            gate = "bounded" if bound is not None else "any decay"
+            sweep.append(dict(config=dataclasses.asdict(config), gate=gate,
+                              case=args.sweep_case, ms=ms))
+            print(f"sweep {args.sweep_case} {gate} {config}: {ms} ms")
             write_results(args.out, args, device, bandwidth, [], sweep)
 
     results = []

@@ -45,6 +45,7 @@ class KernelConfig:
     prep_block_k: int = 16      # key columns per slice of the prep program (a loop)
     w_u_num_warps: int = 8      # prep: W and U per chunk
     diagonal_num_warps: int = 1  # prep, any-decay path: the diagonal blocks, a row a program
+    diagonal_heads: int = 4      # heads a diagonal program takes (their gcd with H is used)
     output_block_v: int = 128   # value columns per output program
     output_num_warps: int = 4
     output_num_stages: int = 1

@@ -169,6 +169,13 @@ class KdaKernelCases:
         for name, out, ref in zip(OUTPUT_NAMES, outputs, oracle, strict=True):
             assert relative_error(out, ref) < 1e-5, name
 
+    @pytest.mark.parametrize("diagonal_heads", [2, 4])
+    def test_head_groups_of_the_diagonal(self, rng, diagonal_heads):
+        """Six heads: the any-decay diagonal runs three (or two, the gcd) head groups a row."""
+        inputs = make_inputs(rng, [77, 130], heads=6, head_k=32, head_v=32, padding=9)
+        config = KernelConfig(block_v=32, diagonal_heads=diagonal_heads)
+        self.check_against_recurrence(inputs, 1e-5, config=config)
+
     def test_chunk_size_32(self, rng):
         self.check_against_recurrence(make_inputs(rng, [100, 33]), 1e-5, chunk_size=32)
 
