@@ -150,6 +150,17 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
         def row_of(x, row):
             return jnp.sum(jnp.where(sub_row == row, x, 0.0), axis=0, keepdims=True)
 
+        top = iota((2 * SUB_CHUNK, 1), 0) < SUB_CHUNK
+
+        def stacked(x):
+            """[16, N] -> [32, N]: x over x."""
+            return jnp.broadcast_to(x[None], (2, *x.shape)).reshape(2 * SUB_CHUNK, x.shape[1])
+
+        def half(x, index):
+            """[32, N] -> its top (0) or bottom (1) [16, N] rows."""
+            x = x.reshape(2, SUB_CHUNK, x.shape[1])
+            return jnp.sum(jnp.where(iota(x.shape, 0) == index, x, 0.0), axis=0)
+
         # Blocks (b, c) of Aqk and L accumulated over key slices: below the diagonal, and
         # the diagonal too when gates are bounded.
         pairs = [(b, c) for b in range(blocks) for c in range(b + 1) if bounded or c < b]
@@ -160,12 +171,12 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
             formed it from G itself), its part of every
             block pair added to `sums` (tuples of [16, 16], Aqk's then L's, as `pairs`).
             A loop, not unrolled: the kernel's code stays small."""
-            a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
+            a_blk = dict(zip(pairs, sums))
 
-            def accumulate(b, c, q_rows, k_rows, keys):
-                """Block b's decayed q and k rows against block c's decayed `keys`."""
-                a_blk[b, c] += dot_nt(q_rows, keys, precision)
-                l_blk[b, c] += dot_nt(k_rows, keys, precision)
+            def accumulate(b, c, qk_rows, keys):
+                """Block b's decayed q rows over its k rows ([32, BK]) against block c's
+                decayed `keys`: one [32, 16] product, a warp's 16 rows each."""
+                a_blk[b, c] += dot_nt(qk_rows, keys, precision)
 
             cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
             # Every exponent below comes from block-local cumsums ("rise": G minus G just
@@ -189,23 +200,25 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
                 store(qg_ref, b, scale * q_b * jnp.exp(g_b), cols)
                 store(kb_ref, b, load(beta_ref, b) * k_b * jnp.exp(g_b), cols)
                 store(kg_ref, b, k_b * jnp.exp(after[b + 1] + total[b] - rise[b]), cols)
-                fall = jnp.exp(rise[b])
+                qk_b = jnp.where(top, stacked(q_b), stacked(k_b))  # [32, BK]: q_b over k_b
+                qk_fall = qk_b * stacked(jnp.exp(rise[b]))
                 for c in range(b):
                     # exp(G_i - G_j) = exp(G_i - E_c) exp(E_c - G_j), both factors <= 1.
-                    gap = fall if c == b - 1 else fall * jnp.exp(sum(total[c + 1:b]))
-                    accumulate(b, c, q_b * gap, k_b * gap, k_fall[c])
+                    gap = qk_fall if c == b - 1 else qk_fall * jnp.exp(sum(total[c + 1:b]))
+                    accumulate(b, c, gap, k_fall[c])
                 if bounded:
                     # Diagonal block, reference G at its middle row: both factors within
                     # exp(8 |b|) (~e^40 at b = -5), no overflow and no subnormal factor.
                     mid = row_of(rise[b], SUB_CHUNK // 2 - 1)
-                    centred = jnp.exp(rise[b] - mid)
-                    accumulate(b, b, q_b * centred, k_b * centred, k_b * jnp.exp(mid - rise[b]))
+                    centred = stacked(jnp.exp(rise[b] - mid))
+                    accumulate(b, b, qk_b * centred, k_b * jnp.exp(mid - rise[b]))
                 k_fall.append(k_b * jnp.exp(total[b] - rise[b]))
-            return tuple(a_blk[p] for p in pairs), tuple(l_blk[p] for p in pairs)
+            return tuple(a_blk[p] for p in pairs)
 
-        no_sums = (jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32),) * len(pairs)
-        sums = lax.fori_loop(0, q_ref.shape[-1] // block_k, key_slice, (no_sums, no_sums))
-        a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
+        no_sums = (jnp.zeros((2 * SUB_CHUNK, SUB_CHUNK), f32),) * len(pairs)
+        sums = lax.fori_loop(0, q_ref.shape[-1] // block_k, key_slice, no_sums)
+        a_blk = {p: half(x, 0) for p, x in zip(pairs, sums)}
+        l_blk = {p: half(x, 1) for p, x in zip(pairs, sums)}
 
         col = iota((1, SUB_CHUNK), 1)
         zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
