@@ -29,7 +29,8 @@ run_logged() {  # NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log
 }
 
 # The kernels built on the CPU since the last device session, on the GPU: the KDA conv on
-# q, k, v as three inputs, the token-parallel any-decay diagonal (f358a6c).
+# q, k, v as three inputs, the token-parallel any-decay diagonal (f358a6c; head groups and
+# a loop of last + 1 steps since c0773f4).
 verify() {
   run_logged pytest_gpu 540 python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_kda_conv.py tests/test_layers_kda.py tests/test_kda_kernel.py
@@ -88,9 +89,10 @@ decode_host() {
     "$OUT/decode_b1.prof" > "$OUT/decode_b1_prof.txt"
 }
 
-# The any-decay diagonal kernel's tilings (heads a program x warps) at 8K, before the case.
+# The any-decay diagonal kernel's tilings (heads a program x warps), then the bounded
+# path's prep / W/U / scan tilings (1-warp prep programs: no duplicated products), at 8K.
 kda_diagonal() {
-  run_logged kda_diagonal_sweep 540 python3 -m bench.kda_kernel --sweep any --sweep-case 8K \
+  run_logged kda_diagonal_sweep 540 python3 -m bench.kda_kernel --sweep all --sweep-case 8K \
     --cases 8K --pass-cases '' --out "$OUT/kda_kernel_diagonal_sweep_8K.json"
 }
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.kda_kernel import main
+from bench.kda_kernel import GATE_LOWER_BOUND, main, sweep_configs
 from pallas_kernels.kda_traffic import GB10_BANDWIDTH, traffic_summary
 from pallas_kernels.tuning import KernelConfig
 
@@ -25,6 +25,18 @@ def test_quick_run_times_segment_counts_and_writes_json(tmp_path):
     tokens_heads = sum(result["lens"]) * 2
     assert traffic["gb10_ms_at_273GBs"] == pytest.approx(
         traffic["total_bytes_per_token_head"] * tokens_heads / GB10_BANDWIDTH * 1e3)
+
+
+def test_sweep_covers_the_diagonal_tilings_then_the_bounded_path():
+    """Any decay at every (heads, warps) pair of the diagonal kernel, the selected tiling
+    first; the bounded path from the selected tiling; no pair twice."""
+    base = KernelConfig()
+    pairs = list(sweep_configs(base))
+    assert pairs[0] == (base, None) and (base, GATE_LOWER_BOUND) in pairs
+    assert len(set(pairs)) == len(pairs)
+    diagonal = {(c.diagonal_heads, c.diagonal_num_warps) for c, bound in pairs if bound is None}
+    assert diagonal == {(h, w) for h in (1, 2, 4, 8) for w in (1, 2, 4)}
+    assert all(bound in (None, GATE_LOWER_BOUND) for _, bound in pairs)
 
 
 def test_bytes_per_token_head_by_hand():
