@@ -152,6 +152,17 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
 
         top = iota((2 * SUB_CHUNK, 1), 0) < SUB_CHUNK
 
+        row32 = iota((2 * SUB_CHUNK, 1), 0) % SUB_CHUNK
+
+        def stacked_load(b, cols):
+            """Block b's q rows over its k rows, [32, BK] fp32, by two masked gathers."""
+            index = r0 + b * SUB_CHUNK + row32                              # [32, 1]
+            valid = (row32 + b * SUB_CHUNK) < clen
+            at = (index, h, cols.start + iota((1, cols.size), 1))
+            q_part = plgpu.load(q_ref.at[at], mask=valid & top, other=0)
+            k_part = plgpu.load(k_ref.at[at], mask=valid & ~top, other=0)
+            return (q_part + k_part).astype(f32)
+
         def stacked(x):
             """[16, N] -> [32, N]: x over x."""
             return jnp.broadcast_to(x[None], (2, *x.shape)).reshape(2 * SUB_CHUNK, x.shape[1])
@@ -200,7 +211,7 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
                 store(qg_ref, b, scale * q_b * jnp.exp(g_b), cols)
                 store(kb_ref, b, load(beta_ref, b) * k_b * jnp.exp(g_b), cols)
                 store(kg_ref, b, k_b * jnp.exp(after[b + 1] + total[b] - rise[b]), cols)
-                qk_b = jnp.where(top, stacked(q_b), stacked(k_b))  # [32, BK]: q_b over k_b
+                qk_b = stacked_load(b, cols)  # [32, BK]: q_b over k_b
                 qk_fall = qk_b * stacked(jnp.exp(rise[b]))
                 for c in range(b):
                     # exp(G_i - G_j) = exp(G_i - E_c) exp(E_c - G_j), both factors <= 1.
