@@ -267,7 +267,7 @@ def sweep_configs(base: KernelConfig):
                 yield dataclasses.replace(base, diagonal_heads=heads,
                                           diagonal_num_warps=warps), None
     yield base, GATE_LOWER_BOUND
-    for warps, block_k in ((4, 16), (1, 16), (2, 8), (2, 32), (4, 32)):
+    for warps, block_k in ((4, 16), (1, 16), (1, 8), (2, 8), (2, 32), (4, 32)):
         yield dataclasses.replace(base, prep_num_warps=warps, prep_block_k=block_k), GATE_LOWER_BOUND
     yield dataclasses.replace(base, w_u_num_warps=4), GATE_LOWER_BOUND
     yield dataclasses.replace(base, block_v=16), GATE_LOWER_BOUND

@@ -32,6 +32,11 @@ one compiled without command buffers (`traceable`): the same kernels, each launc
 its own, so it may launch slower than the timed step. Hence both the summed kernel time
 ("busy") and the device span are reported, beside the timed step.
 
+Per category the summary keeps the ops with the most time (`top_ops_ms`, op paths with the
+layers' numeric suffixes dropped) and, for each, its launches and the HLO ops (fusions)
+that ran it (`top_ops`): "decoder_block/add" alone does not say whether the residual add
+ran on its own or fused into a norm.
+
 Categories come from the `jax.named_scope`s in the op path (`SCOPES`), the first rule that
 matches wins; a kernel outside them is a projection if it is a matrix product (`GEMM_MARKS`
 in its kernel or HLO op name) and "other" otherwise (norms, convolution, gates, routing
@@ -70,7 +75,8 @@ CATEGORIES = ("moe", "shared_experts", "mla_attention", "dsa_indexer", "kda_kern
 # calls), XLA's Triton GEMM fusions, jax's "dot_general".
 GEMM_MARKS = ("gemm", "dot", "matmul", "cublas", "nvjet", "xmma", "cutlass")
 GPU_PROCESS = "/device:GPU"
-TOP_OPS = 8  # per category, the ops with the most device time (`top_ops_ms`)
+TOP_OPS = 12  # per category, the ops with the most device time (`top_ops_ms`)
+HLO_OPS_SHOWN = 3  # per top op, the HLO ops (fusions) that ran it, most time first
 
 
 class KernelEvent(NamedTuple):
@@ -256,13 +262,23 @@ def summarize(events: Sequence[KernelEvent], flops: dict[str, int] | None = None
     """
     rows = {c: {"ms": 0.0, "kernels": 0} for c in CATEGORIES}
     ops = {c: collections.Counter() for c in CATEGORIES}
+    launches = collections.Counter()  # (category, op label): kernels
+    fusions = collections.defaultdict(collections.Counter)  # (category, label): HLO op ms
     for e in events:
-        category = categorize(e)
+        category, label = categorize(e), _op_label(e)
         rows[category]["ms"] += e.duration_us / 1e3
         rows[category]["kernels"] += 1
-        ops[category][_op_label(e)] += e.duration_us / 1e3
+        ops[category][label] += e.duration_us / 1e3
+        launches[category, label] += 1
+        fusions[category, label][re.sub(r"\.\d+$", "", e.hlo_op or e.name)] += e.duration_us / 1e3
     for category, row in rows.items():
-        row["top_ops_ms"] = dict(ops[category].most_common(TOP_OPS))
+        top = ops[category].most_common(TOP_OPS)
+        row["top_ops_ms"] = dict(top)
+        # what the labels alone hide: how many launches, and which fusions ran an op
+        row["top_ops"] = {label: dict(
+            kernels=launches[category, label],
+            hlo_ops=[name for name, _ in fusions[category, label].most_common(HLO_OPS_SHOWN)])
+            for label, _ in top}
     busy_ms = sum(r["ms"] for r in rows.values())
     span_ms = (max(e.start_us + e.duration_us for e in events) - events[0].start_us) / 1e3 \
         if events else 0.0

@@ -4,7 +4,8 @@
 
 No GPU is needed. For each device the KDA prefill is lowered under an abstract mesh whose
 device kind is that GPU, with exactly the `KernelConfig` the runtime picks for it, at the
-real shapes (H = 32 and 64, K = V = 128, capacity 4, bf16 inputs), on both gate paths
+real shapes (H = 32 and 64, compiled once per distinct config; K = V = 128, capacity 4,
+bf16 inputs), on both gate paths
 (bounded, as GLM's gate, and any decay, as Kimi's), and the segment-parallel scan's two
 kernels (`kda_segment_*`) at 16 heads and one 32K-token prompt with the config the runtime
 picks there (`segment_config`; 4 segments where it keeps the plain scan, as on GB10); the
@@ -267,25 +268,33 @@ def lower_gmm(spec: DeviceSpec, gemm: GemmSpec,
 
 
 def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> list[KernelReport]:
+    """Compile every kernel for each device in `names`. The KDA prefill kernels (and the
+    conv) compile once per distinct `KernelConfig` the runtime picks over `heads`: heads
+    are a grid axis, and at another head count with the same config only the row stride
+    differs (identical registers and spills; `check_devices` of every head count before
+    the twelfth session)."""
     reports = []
     for name in names:
         spec = KNOWN_DEVICES[name]
+        compiled_configs = set()
         for num_heads in heads:
             modules = {}  # by name: the two gate paths share the scan and output kernels
-            for bounded in (True, False):
-                for module in lower_kda_prefill(spec, num_heads, bounded_gates=bounded):
-                    modules.setdefault(module.name, module)
-            # The runtime's scan computes the output itself (`KernelConfig.fuse_output`);
-            # the alternative, a plain scan and the chunk-parallel output pass, too.
             picked = select_config(spec, num_seqs=1, num_heads=num_heads, head_k=HEAD_DIM,
                                    head_v=HEAD_DIM)
-            unfused = dataclasses.replace(picked, fuse_output=False)
-            for module in lower_kda_prefill(spec, num_heads, unfused, bounded_gates=True):
-                if module.name in ("kda_chunk_scan", "kda_chunk_output"):
-                    name = module.name.replace("scan", "scan_unfused")
-                    modules[name] = dataclasses.replace(module, name=name)
-            for module in lower_kda_conv(spec, num_heads):
-                modules.setdefault(module.name, module)
+            if picked not in compiled_configs:
+                compiled_configs.add(picked)
+                for bounded in (True, False):
+                    for module in lower_kda_prefill(spec, num_heads, bounded_gates=bounded):
+                        modules.setdefault(module.name, module)
+                # The runtime's scan computes the output itself (`KernelConfig.fuse_output`);
+                # the alternative, a plain scan and the chunk-parallel output pass, too.
+                unfused = dataclasses.replace(picked, fuse_output=False)
+                for module in lower_kda_prefill(spec, num_heads, unfused, bounded_gates=True):
+                    if module.name in ("kda_chunk_scan", "kda_chunk_output"):
+                        name = module.name.replace("scan", "scan_unfused")
+                        modules[name] = dataclasses.replace(module, name=name)
+                for module in lower_kda_conv(spec, num_heads):
+                    modules.setdefault(module.name, module)
             for rows in DECODE_ROWS:
                 for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)

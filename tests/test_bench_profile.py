@@ -91,6 +91,10 @@ def test_gpu_trace_kernels_are_stream_events_attributed_by_scope():
     assert summary["mfu"]["peak_busy"] == pytest.approx(1.1e12 / 0.78e-3 / 989e12)
     assert summary["mfu"]["measured_matmul_span"] == pytest.approx(1.1e12 / 0.74e-3 / 790e12)
     assert summary["mfu"]["peak_step"] is None  # no timed step given
+    # each top op with its launches and the fusions that ran it (numeric suffixes dropped)
+    assert summary["categories"]["mhc"]["top_ops"] == {
+        "decoder_block/mhc_write/add": {"kernels": 1, "hlo_ops": ["loop_add_fusion"]}}
+    assert summary["categories"]["other"]["top_ops"]["MemcpyD2D"]["hlo_ops"] == ["copy-start"]
 
 
 def test_category_rules():
