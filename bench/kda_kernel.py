@@ -255,20 +255,26 @@ def run_case(name, lens, config, args, bandwidth):
 
 
 def sweep_configs(base: KernelConfig):
-    """(tiling, gate lower bound) pairs: the any-decay path at the selected tiling and at
-    the diagonal kernel's other (heads a program, warps) pairs; then the bounded path at
-    the selected tiling and one change at a time: the prep pass's warps and key slice, W/U's
-    warps, the scan's value block (16: twice the programs, 190 registers at 8 warps on
-    sm_90, untimed so far)."""
+    """(tiling, gate lower bound) pairs: on the any-decay path the selected tiling, the
+    diagonal kernel's other (heads a program, warps) pairs and the prep pass's products by
+    row block (`prep_wide_keys`) at 2 and 4 warps; then on the bounded path the selected
+    tiling and one change at a time: the prep pass's warps and key slice, its products by
+    row block, W/U's warps, the scan's value block (16: twice the programs, 190 registers
+    at 8 warps on sm_90, untimed so far)."""
+    wide = [dataclasses.replace(base, prep_wide_keys=True, prep_num_warps=warps,
+                                prep_block_k=block_k)
+            for warps, block_k in ((4, 8), (4, 16), (2, 8))]
     yield base, None
     for heads in (1, 2, 4, 8):
         for warps in (1, 2, 4):
             if (heads, warps) != (base.diagonal_heads, base.diagonal_num_warps):
                 yield dataclasses.replace(base, diagonal_heads=heads,
                                           diagonal_num_warps=warps), None
+    yield from ((config, None) for config in wide)
     yield base, GATE_LOWER_BOUND
     for warps, block_k in ((4, 16), (1, 16), (1, 8), (2, 8), (2, 32), (4, 32)):
         yield dataclasses.replace(base, prep_num_warps=warps, prep_block_k=block_k), GATE_LOWER_BOUND
+    yield from ((config, GATE_LOWER_BOUND) for config in wide)
     yield dataclasses.replace(base, w_u_num_warps=4), GATE_LOWER_BOUND
     yield dataclasses.replace(base, block_v=16), GATE_LOWER_BOUND
 

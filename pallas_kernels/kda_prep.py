@@ -112,7 +112,8 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref,
 
 
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_ref, g_ref,
-                       beta_ref, *refs, scale, chunk, block_k, precision, bounded):
+                       beta_ref, *refs, scale, chunk, block_k, precision, bounded,
+                       wide_keys):
     """One chunk of one head: G (fp32, stored only where `snapshot_ref` [S] marks the
     slot), Qg, Kg, Aqk (scaled), beta k exp(G) and T = (I + L)^-1 (the last five in the
     operand dtype), all by 16 x 16 blocks and key slices of `block_k` columns.
@@ -150,22 +151,30 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
         def row_of(x, row):
             return jnp.sum(jnp.where(sub_row == row, x, 0.0), axis=0, keepdims=True)
 
-        # Blocks (b, c) of Aqk and L accumulated over key slices: below the diagonal, and
-        # the diagonal too when gates are bounded.
+        # Blocks (b, c) of Aqk and L: below the diagonal, and on it when gates are bounded.
         pairs = [(b, c) for b in range(blocks) for c in range(b + 1) if bounded or c < b]
+        # wide_keys: row block b against every key row of the chunk at once ([16, C]
+        # products, the columns of blocks > b unused), so that the warps split each
+        # product along its columns; otherwise one [16, 16] product per pair, which every
+        # warp of the program runs in full (a [16, 16] tile is one warp's).
+        accumulators = ([b for b in range(blocks) if bounded or b] if wide_keys else pairs)
+        width = chunk if wide_keys else SUB_CHUNK
+        chunk_rows = pl.ds(r0, chunk)
+        chunk_valid = iota((chunk, 1), 0) < clen
+        blk = iota((chunk, 1), 0) // SUB_CHUNK
 
         def key_slice(index, sums):
             """One slice of `block_k` key columns: G, Qg, Kg and beta k exp(G) stored (the
             last is W's right-hand side, in the operation order `_w_u_kernel` used when it
-            formed it from G itself), its part of every
-            block pair added to `sums` (tuples of [16, 16], Aqk's then L's, as `pairs`).
+            formed it from G itself), its part of every product added to `sums` (Aqk's
+            then L's, [16, width] per entry of `accumulators`).
             A loop, not unrolled: the kernel's code stays small."""
-            a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
+            a_acc, l_acc = (dict(zip(accumulators, part)) for part in sums)
 
-            def accumulate(b, c, q_rows, k_rows, keys):
-                """Block b's decayed q and k rows against block c's decayed `keys`."""
-                a_blk[b, c] += dot_nt(q_rows, keys, precision)
-                l_blk[b, c] += dot_nt(k_rows, keys, precision)
+            def accumulate(at, q_rows, k_rows, keys):
+                """Decayed q and k rows of a block against decayed `keys`."""
+                a_acc[at] += dot_nt(q_rows, keys, precision)
+                l_acc[at] += dot_nt(k_rows, keys, precision)
 
             cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
             # Every exponent below comes from block-local cumsums ("rise": G minus G just
@@ -177,6 +186,13 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
                 before.append(before[-1] + total[c])
                 after.insert(0, after[0] + total[blocks - 1 - c])
             glast_ref[pl.ds(slot, 1), h, cols] = before[-1]
+            if wide_keys:  # every key row at once: k_j exp(E_c - G_j), E_c as below
+                k_all = load_rows(k_ref, chunk_rows, h, chunk_valid, cols)  # [C, BK]
+                rise_all = lax.cumsum(
+                    load_rows(g_ref, chunk_rows, h, chunk_valid, cols).reshape(
+                        blocks, SUB_CHUNK, block_k), axis=1).reshape(chunk, block_k)
+                ends = sum(jnp.where(blk == c, total[c], 0.0) for c in range(blocks))
+                k_fall_all = k_all * jnp.exp(ends - rise_all)                # <= 1
             k_fall = []  # k_c exp(E_c - G_c), E_c = G at block c's last row: <= 1
             for b in range(blocks):
                 q_b, k_b = load(q_ref, b, cols), load(k_ref, b, cols)
@@ -190,22 +206,43 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
                 store(kb_ref, b, load(beta_ref, b) * k_b * jnp.exp(g_b), cols)
                 store(kg_ref, b, k_b * jnp.exp(after[b + 1] + total[b] - rise[b]), cols)
                 fall = jnp.exp(rise[b])
-                for c in range(b):
-                    # exp(G_i - G_j) = exp(G_i - E_c) exp(E_c - G_j), both factors <= 1.
+                # exp(G_i - G_j) = exp(G_i - E_c) exp(E_c - G_j) exp(the totals of the
+                # blocks between), every factor <= 1.
+                if wide_keys and b:
+                    between = sum(jnp.where(blk == c, jnp.exp(sum(total[c + 1:b], 0.0)), 0.0)
+                                  for c in range(b))
+                    accumulate(b, q_b * fall, k_b * fall, k_fall_all * between)
+                for c in range(b if not wide_keys else 0):
                     gap = fall if c == b - 1 else fall * jnp.exp(sum(total[c + 1:b]))
-                    accumulate(b, c, q_b * gap, k_b * gap, k_fall[c])
+                    accumulate((b, c), q_b * gap, k_b * gap, k_fall[c])
                 if bounded:
                     # Diagonal block, reference G at its middle row: both factors within
                     # exp(8 |b|) (~e^40 at b = -5), no overflow and no subnormal factor.
                     mid = row_of(rise[b], SUB_CHUNK // 2 - 1)
                     centred = jnp.exp(rise[b] - mid)
-                    accumulate(b, b, q_b * centred, k_b * centred, k_b * jnp.exp(mid - rise[b]))
-                k_fall.append(k_b * jnp.exp(total[b] - rise[b]))
-            return tuple(a_blk[p] for p in pairs), tuple(l_blk[p] for p in pairs)
+                    if wide_keys:
+                        keys = jnp.where(blk == b, k_all * jnp.exp(mid - rise_all), 0.0)
+                        accumulate(b, q_b * centred, k_b * centred, keys)
+                    else:
+                        accumulate((b, b), q_b * centred, k_b * centred,
+                                   k_b * jnp.exp(mid - rise[b]))
+                if not wide_keys:
+                    k_fall.append(k_b * jnp.exp(total[b] - rise[b]))
+            return tuple(a_acc.values()), tuple(l_acc.values())
 
-        no_sums = (jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32),) * len(pairs)
+        no_sums = (jnp.zeros((SUB_CHUNK, width), f32),) * len(accumulators)
         sums = lax.fori_loop(0, q_ref.shape[-1] // block_k, key_slice, (no_sums, no_sums))
-        a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
+        a_acc, l_acc = (dict(zip(accumulators, part)) for part in sums)
+        if wide_keys:
+            def column_block(x, c):
+                """Columns of block c of a [16, C] row block."""
+                x = x.reshape(SUB_CHUNK, blocks, SUB_CHUNK)
+                return jnp.sum(jnp.where(iota(x.shape, 1) == c, x, 0.0), axis=1)
+
+            a_blk = {(b, c): column_block(a_acc[b], c) for b, c in pairs}
+            l_blk = {(b, c): column_block(l_acc[b], c) for b, c in pairs}
+        else:
+            a_blk, l_blk = a_acc, l_acc
 
         col = iota((1, SUB_CHUNK), 1)
         zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
@@ -301,7 +338,8 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
     prep = pl.pallas_call(
         functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
                           block_k=min(config.prep_block_k, head_k),
-                          precision=matmul_precision(exact), bounded=bounded_gates),
+                          precision=matmul_precision(exact), bounded=bounded_gates,
+                          wide_keys=config.prep_wide_keys),
         out_shape=ChunkMatrices(
             _rows_of(q, chunk, inter), _rows_of(q, chunk, inter), _rows_of(q, head_k, inter),
             _rows_of(q, head_k, inter), _rows_of(q, head_k, f32),
