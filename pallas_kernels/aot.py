@@ -6,7 +6,8 @@ No GPU is needed. For each device the KDA prefill is lowered under an abstract m
 device kind is that GPU, with exactly the `KernelConfig` the runtime picks for it, at the
 real shapes (H = 32 and 64, compiled once per distinct config; K = V = 128, capacity 4,
 bf16 inputs), on both gate paths
-(bounded, as GLM's gate, and any decay, as Kimi's), and the segment-parallel scan's two
+(bounded, as GLM's gate, and any decay, as Kimi's; the prep pass also by row block,
+`prep_wide_keys`, as the sweep times it), and the segment-parallel scan's two
 kernels (`kda_segment_*`) at 16 heads and one 32K-token prompt with the config the runtime
 picks there (`segment_config`; 4 segments where it keeps the plain scan, as on GB10); the
 KDA decode kernel likewise, at 1 and 64 rows on a 256-slot pool, with the tiling the
@@ -295,6 +296,16 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                         modules[name] = dataclasses.replace(module, name=name)
                 for module in lower_kda_conv(spec, num_heads):
                     modules.setdefault(module.name, module)
+                # The prep pass's products by row block (`prep_wide_keys`, the sweep's
+                # candidate, off until timed) on both gate paths.
+                wide = dataclasses.replace(picked, prep_wide_keys=True, prep_num_warps=4,
+                                           prep_block_k=8)
+                for bounded in (True, False):
+                    for module in lower_kda_prefill(spec, num_heads, wide,
+                                                    bounded_gates=bounded):
+                        if module.name == "kda_chunk_prep":
+                            name = f"kda_chunk_prep_wide_{'bounded' if bounded else 'any'}"
+                            modules[name] = dataclasses.replace(module, name=name)
             for rows in DECODE_ROWS:
                 for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)

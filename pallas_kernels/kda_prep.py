@@ -113,7 +113,7 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref,
 
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_ref, g_ref,
                        beta_ref, *refs, scale, chunk, block_k, precision, bounded,
-                       wide_keys):
+                       wide_keys, relayout_precision):
     """One chunk of one head: G (fp32, stored only where `snapshot_ref` [S] marks the
     slot), Qg, Kg, Aqk (scaled), beta k exp(G) and T = (I + L)^-1 (the last five in the
     operand dtype), all by 16 x 16 blocks and key slices of `block_k` columns.
@@ -122,7 +122,8 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
     (g = 0 keeps G flat there, k = beta = 0 adds nothing). bounded: the diagonal blocks
     are formed here by matmul; otherwise they come from `_diagonal_kernel` (two more
     input refs, [T', H, 16]: the diagonal blocks of Aqk and of L). Either way T_bb is
-    inverted here.
+    inverted here. wide_keys: `KernelConfig.prep_wide_keys`; relayout_precision: the
+    product that carries its diagonal blocks into the substitution's layout.
     """
     if not bounded:
         diag_a_ref, diag_l_ref, *refs = refs
@@ -241,6 +242,12 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
 
             a_blk = {(b, c): column_block(a_acc[b], c) for b, c in pairs}
             l_blk = {(b, c): column_block(l_acc[b], c) for b, c in pairs}
+            # The diagonal blocks pass through a product with I at fp32 accuracy (3xTF32):
+            # the substitution below then runs in the product's layout (74 instructions a
+            # step at 4 warps, sm_90) instead of the extraction's (259).
+            eye = (iota((SUB_CHUNK, SUB_CHUNK), 0) == iota((SUB_CHUNK, SUB_CHUNK), 1)).astype(f32)
+            for b in range(blocks if bounded else 0):
+                l_blk[b, b] = dot(l_blk[b, b], eye, relayout_precision)
         else:
             a_blk, l_blk = a_acc, l_acc
 
@@ -339,7 +346,10 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
         functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
                           block_k=min(config.prep_block_k, head_k),
                           precision=matmul_precision(exact), bounded=bounded_gates,
-                          wide_keys=config.prep_wide_keys),
+                          wide_keys=config.prep_wide_keys,
+                          # 3xTF32 is the GPU's; the CPU's interpreter takes plain fp32
+                          relayout_precision=(lax.Precision.HIGHEST if exact or interpret else
+                                              lax.DotAlgorithmPreset.TF32_TF32_F32_X3)),
         out_shape=ChunkMatrices(
             _rows_of(q, chunk, inter), _rows_of(q, chunk, inter), _rows_of(q, head_k, inter),
             _rows_of(q, head_k, inter), _rows_of(q, head_k, f32),

@@ -23,6 +23,8 @@ def test_every_kernel_compiles_within_limits(device):
     assert prefill == {
         "kda_chunk_diagonal",
         "kda_chunk_prep",
+        "kda_chunk_prep_wide_bounded",
+        "kda_chunk_prep_wide_any",
         "kda_chunk_w_u",
         "kda_chunk_scan",
         "kda_chunk_scan_unfused",
