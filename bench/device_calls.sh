@@ -89,11 +89,14 @@ decode_host() {
     "$OUT/decode_b1.prof" > "$OUT/decode_b1_prof.txt"
 }
 
-# The any-decay diagonal kernel's tilings (heads a program x warps), then the bounded
-# path's prep / W/U / scan tilings (1-warp prep programs: no duplicated products), at 8K.
+# At 8K: the any-decay path at the diagonal kernel's tilings (heads a program x warps) and
+# with the prep's products by row block (prep_wide_keys), with the 8K case and fla beside
+# them; then the bounded path's prep / W/U / scan tilings, by row block among them.
 kda_diagonal() {
-  run_logged kda_diagonal_sweep 540 python3 -m bench.kda_kernel --sweep all --sweep-case 8K \
-    --cases 8K --pass-cases '' --out "$OUT/kda_kernel_diagonal_sweep_8K.json"
+  run_logged kda_sweep_any 420 python3 -m bench.kda_kernel --sweep any --sweep-case 8K \
+    --cases 8K --pass-cases '' --out "$OUT/kda_kernel_sweep_any_8K.json"
+  run_logged kda_sweep_bounded 360 python3 -m bench.kda_kernel --sweep bounded \
+    --sweep-case 8K --cases '' --out "$OUT/kda_kernel_sweep_bounded_8K.json"
 }
 
 kda_full() {

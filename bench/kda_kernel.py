@@ -346,9 +346,11 @@ def main(argv=None):
     HEADS = args.heads
     if args.quick:  # interpret mode: no fla; passes alone only with --pass-cases quick
         HEADS, HEAD_K, HEAD_V = QUICK_HEADS, QUICK_HEAD_DIM, QUICK_HEAD_DIM
-        args.cases, args.no_fla, args.iters, args.samples = "quick", True, 1, 1
+        args.no_fla, args.iters, args.samples = True, 1, 1
+        args.cases = "quick" if args.cases else ""  # --cases '': the sweep alone
         args.pass_cases = "quick" if args.pass_cases == "quick" else ""
-    for name in {*args.cases.split(","), *filter(None, args.pass_cases.split(","))} - set(CASES):
+    cases = list(filter(None, args.cases.split(",")))  # none: the sweep alone
+    for name in {*cases, *filter(None, args.pass_cases.split(","))} - set(CASES):
         parser.error(f"unknown case {name!r}: the cases are {', '.join(CASES)}")
 
     device = jax.devices()[0]
@@ -362,25 +364,32 @@ def main(argv=None):
         offsets = snapshot_offsets(lens, 4)
         base = select_config(spec, num_seqs=1, num_heads=HEADS, head_k=HEAD_K, head_v=HEAD_V,
                              num_tokens=sum(lens))
+        reference = jax.jit(lambda i, off: kda_prefill(**i, checkpoint_offsets=off,
+                                                       backend="reference"))(inputs, offsets)
         for config, bound in sweep_configs(base):
             if args.sweep != "all" and (bound is None) != (args.sweep == "any"):
                 continue
             fn = jax.jit(lambda i, off, c=config, b=bound: kda_prefill(
                 **i, checkpoint_offsets=off, config=c, gate_lower_bound=b))
+            errors = {}
             try:
                 ms = time_calls(lambda fn=fn: fn(inputs, offsets), jax.block_until_ready,
                                 iters=5, samples=3)[0]
+                # a fast tiling must also be right: its errors against the reference
+                errors = {out: relative_error(a, b) for out, a, b in
+                          zip(("o", "final_states", "snapshots"), fn(inputs, offsets), reference)}
             except Exception as error:  # a tiling that fails to compile is reported
                 print(f"{config}: failed: {type(error).__name__}: {str(error)[:200]}")
                 ms = None
             gate = "bounded" if bound is not None else "any decay"
             sweep.append(dict(config=dataclasses.asdict(config), gate=gate,
-                              case=args.sweep_case, ms=ms))
-            print(f"sweep {args.sweep_case} {gate} {config}: {ms} ms")
+                              case=args.sweep_case, ms=ms, relative_error_vs_reference=errors))
+            print(f"sweep {args.sweep_case} {gate} {config}: {ms} ms, errors "
+                  + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
             write_results(args.out, args, device, bandwidth, [], sweep)
 
     results = []
-    for name in args.cases.split(","):
+    for name in cases:
         lens = CASES[name]
         config = select_config(spec, num_seqs=len(lens), num_heads=HEADS, head_k=HEAD_K,
                                head_v=HEAD_V, num_tokens=sum(lens))

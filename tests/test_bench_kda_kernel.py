@@ -2,10 +2,12 @@
 segment-parallel scan are timed and checked against the jax.numpy oracle, and the bytes
 per token-head are reported; the byte count itself against a hand count."""
 
+import dataclasses
 import json
 
 import pytest
 
+from bench import kda_kernel
 from bench.kda_kernel import GATE_LOWER_BOUND, main, sweep_configs
 from pallas_kernels.kda_traffic import GB10_BANDWIDTH, traffic_summary
 from pallas_kernels.tuning import KernelConfig
@@ -39,6 +41,29 @@ def test_sweep_covers_the_diagonal_tilings_then_the_bounded_path():
     for bound in (None, GATE_LOWER_BOUND):  # the prep's products by row block on both paths
         assert any(c.prep_wide_keys for c, b in pairs if b == bound)
     assert all(bound in (None, GATE_LOWER_BOUND) for _, bound in pairs)
+
+
+@pytest.mark.slow  # ~20 s of CPU: two configs in interpret mode
+def test_quick_sweep_times_and_checks_each_config(tmp_path, monkeypatch):
+    """The sweep alone (`--cases ''`): every config of the chosen gate path timed and its
+    outputs checked against the reference."""
+    def two_configs(base):
+        yield base, None
+        yield dataclasses.replace(base, prep_wide_keys=True, prep_num_warps=4,
+                                  prep_block_k=8), None
+        yield base, GATE_LOWER_BOUND  # not the chosen path: skipped
+
+    monkeypatch.setattr(kda_kernel, "sweep_configs", two_configs)
+    path = tmp_path / "sweep.json"
+    main(["--quick", "--sweep", "any", "--sweep-case", "quick", "--cases", "", "--out",
+          str(path)])
+    result = json.loads(path.read_text())
+    assert result["results"] == []
+    assert [row["config"]["prep_wide_keys"] for row in result["sweep"]] == [False, True]
+    for row in result["sweep"]:
+        assert row["gate"] == "any decay" and row["ms"] > 0
+        assert set(row["relative_error_vs_reference"]) == {"o", "final_states", "snapshots"}
+        assert max(row["relative_error_vs_reference"].values()) < 1e-2, row
 
 
 def test_bytes_per_token_head_by_hand():
