@@ -29,6 +29,10 @@ section 2), in fully parallel programs (one per chunk slot and head):
      elementwise, one program per row and group of heads, with every exponent <= 0.
    T by blocks: T_bb = (I + L_bb)^-1 (by forward substitution on both paths),
    T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (fp32 values; TF32 products on the fast path).
+   `KernelConfig.prep_wide_keys` (off until timed) forms row block b's blocks by one
+   [16, BK] x [BK, C] product against all of the chunk's key rows instead of one
+   [16, 16] product per pair: a [16, 16] tile is one warp's, so every warp of the
+   program ran each pair's product in full.
 2. `_w_u_kernel`: W and U, two [C, C] x [C, *] matmuls per chunk.
 """
 
