@@ -13,11 +13,13 @@ from pallas_kernels import aot, aot_decode, triton_compile  # noqa: E402
 from pallas_kernels.tuning import GB10, H200, KernelConfig, estimate_shared_memory  # noqa: E402
 
 
-# Both devices at both presets' head counts: the prefill kernels compile once per distinct
-# config (the same at 32 and 64 heads), the decode kernels per head count.
-@pytest.mark.parametrize("device", ["gb10", "h200"])
-def test_every_kernel_compiles_within_limits(device):
-    heads = aot.HEAD_COUNTS
+# GB10, the deployment target, at both presets' head counts (the prefill kernels compile
+# once per distinct config, the same at 32 and 64 heads; the decode kernels per head
+# count); the H200 (where the `gpu` tests compile every kernel anyway) at one, to keep CI
+# within its time: the full check is `python -m pallas_kernels.aot`.
+@pytest.mark.parametrize("device, heads", [("gb10", aot.HEAD_COUNTS), ("h200", (32,))],
+                         ids=["gb10", "h200"])
+def test_every_kernel_compiles_within_limits(device, heads):
     reports = aot.check_devices([device], heads=heads)
     prefill = {r.kernel for r in reports if not r.kernel.startswith("kda_decode")}
     assert prefill == {

@@ -169,11 +169,11 @@ class KdaKernelCases:
         for name, out, ref in zip(OUTPUT_NAMES, outputs, oracle, strict=True):
             assert relative_error(out, ref) < 1e-5, name
 
-    @pytest.mark.parametrize("diagonal_heads", [2, 4])
-    def test_head_groups_of_the_diagonal(self, rng, diagonal_heads):
-        """Six heads: the any-decay diagonal runs three (or two, the gcd) head groups a row."""
+    def test_head_groups_of_the_diagonal(self, rng):
+        """Six heads, 4 asked a program: the any-decay diagonal runs their gcd, 2 heads, in
+        three groups a row."""
         inputs = make_inputs(rng, [77, 130], heads=6, head_k=32, head_v=32, padding=9)
-        config = KernelConfig(block_v=32, diagonal_heads=diagonal_heads)
+        config = KernelConfig(block_v=32, diagonal_heads=4)
         self.check_against_recurrence(inputs, 1e-5, config=config)
 
     @pytest.mark.parametrize("bound", [None, -5.0])
