@@ -1,4 +1,5 @@
-"""Every production Pallas kernel compiles for GB10 (sm_121) and H200 (sm_90) and fits.
+"""Every production Pallas kernel compiles for GB10 (sm_121) and fits; the grouped GEMM, the
+projection stream and the shared-memory model are checked for the H200 (sm_90) too.
 
 Runs on the CPU: the kernels are lowered under an abstract GPU mesh and compiled by the
 official Triton compiler for each target (see pallas_kernels/aot.py and
@@ -13,13 +14,12 @@ from pallas_kernels import aot, aot_decode, triton_compile  # noqa: E402
 from pallas_kernels.tuning import GB10, H200, KernelConfig, estimate_shared_memory  # noqa: E402
 
 
-# GB10, the deployment target, at both presets' head counts (the prefill kernels compile
-# once per distinct config, the same at 32 and 64 heads; the decode kernels per head
-# count); the H200 (where the `gpu` tests compile every kernel anyway) at one, to keep CI
-# within its time: the full check is `python -m pallas_kernels.aot`.
-@pytest.mark.parametrize("device, heads", [("gb10", aot.HEAD_COUNTS), ("h200", (32,))],
-                         ids=["gb10", "h200"])
-def test_every_kernel_compiles_within_limits(device, heads):
+# GB10, the deployment target with no GPU to test on, at both presets' head counts (the
+# prefill kernels compile once per distinct config, the same at 32 and 64 heads; the
+# decode kernels per head count). The H200's kernels are compiled by its `gpu` tests on the
+# device and by `python -m pallas_kernels.aot`; CI's 2 cores leave no room for them here.
+def test_every_kernel_compiles_within_limits():
+    device, heads = "gb10", aot.HEAD_COUNTS
     reports = aot.check_devices([device], heads=heads)
     prefill = {r.kernel for r in reports if not r.kernel.startswith("kda_decode")}
     assert prefill == {
