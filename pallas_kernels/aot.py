@@ -292,8 +292,8 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                 unfused = dataclasses.replace(picked, fuse_output=False)
                 for module in lower_kda_prefill(spec, num_heads, unfused, bounded_gates=True):
                     if module.name in ("kda_chunk_scan", "kda_chunk_output"):
-                        name = module.name.replace("scan", "scan_unfused")
-                        modules[name] = dataclasses.replace(module, name=name)
+                        renamed = module.name.replace("scan", "scan_unfused")
+                        modules[renamed] = dataclasses.replace(module, name=renamed)
                 for module in lower_kda_conv(spec, num_heads):
                     modules.setdefault(module.name, module)
                 # The prep pass's products by row block (`prep_wide_keys`, the sweep's
@@ -304,8 +304,8 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                     for module in lower_kda_prefill(spec, num_heads, wide,
                                                     bounded_gates=bounded):
                         if module.name == "kda_chunk_prep":
-                            name = f"kda_chunk_prep_wide_{'bounded' if bounded else 'any'}"
-                            modules[name] = dataclasses.replace(module, name=name)
+                            renamed = f"kda_chunk_prep_wide_{'bounded' if bounded else 'any'}"
+                            modules[renamed] = dataclasses.replace(module, name=renamed)
             for rows in DECODE_ROWS:
                 for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)

@@ -213,13 +213,14 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
                 fall = jnp.exp(rise[b])
                 # exp(G_i - G_j) = exp(G_i - E_c) exp(E_c - G_j) exp(the totals of the
                 # blocks between), every factor <= 1.
-                if wide_keys and b:
+                if not wide_keys:
+                    for c in range(b):
+                        gap = fall if c == b - 1 else fall * jnp.exp(sum(total[c + 1:b]))
+                        accumulate((b, c), q_b * gap, k_b * gap, k_fall[c])
+                elif b:
                     between = sum(jnp.where(blk == c, jnp.exp(sum(total[c + 1:b], 0.0)), 0.0)
                                   for c in range(b))
                     accumulate(b, q_b * fall, k_b * fall, k_fall_all * between)
-                for c in range(b if not wide_keys else 0):
-                    gap = fall if c == b - 1 else fall * jnp.exp(sum(total[c + 1:b]))
-                    accumulate((b, c), q_b * gap, k_b * gap, k_fall[c])
                 if bounded:
                     # Diagonal block, reference G at its middle row: both factors within
                     # exp(8 |b|) (~e^40 at b = -5), no overflow and no subnormal factor.
