@@ -117,6 +117,17 @@ ncu_kda() {
   ncu -i "$OUT/ncu_kda_8K.ncu-rep" --csv --page details > "$OUT/ncu_kda_8K.csv"
 }
 
+# Every kernel of one kda_prefill call (both gate paths) and of fla's chunk_kda (default,
+# safe_gate) at 8K, timed by ncu alone (one replay a kernel, no full set): each kernel's
+# time, grid, block, registers and instructions, to set ours against fla's kernel by kernel.
+kda_times() {
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+    run_logged kda_times 300 ncu --profile-from-start off -f -o "$OUT/kda_times_8K" \
+    --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes.sum \
+    python3 -m bench.kda_ncu --case 8K
+  ncu -i "$OUT/kda_times_8K.ncu-rep" --csv --page raw > "$OUT/kda_times_8K.csv"
+}
+
 dsa_schedule() {
   run_logged dsa_schedule_layers 240 python3 -m bench.dsa_schedule --model-layers 0 \
     --out "$OUT/dsa_schedule_layers.json"
@@ -129,7 +140,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup verify kda_diagonal conv kimi_step kimi_ttft decode_host decode kda_full ncu_kda kimi_schedule
+STEPS="setup verify kda_times kda_diagonal conv kimi_step kimi_ttft decode_host decode kda_full ncu_kda kimi_schedule
 kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then
