@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.tiles import iota
+from pallas_kernels.tiles import exp_function, iota
 
 
 class ConvTiling(NamedTuple):
@@ -69,7 +69,10 @@ def _kernel(cu_ref, seq_ref, pos_ref, x_ref, w_ref, hist_ref, out_ref, *, shape:
                 mask=before[:, None], other=0).astype(f32)
             tap = jnp.where(before[:, None], from_history, tap)
         acc = acc + tap * w_ref[j, pl.ds(head * dim, dim)][None, :]
-    y = jnp.where(valid[:, None], acc * jax.nn.sigmoid(acc), 0.0).astype(x_ref.dtype)
+    # SiLU as acc / (1 + exp(-acc)): in base 2 on the fast path, 9 SASS instructions an
+    # element where `acc * sigmoid(acc)` took 19 (sm_90).
+    exp = exp_function(x_ref.dtype == jnp.float32)
+    y = jnp.where(valid[:, None], acc / (1 + exp(-acc)), 0.0).astype(x_ref.dtype)
     if normalize:
         yf = y.astype(f32)
         y = (yf * jax.lax.rsqrt(jnp.sum(yf * yf, axis=1) + shape.l2_eps)[:, None]

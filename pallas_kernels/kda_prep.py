@@ -49,7 +49,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda_chunks import ChunkSlots, ChunkTensors
-from pallas_kernels.tiles import dot, dot_nt, iota, load_rows, matmul_precision, operand_dtype
+from pallas_kernels.tiles import (
+    dot,
+    dot_nt,
+    exp_function,
+    iota,
+    load_rows,
+    matmul_precision,
+    operand_dtype,
+)
 from pallas_kernels.tuning import KernelConfig
 
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tile a Triton dot accepts
@@ -74,7 +82,7 @@ def _invert_by_substitution(l_blk):
 
 
 def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref, l_ref, *,
-                     chunk, heads):
+                     chunk, heads, exp):
     """One row i of `heads` heads: its row of the sub-chunk's diagonal [16, 16] blocks of
     Aqk (inclusive, before scale) and of L (strict, before beta), stored at row i
     ([T', H, 16], fp32; column c is the sub-chunk's key row c).
@@ -102,7 +110,7 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref,
             a_row, l_row, decay = carry
             j = i - d
             decay = decay + jnp.where(d > 0, g_ref[j + 1, head, :], 0.0)  # g at row j + 1
-            k_dec = k_ref[j, head, :].astype(f32) * jnp.exp(jnp.minimum(decay, 0.0))
+            k_dec = k_ref[j, head, :].astype(f32) * exp(jnp.minimum(decay, 0.0))
             at = cols == last - d                                          # [1, 16]
             a_row = jnp.where(at, jnp.sum(q_i * k_dec, axis=1, keepdims=True), a_row)
             l_row = jnp.where(at & (d > 0), jnp.sum(k_i * k_dec, axis=1, keepdims=True),
@@ -117,7 +125,7 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref,
 
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_ref, g_ref,
                        beta_ref, *refs, scale, chunk, block_k, precision, bounded,
-                       wide_keys, relayout_precision):
+                       wide_keys, relayout_precision, exp):
     """One chunk of one head: G (fp32, stored only where `snapshot_ref` [S] marks the
     slot), Qg, Kg, Aqk (scaled), beta k exp(G) and T = (I + L)^-1 (the last five in the
     operand dtype), all by 16 x 16 blocks and key slices of `block_k` columns.
@@ -197,7 +205,7 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
                     load_rows(g_ref, chunk_rows, h, chunk_valid, cols).reshape(
                         blocks, SUB_CHUNK, block_k), axis=1).reshape(chunk, block_k)
                 ends = sum(jnp.where(blk == c, total[c], 0.0) for c in range(blocks))
-                k_fall_all = k_all * jnp.exp(ends - rise_all)                # <= 1
+                k_fall_all = k_all * exp(ends - rise_all)                # <= 1
             k_fall = []  # k_c exp(E_c - G_c), E_c = G at block c's last row: <= 1
             for b in range(blocks):
                 q_b, k_b = load(q_ref, b, cols), load(k_ref, b, cols)
@@ -207,33 +215,33 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
                 def _(b=b, g_b=g_b):
                     store(gcum_ref, b, g_b, cols)
 
-                store(qg_ref, b, scale * q_b * jnp.exp(g_b), cols)
-                store(kb_ref, b, load(beta_ref, b) * k_b * jnp.exp(g_b), cols)
-                store(kg_ref, b, k_b * jnp.exp(after[b + 1] + total[b] - rise[b]), cols)
-                fall = jnp.exp(rise[b])
+                store(qg_ref, b, scale * q_b * exp(g_b), cols)
+                store(kb_ref, b, load(beta_ref, b) * k_b * exp(g_b), cols)
+                store(kg_ref, b, k_b * exp(after[b + 1] + total[b] - rise[b]), cols)
+                fall = exp(rise[b])
                 # exp(G_i - G_j) = exp(G_i - E_c) exp(E_c - G_j) exp(the totals of the
                 # blocks between), every factor <= 1.
                 if not wide_keys:
                     for c in range(b):
-                        gap = fall if c == b - 1 else fall * jnp.exp(sum(total[c + 1:b]))
+                        gap = fall if c == b - 1 else fall * exp(sum(total[c + 1:b]))
                         accumulate((b, c), q_b * gap, k_b * gap, k_fall[c])
                 elif b:
-                    between = sum(jnp.where(blk == c, jnp.exp(sum(total[c + 1:b], 0.0)), 0.0)
+                    between = sum(jnp.where(blk == c, exp(sum(total[c + 1:b], 0.0)), 0.0)
                                   for c in range(b))
                     accumulate(b, q_b * fall, k_b * fall, k_fall_all * between)
                 if bounded:
                     # Diagonal block, reference G at its middle row: both factors within
                     # exp(8 |b|) (~e^40 at b = -5), no overflow and no subnormal factor.
                     mid = row_of(rise[b], SUB_CHUNK // 2 - 1)
-                    centred = jnp.exp(rise[b] - mid)
+                    centred = exp(rise[b] - mid)
                     if wide_keys:
-                        keys = jnp.where(blk == b, k_all * jnp.exp(mid - rise_all), 0.0)
+                        keys = jnp.where(blk == b, k_all * exp(mid - rise_all), 0.0)
                         accumulate(b, q_b * centred, k_b * centred, keys)
                     else:
                         accumulate((b, b), q_b * centred, k_b * centred,
-                                   k_b * jnp.exp(mid - rise[b]))
+                                   k_b * exp(mid - rise[b]))
                 if not wide_keys:
-                    k_fall.append(k_b * jnp.exp(total[b] - rise[b]))
+                    k_fall.append(k_b * exp(total[b] - rise[b]))
             return tuple(a_acc.values()), tuple(l_acc.values())
 
         no_sums = (jnp.zeros((SUB_CHUNK, width), f32),) * len(accumulators)
@@ -336,10 +344,11 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
     inter, f32 = operand_dtype(exact), jnp.float32
     num_slots = slots.start.shape[0]
     diagonal_blocks = ()
+    exp = exp_function(exact)
     if not bounded_gates:
         heads = math.gcd(q.shape[1], config.diagonal_heads)
         diagonal = pl.pallas_call(
-            functools.partial(_diagonal_kernel, chunk=chunk, heads=heads),
+            functools.partial(_diagonal_kernel, chunk=chunk, heads=heads, exp=exp),
             out_shape=(_rows_of(q, SUB_CHUNK, f32), _rows_of(q, SUB_CHUNK, f32)),
             grid=(num_slots * chunk, q.shape[1] // heads),
             compiler_params=_params(config.diagonal_num_warps),
@@ -351,7 +360,7 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
         functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
                           block_k=min(config.prep_block_k, head_k),
                           precision=matmul_precision(exact), bounded=bounded_gates,
-                          wide_keys=config.prep_wide_keys,
+                          wide_keys=config.prep_wide_keys, exp=exp,
                           # 3xTF32 is the GPU's; the CPU's interpreter takes plain fp32
                           relayout_precision=(lax.Precision.HIGHEST if exact or interpret else
                                               lax.DotAlgorithmPreset.TF32_TF32_F32_X3)),
