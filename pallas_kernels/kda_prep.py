@@ -52,7 +52,7 @@ from pallas_kernels.kda_chunks import ChunkSlots, ChunkTensors
 from pallas_kernels.tiles import (
     dot,
     dot_nt,
-    exp_function,
+    exp_base,
     iota,
     load_rows,
     matmul_precision,
@@ -82,7 +82,7 @@ def _invert_by_substitution(l_blk):
 
 
 def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref, l_ref, *,
-                     chunk, heads, exp):
+                     chunk, heads, base):
     """One row i of `heads` heads: its row of the sub-chunk's diagonal [16, 16] blocks of
     Aqk (inclusive, before scale) and of L (strict, before beta), stored at row i
     ([T', H, 16], fp32; column c is the sub-chunk's key row c).
@@ -96,6 +96,7 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref,
     """
     p, hb = pl.program_id(0), pl.program_id(1)
     slot, pos = p // chunk, p % chunk
+    scale, exp = base
     last = pos % SUB_CHUNK  # row i's place in its sub-chunk: keys j = i - d for d <= last
     head = pl.ds(hb * heads, heads)
     f32 = jnp.float32
@@ -110,7 +111,7 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref,
             a_row, l_row, decay = carry
             j = i - d
             decay = decay + jnp.where(d > 0, g_ref[j + 1, head, :], 0.0)  # g at row j + 1
-            k_dec = k_ref[j, head, :].astype(f32) * exp(jnp.minimum(decay, 0.0))
+            k_dec = k_ref[j, head, :].astype(f32) * exp(jnp.minimum(decay, 0.0) * scale)
             at = cols == last - d                                          # [1, 16]
             a_row = jnp.where(at, jnp.sum(q_i * k_dec, axis=1, keepdims=True), a_row)
             l_row = jnp.where(at & (d > 0), jnp.sum(k_i * k_dec, axis=1, keepdims=True),
@@ -125,7 +126,7 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref,
 
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_ref, g_ref,
                        beta_ref, *refs, scale, chunk, block_k, precision, bounded,
-                       wide_keys, relayout_precision, exp):
+                       wide_keys, relayout_precision, base):
     """One chunk of one head: G (fp32, stored only where `snapshot_ref` [S] marks the
     slot), Qg, Kg, Aqk (scaled), beta k exp(G) and T = (I + L)^-1 (the last five in the
     operand dtype), all by 16 x 16 blocks and key slices of `block_k` columns.
@@ -140,6 +141,9 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
     if not bounded:
         diag_a_ref, diag_l_ref, *refs = refs
     aqk_ref, t_ref, qg_ref, kg_ref, gcum_ref, glast_ref, kb_ref = refs
+    # Decays in the base of `exp` (`tiles.exp_base`): g is scaled as it loads, G back as
+    # it is stored.
+    g_scale, exp = base
     slot, h = pl.program_id(0), pl.program_id(1)
     r0 = chunk_start_ref[slot]
     clen = chunk_len_ref[slot]
@@ -192,17 +196,17 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
             cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
             # Every exponent below comes from block-local cumsums ("rise": G minus G just
             # before the block) and block totals, never from differences of whole-chunk G.
-            rise = [lax.cumsum(load(g_ref, c, cols), axis=0) for c in range(blocks)]
+            rise = [lax.cumsum(load(g_ref, c, cols) * g_scale, axis=0) for c in range(blocks)]
             total = [row_of(x, SUB_CHUNK - 1) for x in rise]             # [1, BK] each
             before, after = [0.0], [0.0]   # G just before block b; sum of g after block b
             for c in range(blocks):
                 before.append(before[-1] + total[c])
                 after.insert(0, after[0] + total[blocks - 1 - c])
-            glast_ref[pl.ds(slot, 1), h, cols] = before[-1]
+            glast_ref[pl.ds(slot, 1), h, cols] = before[-1] * (1 / g_scale)
             if wide_keys:  # every key row at once: k_j exp(E_c - G_j), E_c as below
                 k_all = load_rows(k_ref, chunk_rows, h, chunk_valid, cols)  # [C, BK]
                 rise_all = lax.cumsum(
-                    load_rows(g_ref, chunk_rows, h, chunk_valid, cols).reshape(
+                    g_scale * load_rows(g_ref, chunk_rows, h, chunk_valid, cols).reshape(
                         blocks, SUB_CHUNK, block_k), axis=1).reshape(chunk, block_k)
                 ends = sum(jnp.where(blk == c, total[c], 0.0) for c in range(blocks))
                 k_fall_all = k_all * exp(ends - rise_all)                # <= 1
@@ -213,7 +217,7 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
 
                 @pl.when(snapshot_ref[slot] != 0)  # the scan reads G only there
                 def _(b=b, g_b=g_b):
-                    store(gcum_ref, b, g_b, cols)
+                    store(gcum_ref, b, g_b * (1 / g_scale), cols)
 
                 store(qg_ref, b, scale * q_b * exp(g_b), cols)
                 store(kb_ref, b, load(beta_ref, b) * k_b * exp(g_b), cols)
@@ -344,11 +348,11 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
     inter, f32 = operand_dtype(exact), jnp.float32
     num_slots = slots.start.shape[0]
     diagonal_blocks = ()
-    exp = exp_function(exact)
+    base = exp_base(exact)
     if not bounded_gates:
         heads = math.gcd(q.shape[1], config.diagonal_heads)
         diagonal = pl.pallas_call(
-            functools.partial(_diagonal_kernel, chunk=chunk, heads=heads, exp=exp),
+            functools.partial(_diagonal_kernel, chunk=chunk, heads=heads, base=base),
             out_shape=(_rows_of(q, SUB_CHUNK, f32), _rows_of(q, SUB_CHUNK, f32)),
             grid=(num_slots * chunk, q.shape[1] // heads),
             compiler_params=_params(config.diagonal_num_warps),
@@ -360,7 +364,7 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
         functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
                           block_k=min(config.prep_block_k, head_k),
                           precision=matmul_precision(exact), bounded=bounded_gates,
-                          wide_keys=config.prep_wide_keys, exp=exp,
+                          wide_keys=config.prep_wide_keys, base=base,
                           # 3xTF32 is the GPU's; the CPU's interpreter takes plain fp32
                           relayout_precision=(lax.Precision.HIGHEST if exact or interpret else
                                               lax.DotAlgorithmPreset.TF32_TF32_F32_X3)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax.numpy as jnp
 from jax import lax
@@ -55,13 +56,23 @@ def matmul_precision(exact):
 LOG2_E = 1 / math.log(2)
 
 
-def exp_function(exact: bool):
-    """exp for fp32 tiles in a kernel. Exact: `jnp.exp`, which the Triton lowering makes
-    libdevice's `expf` (~1 ulp, ~9 SASS instructions an element on sm_90). Otherwise
-    exp2(x log2 e): libdevice's `exp2f` is one MUFU instruction, so 2 an element (relative
-    error ~2 ulp plus |x| times the product's rounding: ~1e-6 at |x| = 16); fla forms its
-    decays in base 2 likewise."""
-    return jnp.exp if exact else lambda x: jnp.exp2(x * LOG2_E)
+def exp_base(exact: bool) -> tuple[float, Callable]:
+    """(scale, exp) for exponentials in a kernel: exp(x) = exp(scale x) of the second,
+    so a kernel that multiplies its log-decays by `scale` once, as they load, forms every
+    decay with the second alone.
+
+    Exact: (1, `jnp.exp`), which the Triton lowering makes libdevice's `expf` (~1 ulp, ~9
+    SASS instructions an element on sm_90). Otherwise (log2 e, `jnp.exp2`): libdevice's
+    `exp2f` is one MUFU instruction (~2 ulp, plus |x| times the scaling's rounding: ~1e-6
+    relative at |x| = 16). fla forms its decays in base 2 likewise."""
+    return (1.0, jnp.exp) if exact else (LOG2_E, jnp.exp2)
+
+
+def exp_function(exact: bool) -> Callable:
+    """exp of natural-log arguments, through `exp_base` (2 instructions an element on the
+    fast path, the scaling included)."""
+    scale, exp = exp_base(exact)
+    return exp if scale == 1.0 else lambda x: exp(x * scale)
 
 
 def load_rows(ref, rows, head, valid, cols=slice(None)):
