@@ -63,22 +63,27 @@ from pallas_kernels.tuning import KernelConfig
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tile a Triton dot accepts
 
 
-def _invert_by_substitution(l_blk):
-    """(I + L)^-1 for a strictly lower triangular [16, 16] fp32 L, by forward substitution.
+def _invert_by_substitution(l_blocks):
+    """(I + L)^-1 for each strictly lower triangular [16, 16] fp32 L of `l_blocks`, by
+    forward substitution.
 
     X starts as I; step j subtracts L[:, j] x X[j, :] from every row (rows <= j are
     untouched, L being strictly lower), after which row j + 1 is final. A 16-step loop of
     elementwise updates in fp32: short code, no matmul rounding. The prep kernel's choice:
-    its code was 7,512 SASS instructions with products, 5,544 with this (sm_90).
+    its code was 7,512 SASS instructions with products, 5,544 with this (sm_90). The blocks
+    share one loop: their steps are independent, so each step's reductions overlap.
     """
-    rows, cols = iota(l_blk.shape, 0), iota(l_blk.shape, 1)
+    rows, cols = iota(l_blocks[0].shape, 0), iota(l_blocks[0].shape, 1)
 
-    def step(j, x):
-        l_col = jnp.sum(jnp.where(cols == j, l_blk, 0.0), axis=1, keepdims=True)  # [16, 1]
-        x_row = jnp.sum(jnp.where(rows == j, x, 0.0), axis=0, keepdims=True)      # [1, 16]
-        return x - l_col * x_row
+    def step(j, xs):
+        def update(l_blk, x):
+            l_col = jnp.sum(jnp.where(cols == j, l_blk, 0.0), axis=1, keepdims=True)  # [16, 1]
+            x_row = jnp.sum(jnp.where(rows == j, x, 0.0), axis=0, keepdims=True)      # [1, 16]
+            return x - l_col * x_row
+        return tuple(update(l_blk, x) for l_blk, x in zip(l_blocks, xs))
 
-    return lax.fori_loop(0, l_blk.shape[0], step, (rows == cols).astype(jnp.float32))
+    eye = (rows == cols).astype(jnp.float32)
+    return lax.fori_loop(0, rows.shape[0], step, (eye,) * len(l_blocks))
 
 
 def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref, l_ref, *,
@@ -270,11 +275,13 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
 
         col = iota((1, SUB_CHUNK), 1)
         zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
-        t = {}
+        betas = [load(beta_ref, b) for b in range(blocks)]                   # [16, 1] each
+        l_diag = [l_blk[b, b] if bounded else load(diag_l_ref, b) for b in range(blocks)]
+        t = dict(zip(((b, b) for b in range(blocks)), _invert_by_substitution(
+            [jnp.where(col < sub_row, beta_b * l_bb, 0.0) for beta_b, l_bb in zip(betas, l_diag)])))
         for b in range(blocks):
-            beta_b = load(beta_ref, b)                                       # [16, 1]
-            a_bb, l_bb = ((a_blk[b, b], l_blk[b, b]) if bounded else
-                          (load(diag_a_ref, b), load(diag_l_ref, b)))
+            beta_b = betas[b]
+            a_bb = a_blk[b, b] if bounded else load(diag_a_ref, b)
             for c in range(blocks):
                 a_bc = a_blk[b, c] if c < b else jnp.where(col <= sub_row, a_bb, 0.0)
                 store(aqk_ref, b, scale * a_bc if c <= b else zeros,
@@ -283,7 +290,6 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
             # pass's precision (TF32 products on the fast path, as fla's merge; IEEE when
             # exact). Emulated TF32 left the bf16 errors unchanged to three digits.
             l_row = {c: beta_b * l_blk[b, c] for c in range(b)}
-            t[b, b] = _invert_by_substitution(jnp.where(col < sub_row, beta_b * l_bb, 0.0))
             for c in range(b - 1, -1, -1):
                 coupled = sum(dot(l_row[m], t[m, c], precision) for m in range(c, b))
                 t[b, c] = -dot(t[b, b], coupled, precision)
