@@ -38,13 +38,13 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.kda_chunks import ChunkSlots, ChunkTensors, chunk_slots, pad_rows
 from pallas_kernels.kda_prep import chunk_prep
 from pallas_kernels.kda_segments import combine_segments, segment_chunks, segment_transitions
-from pallas_kernels.tiles import dot, dot_tn, iota, matmul_precision, operand_dtype
+from pallas_kernels.tiles import dot, dot_tn, exp_function, iota, matmul_precision, operand_dtype
 from pallas_kernels.tuning import KernelConfig
 
 
 def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_ref, u_ref,
                        kg_ref, gcum_ref, glast_ref, *refs, chunk, block_v, capacity, segments,
-                       precision, fused):
+                       precision, fused, exp):
     """One segment x head x value block: the chunk-to-chunk scan with snapshots.
 
     Program axis 0 is sequence n's segment s at n * segments + s; init_ref [N segments,
@@ -107,14 +107,14 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_r
                 k = load(k_ref, slice(None)).astype(jnp.float32)
                 g_at = jnp.sum(jnp.where(rows_c == local - 1, g_cum, 0.0), axis=0)  # [K]
                 before = rows_c < local
-                k_dec = jnp.where(before, k * jnp.exp(jnp.minimum(g_at[None, :] - g_cum, 0.0)),
+                k_dec = jnp.where(before, k * exp(jnp.minimum(g_at[None, :] - g_cum, 0.0)),
                                   0.0)
-                snap = jnp.exp(g_at)[:, None] * state + dot_tn(k_dec, v_new, precision)
+                snap = exp(g_at)[:, None] * state + dot_tn(k_dec, v_new, precision)
                 snap_ref[n, c, h, :, vcols] = snap
 
         g_last = glast_ref[first_slot + i, h, :]  # [K]
         kg = load(kg_ref, slice(None)).astype(operand)
-        return jnp.exp(g_last)[:, None] * state + dot_tn(kg, v_new.astype(operand), precision)
+        return exp(g_last)[:, None] * state + dot_tn(kg, v_new.astype(operand), precision)
 
     state = lax.fori_loop(first, end, body, init_ref[index, h, :, vcols])
 
@@ -176,7 +176,8 @@ def chunk_scan(tensors: ChunkTensors, k, slots: ChunkSlots, cu_seqlens, segment_
     scan = pl.pallas_call(
         functools.partial(_recurrence_kernel, chunk=config.chunk_size, block_v=block_v,
                           capacity=capacity, segments=segments,
-                          precision=matmul_precision(exact), fused=fused),
+                          precision=matmul_precision(exact), fused=fused,
+                          exp=exp_function(exact)),
         out_shape=(*per_chunk,
                    jax.ShapeDtypeStruct((num_seqs, num_heads, head_k, head_v), f32),
                    jax.ShapeDtypeStruct((num_seqs, capacity, num_heads, head_k, head_v), f32)),

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda_chunks import ChunkSlots, ChunkTensors
-from pallas_kernels.tiles import dot, dot_tn, iota, matmul_precision
+from pallas_kernels.tiles import dot, dot_tn, exp_function, iota, matmul_precision
 from pallas_kernels.tuning import KernelConfig
 
 
@@ -47,7 +47,7 @@ def segment_chunks(num_chunks, segment, segments: int):
 
 
 def _transition_kernel(cu_ref, first_slot_ref, init_ref, w_ref, u_ref, kg_ref, glast_ref,
-                       trans_ref, *, chunk, block_v, segments, precision):
+                       trans_ref, *, chunk, block_v, segments, precision, exp):
     """One column block of one segment's [A | B] for one head (segments 0..P-2).
 
     Column blocks below K / block_v are A's (from the identity, U ignored), the others
@@ -83,7 +83,7 @@ def _transition_kernel(cu_ref, first_slot_ref, init_ref, w_ref, u_ref, kg_ref, g
             v_new = u.astype(jnp.float32) - dot(w, x.astype(operand), precision)
             kg = plgpu.load(kg_ref.at[rows, h, :], mask=valid, other=0).astype(operand)
             g_last = glast_ref[first_slot + i, h, :]  # [K]
-            return (jnp.exp(g_last)[:, None] * x
+            return (exp(g_last)[:, None] * x
                     + dot_tn(kg, v_new.astype(operand), precision))
 
         trans_ref[index, h, :, pl.ds(j * block_v, block_v)] = lax.fori_loop(first, end, body,
@@ -99,7 +99,8 @@ def segment_transitions(tensors: ChunkTensors, slots: ChunkSlots, cu_seqlens, in
     num_seqs, segments, block_v = initial_states.shape[0], config.scan_segments, config.block_v
     transitions = pl.pallas_call(
         functools.partial(_transition_kernel, chunk=config.chunk_size, block_v=block_v,
-                          segments=segments, precision=matmul_precision(exact)),
+                          segments=segments, precision=matmul_precision(exact),
+                          exp=exp_function(exact)),
         out_shape=jax.ShapeDtypeStruct(
             (num_seqs * (segments - 1), num_heads, head_k, head_k + head_v), jnp.float32),
         grid=(num_seqs * (segments - 1), num_heads, (head_k + head_v) // block_v),
