@@ -256,9 +256,9 @@ def run_case(name, lens, config, args, bandwidth):
 
 def sweep_configs(base: KernelConfig):
     """(tiling, gate lower bound) pairs: on the any-decay path the selected tiling, the
-    diagonal kernel's other (heads a program, warps) pairs and the prep pass's products by
-    row block (`prep_wide_keys`) at 2 and 4 warps; then on the bounded path the selected
-    tiling and one change at a time: the prep pass's warps and key slice, its products by
+    diagonal kernel's other (heads a program, warps) pairs, the prep pass's products by
+    row block (`prep_wide_keys`) at 2 and 4 warps and its 8-column key slices; then on
+    the bounded path the selected tiling and one change at a time: the prep pass's warps and key slice, its products by
     row block, W/U's warps, the scan's value block (16: twice the programs, 190 registers
     at 8 warps on sm_90, untimed so far)."""
     wide = [dataclasses.replace(base, prep_wide_keys=True, prep_num_warps=warps,
@@ -271,6 +271,7 @@ def sweep_configs(base: KernelConfig):
                 yield dataclasses.replace(base, diagonal_heads=heads,
                                           diagonal_num_warps=warps), None
     yield from ((config, None) for config in wide)
+    yield dataclasses.replace(base, prep_block_k=8), None  # no spills at 2 warps (sm_90)
     yield base, GATE_LOWER_BOUND
     for warps, block_k in ((4, 16), (1, 16), (1, 8), (2, 8), (2, 32), (4, 32)):
         yield dataclasses.replace(base, prep_num_warps=warps, prep_block_k=block_k), GATE_LOWER_BOUND

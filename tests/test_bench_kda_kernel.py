@@ -40,6 +40,7 @@ def test_sweep_covers_the_diagonal_tilings_then_the_bounded_path():
     assert diagonal == {(h, w) for h in (1, 2, 4, 8) for w in (1, 2, 4)}
     for bound in (None, GATE_LOWER_BOUND):  # the prep's products by row block on both paths
         assert any(c.prep_wide_keys for c, b in pairs if b == bound)
+        assert any(c.prep_block_k == 8 and not c.prep_wide_keys for c, b in pairs if b == bound)
     assert all(bound in (None, GATE_LOWER_BOUND) for _, bound in pairs)
 
 
