@@ -214,7 +214,7 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
                     g_scale * load_rows(g_ref, chunk_rows, h, chunk_valid, cols).reshape(
                         blocks, SUB_CHUNK, block_k), axis=1).reshape(chunk, block_k)
                 ends = sum(jnp.where(blk == c, total[c], 0.0) for c in range(blocks))
-                k_fall_all = k_all * exp(ends - rise_all)                # <= 1
+                k_fall_all = k_all * exp(ends - rise_all)                    # <= 1
             k_fall = []  # k_c exp(E_c - G_c), E_c = G at block c's last row: <= 1
             for b in range(blocks):
                 q_b, k_b = load(q_ref, b, cols), load(k_ref, b, cols)
