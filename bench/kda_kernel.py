@@ -258,9 +258,9 @@ def sweep_configs(base: KernelConfig):
     """(tiling, gate lower bound) pairs: on the any-decay path the selected tiling, the
     diagonal kernel's other (heads a program, warps) pairs, the prep pass's products by
     row block (`prep_wide_keys`) at 2 and 4 warps and its 8-column key slices; then on
-    the bounded path the selected tiling and one change at a time: the prep pass's warps and key slice, its products by
-    row block, W/U's warps, the scan's value block (16: twice the programs, 190 registers
-    at 8 warps on sm_90, untimed so far)."""
+    the bounded path the selected tiling and one change at a time: the prep pass's warps
+    and key slice, its products by row block, W/U's warps, the scan's value block (16:
+    twice the programs, 190 registers at 8 warps on sm_90, untimed so far)."""
     wide = [dataclasses.replace(base, prep_wide_keys=True, prep_num_warps=warps,
                                 prep_block_k=block_k)
             for warps, block_k in ((4, 8), (4, 16), (2, 8))]
