@@ -53,6 +53,7 @@ from pallas_kernels.tiles import (
     dot,
     dot_nt,
     exp_base,
+    exp_function,
     iota,
     load_rows,
     matmul_precision,
@@ -87,7 +88,7 @@ def _invert_by_substitution(l_blocks):
 
 
 def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref, l_ref, *,
-                     chunk, heads, base):
+                     chunk, heads, exp):
     """One row i of `heads` heads: its row of the sub-chunk's diagonal [16, 16] blocks of
     Aqk (inclusive, before scale) and of L (strict, before beta), stored at row i
     ([T', H, 16], fp32; column c is the sub-chunk's key row c).
@@ -101,7 +102,6 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref,
     """
     p, hb = pl.program_id(0), pl.program_id(1)
     slot, pos = p // chunk, p % chunk
-    scale, exp = base
     last = pos % SUB_CHUNK  # row i's place in its sub-chunk: keys j = i - d for d <= last
     head = pl.ds(hb * heads, heads)
     f32 = jnp.float32
@@ -116,7 +116,7 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref,
             a_row, l_row, decay = carry
             j = i - d
             decay = decay + jnp.where(d > 0, g_ref[j + 1, head, :], 0.0)  # g at row j + 1
-            k_dec = k_ref[j, head, :].astype(f32) * exp(jnp.minimum(decay, 0.0) * scale)
+            k_dec = k_ref[j, head, :].astype(f32) * exp(jnp.minimum(decay, 0.0))
             at = cols == last - d                                          # [1, 16]
             a_row = jnp.where(at, jnp.sum(q_i * k_dec, axis=1, keepdims=True), a_row)
             l_row = jnp.where(at & (d > 0), jnp.sum(k_i * k_dec, axis=1, keepdims=True),
@@ -354,11 +354,11 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
     inter, f32 = operand_dtype(exact), jnp.float32
     num_slots = slots.start.shape[0]
     diagonal_blocks = ()
-    base = exp_base(exact)
     if not bounded_gates:
         heads = math.gcd(q.shape[1], config.diagonal_heads)
         diagonal = pl.pallas_call(
-            functools.partial(_diagonal_kernel, chunk=chunk, heads=heads, base=base),
+            functools.partial(_diagonal_kernel, chunk=chunk, heads=heads,
+                              exp=exp_function(exact)),
             out_shape=(_rows_of(q, SUB_CHUNK, f32), _rows_of(q, SUB_CHUNK, f32)),
             grid=(num_slots * chunk, q.shape[1] // heads),
             compiler_params=_params(config.diagonal_num_warps),
@@ -370,7 +370,7 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
         functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
                           block_k=min(config.prep_block_k, head_k),
                           precision=matmul_precision(exact), bounded=bounded_gates,
-                          wide_keys=config.prep_wide_keys, base=base,
+                          wide_keys=config.prep_wide_keys, base=exp_base(exact),
                           # 3xTF32 is the GPU's; the CPU's interpreter takes plain fp32
                           relayout_precision=(lax.Precision.HIGHEST if exact or interpret else
                                               lax.DotAlgorithmPreset.TF32_TF32_F32_X3)),
