@@ -116,6 +116,10 @@ class MLA(nnx.Module):
         if cache is not None:
             self._check_cache(cache.index_keys)
             prefix = read_prefix(cache, block_table, plan)
+            # The write below then follows the read: otherwise XLA may schedule it first and
+            # copies the whole pool (twice, in every MLA layer, every prefill step:
+            # `tests/test_layers_mla.py` counts them) to keep the old values for the read.
+            prefix, cache = lax.optimization_barrier((prefix, cache))
         y, new = self.attend(x, cu_seqlens, prefix, prefix_lens, plan=plan)
         if cache is not None:
             cache = write_prefill(cache, block_table, cu_seqlens, prefix_lens, new, plan)
