@@ -90,8 +90,8 @@ decode_host() {
 }
 
 # At 8K: the any-decay path at the diagonal kernel's tilings (heads a program x warps) and
-# with the prep's products by row block (prep_wide_keys), with the 8K case and fla beside
-# them; then the bounded path's prep / W/U / scan tilings, by row block among them.
+# the prep's key slices, with the 8K case and fla beside them; then the bounded path's
+# prep / W/U / scan tilings.
 kda_diagonal() {
   run_logged kda_sweep_any 420 python3 -m bench.kda_kernel --sweep any --sweep-case 8K \
     --cases 8K --pass-cases '' --out "$OUT/kda_kernel_sweep_any_8K.json"

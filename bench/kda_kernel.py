@@ -156,7 +156,7 @@ def time_passes(inputs, lens, config, timing):
                                                                         **flags))
     combine = jax.jit(lambda tr: kda_segments.combine_segments(init, tr, segments))
     scan = jax.jit(lambda t, s, states: kda_pallas.chunk_scan(t, k, s, cu, states, offsets,
-                                                              **flags))
+                                                              out_dtype=v.dtype, **flags))
     output = jax.jit(lambda t, e, vn, s: kda_pallas.chunk_output(t, e, vn, s,
                                                                  out_dtype=jnp.bfloat16,
                                                                  **flags))
@@ -256,26 +256,21 @@ def run_case(name, lens, config, args, bandwidth):
 
 def sweep_configs(base: KernelConfig):
     """(tiling, gate lower bound) pairs: on the any-decay path the selected tiling, the
-    diagonal kernel's other (heads a program, warps) pairs, the prep pass's products by
-    row block (`prep_wide_keys`) at 2 and 4 warps and its 8-column key slices; then on
-    the bounded path the selected tiling and one change at a time: the prep pass's warps
-    and key slice, its products by row block, W/U's warps, the scan's value block (16:
-    twice the programs, 190 registers at 8 warps on sm_90, untimed so far)."""
-    wide = [dataclasses.replace(base, prep_wide_keys=True, prep_num_warps=warps,
-                                prep_block_k=block_k)
-            for warps, block_k in ((4, 8), (4, 16), (2, 8))]
+    diagonal kernel's other (heads a program, warps) pairs and the prep pass's key slices
+    of 8 and 32 columns; then on the bounded path the selected tiling and one change at a
+    time: the prep pass's warps and key slice, W/U's warps, the scan's value block (16:
+    twice the programs, 190 registers at 8 warps on sm_90)."""
     yield base, None
     for heads in (1, 2, 4, 8):
         for warps in (1, 2, 4):
             if (heads, warps) != (base.diagonal_heads, base.diagonal_num_warps):
                 yield dataclasses.replace(base, diagonal_heads=heads,
                                           diagonal_num_warps=warps), None
-    yield from ((config, None) for config in wide)
-    yield dataclasses.replace(base, prep_block_k=8), None  # no spills at 2 warps (sm_90)
+    for block_k in (8, 32):
+        yield dataclasses.replace(base, prep_block_k=block_k), None
     yield base, GATE_LOWER_BOUND
     for warps, block_k in ((4, 16), (1, 16), (1, 8), (2, 8), (2, 32), (4, 32)):
         yield dataclasses.replace(base, prep_num_warps=warps, prep_block_k=block_k), GATE_LOWER_BOUND
-    yield from ((config, GATE_LOWER_BOUND) for config in wide)
     yield dataclasses.replace(base, w_u_num_warps=4), GATE_LOWER_BOUND
     yield dataclasses.replace(base, block_v=16), GATE_LOWER_BOUND
 

@@ -6,8 +6,7 @@ No GPU is needed. For each device the KDA prefill is lowered under an abstract m
 device kind is that GPU, with exactly the `KernelConfig` the runtime picks for it, at the
 real shapes (H = 32 and 64, compiled once per distinct config; K = V = 128, capacity 4,
 bf16 inputs), on both gate paths
-(bounded, as GLM's gate, and any decay, as Kimi's; the prep pass also by row block,
-`prep_wide_keys`, as the sweep times it), and the segment-parallel scan's two
+(bounded, as GLM's gate, and any decay, as Kimi's), and the segment-parallel scan's two
 kernels (`kda_segment_*`) at 16 heads and one 32K-token prompt with the config the runtime
 picks there (`segment_config`; 4 segments where it keeps the plain scan, as on GB10); the
 KDA decode kernel likewise, at 1 and 64 rows on a 256-slot pool, with the tiling the
@@ -15,7 +14,8 @@ runtime picks for each (`kda_decode_bv*` in the table); the MLA prefill flash at
 both presets' heads and head dims (`ATTENTION_SHAPES`) with the tuning table's config; the
 DSA sparse attention at glm5.3-flash's shape (`SPARSE_SHAPES`: 64 heads over 512-wide
 latents, top-k 2048), its indexer's scores (`INDEX_SHAPES`) and its exact top-k selection
-(`TOP_K_SHAPES`: 32K rows held in registers, 64K rows streamed). So is the routed experts'
+(`TOP_K_SHAPES`: 32K rows held in registers, 64K rows streamed), and mHC's Sinkhorn
+projection (`SINKHORN_SHAPE`). So is the routed experts'
 grouped GEMM (`pallas_kernels.gmm_pallas`), each launch of a MoE layer (plain, gathered,
 gathered +
 SwiGLU, down, down + combine) at both presets' real shapes (`pallas_kernels.moe_shapes`)
@@ -71,6 +71,7 @@ from pallas_kernels.index_scores_pallas import (
 from pallas_kernels.kda_conv_pallas import ConvShape, kda_conv_pallas
 from pallas_kernels.kda_pallas import kda_prefill_pallas
 from pallas_kernels.moe_shapes import MOE_SHAPES, GemmSpec, gemm_specs
+from pallas_kernels.sinkhorn_pallas import sinkhorn_pallas
 from pallas_kernels.sparse_attention_pallas import (
     SparseConfig,
     select_sparse_config,
@@ -107,6 +108,8 @@ INDEX_ROWS = 1024
 # DSA top-k selection (row length, k) over INDEX_ROWS rows: glm5.3-flash at 32K (the row in
 # registers) and 64K (streamed from L2).
 TOP_K_SHAPES = ((32768, 2048), (65536, 2048))
+# mHC's Sinkhorn projection (streams, iterations): glm5.3-flash's, over NUM_TOKENS tokens.
+SINKHORN_SHAPE = (4, 20)
 # The two ends of bench.moe (they get different tilings) and a decode step's one token (the
 # per-row schedule).
 GMM_TOKENS = (1, 512, 8192)
@@ -223,6 +226,15 @@ def lower_index_scores(spec: DeviceSpec, heads: int, dim: int,
     return triton_modules(scores, args, spec)
 
 
+def lower_sinkhorn(spec: DeviceSpec) -> list[TritonModule]:
+    """The Triton module of mHC's Sinkhorn projection (`pallas_kernels.sinkhorn`) at
+    SINKHORN_SHAPE; its tiling does not depend on the token count."""
+    streams, iters = SINKHORN_SHAPE
+    args = (jax.ShapeDtypeStruct((NUM_TOKENS, streams, streams), jnp.float32),)
+    return triton_modules(lambda x: sinkhorn_pallas(x, iters=iters, interpret=False), args,
+                          spec)
+
+
 def lower_top_k(spec: DeviceSpec, num_keys: int, k: int,
                 config: TopKConfig | None = None) -> list[TritonModule]:
     """The Triton module of the DSA top-k selection for `spec` (INDEX_ROWS rows of
@@ -296,16 +308,6 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                         modules[renamed] = dataclasses.replace(module, name=renamed)
                 for module in lower_kda_conv(spec, num_heads):
                     modules.setdefault(module.name, module)
-                # The prep pass's products by row block (`prep_wide_keys`, the sweep's
-                # candidate, off until timed) on both gate paths.
-                wide = dataclasses.replace(picked, prep_wide_keys=True, prep_num_warps=4,
-                                           prep_block_k=8)
-                for bounded in (True, False):
-                    for module in lower_kda_prefill(spec, num_heads, wide,
-                                                    bounded_gates=bounded):
-                        if module.name == "kda_chunk_prep":
-                            renamed = f"kda_chunk_prep_wide_{'bounded' if bounded else 'any'}"
-                            modules[renamed] = dataclasses.replace(module, name=renamed)
             for rows in DECODE_ROWS:
                 for module in lower_kda_decode(spec, num_heads, rows=rows):
                     modules.setdefault(module.name, module)
@@ -339,6 +341,7 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
         for shape in MOE_SHAPES:
             for module in lower_route_top_k(spec, shape.experts, shape.top_k):
                 reports.append(compile_module(module, spec, 0))
+        reports.extend(compile_module(module, spec, 0) for module in lower_sinkhorn(spec))
     return reports
 
 

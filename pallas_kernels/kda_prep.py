@@ -29,10 +29,6 @@ section 2), in fully parallel programs (one per chunk slot and head):
      elementwise, one program per row and group of heads, with every exponent <= 0.
    T by blocks: T_bb = (I + L_bb)^-1 (by forward substitution on both paths),
    T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (fp32 values; TF32 products on the fast path).
-   `KernelConfig.prep_wide_keys` (off until timed) forms row block b's blocks by one
-   [16, BK] x [BK, C] product against all of the chunk's key rows instead of one
-   [16, 16] product per pair: a [16, 16] tile is one warp's, so every warp of the
-   program ran each pair's product in full.
 2. `_w_u_kernel`: W and U, two [C, C] x [C, *] matmuls per chunk.
 """
 
@@ -130,8 +126,7 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref,
 
 
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_ref, g_ref,
-                       beta_ref, *refs, scale, chunk, block_k, precision, bounded,
-                       wide_keys, relayout_precision, base):
+                       beta_ref, *refs, scale, chunk, block_k, precision, bounded, base):
     """One chunk of one head: G (fp32, stored only where `snapshot_ref` [S] marks the
     slot), Qg, Kg, Aqk (scaled), beta k exp(G) and T = (I + L)^-1 (the last five in the
     operand dtype), all by 16 x 16 blocks and key slices of `block_k` columns.
@@ -140,8 +135,7 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
     (g = 0 keeps G flat there, k = beta = 0 adds nothing). bounded: the diagonal blocks
     are formed here by matmul; otherwise they come from `_diagonal_kernel` (two more
     input refs, [T', H, 16]: the diagonal blocks of Aqk and of L). Either way T_bb is
-    inverted here. wide_keys: `KernelConfig.prep_wide_keys`; relayout_precision: the
-    product that carries its diagonal blocks into the substitution's layout.
+    inverted here.
     """
     if not bounded:
         diag_a_ref, diag_l_ref, *refs = refs
@@ -175,28 +169,23 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
 
         # Blocks (b, c) of Aqk and L: below the diagonal, and on it when gates are bounded.
         pairs = [(b, c) for b in range(blocks) for c in range(b + 1) if bounded or c < b]
-        # wide_keys: row block b against every key row of the chunk at once ([16, C]
-        # products, the columns of blocks > b unused), so that the warps split each
-        # product along its columns; otherwise one [16, 16] product per pair, which every
-        # warp of the program runs in full (a [16, 16] tile is one warp's).
-        accumulators = ([b for b in range(blocks) if bounded or b] if wide_keys else pairs)
-        width = chunk if wide_keys else SUB_CHUNK
-        chunk_rows = pl.ds(r0, chunk)
-        chunk_valid = iota((chunk, 1), 0) < clen
-        blk = iota((chunk, 1), 0) // SUB_CHUNK
+        # One [16, 16] product per pair, which every warp of the program runs in full (a
+        # [16, 16] tile is one warp's). Products of a row block against every key row of
+        # the chunk at once, which the warps split by columns, were slower on the H100 at
+        # 8K on both gate paths (docs/KERNEL.md, fourteenth session).
 
         def key_slice(index, sums):
             """One slice of `block_k` key columns: G, Qg, Kg and beta k exp(G) stored (the
             last is W's right-hand side, in the operation order `_w_u_kernel` used when it
             formed it from G itself), its part of every product added to `sums` (Aqk's
-            then L's, [16, width] per entry of `accumulators`).
+            then L's, [16, 16] per pair).
             A loop, not unrolled: the kernel's code stays small."""
-            a_acc, l_acc = (dict(zip(accumulators, part)) for part in sums)
+            a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
 
-            def accumulate(at, q_rows, k_rows, keys):
-                """Decayed q and k rows of a block against decayed `keys`."""
-                a_acc[at] += dot_nt(q_rows, keys, precision)
-                l_acc[at] += dot_nt(k_rows, keys, precision)
+            def accumulate(b, c, q_rows, k_rows, keys):
+                """Block b's decayed q and k rows against block c's decayed `keys`."""
+                a_blk[b, c] += dot_nt(q_rows, keys, precision)
+                l_blk[b, c] += dot_nt(k_rows, keys, precision)
 
             cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
             # Every exponent below comes from block-local cumsums ("rise": G minus G just
@@ -208,13 +197,6 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
                 before.append(before[-1] + total[c])
                 after.insert(0, after[0] + total[blocks - 1 - c])
             glast_ref[pl.ds(slot, 1), h, cols] = before[-1] * (1 / g_scale)
-            if wide_keys:  # every key row at once: k_j exp(E_c - G_j), E_c as below
-                k_all = load_rows(k_ref, chunk_rows, h, chunk_valid, cols)  # [C, BK]
-                rise_all = lax.cumsum(
-                    g_scale * load_rows(g_ref, chunk_rows, h, chunk_valid, cols).reshape(
-                        blocks, SUB_CHUNK, block_k), axis=1).reshape(chunk, block_k)
-                ends = sum(jnp.where(blk == c, total[c], 0.0) for c in range(blocks))
-                k_fall_all = k_all * exp(ends - rise_all)                    # <= 1
             k_fall = []  # k_c exp(E_c - G_c), E_c = G at block c's last row: <= 1
             for b in range(blocks):
                 q_b, k_b = load(q_ref, b, cols), load(k_ref, b, cols)
@@ -230,48 +212,21 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
                 fall = exp(rise[b])
                 # exp(G_i - G_j) = exp(G_i - E_c) exp(E_c - G_j) exp(the totals of the
                 # blocks between), every factor <= 1.
-                if not wide_keys:
-                    for c in range(b):
-                        gap = fall if c == b - 1 else fall * exp(sum(total[c + 1:b]))
-                        accumulate((b, c), q_b * gap, k_b * gap, k_fall[c])
-                elif b:
-                    between = sum(jnp.where(blk == c, exp(sum(total[c + 1:b], 0.0)), 0.0)
-                                  for c in range(b))
-                    accumulate(b, q_b * fall, k_b * fall, k_fall_all * between)
+                for c in range(b):
+                    gap = fall if c == b - 1 else fall * exp(sum(total[c + 1:b]))
+                    accumulate(b, c, q_b * gap, k_b * gap, k_fall[c])
                 if bounded:
                     # Diagonal block, reference G at its middle row: both factors within
                     # exp(8 |b|) (~e^40 at b = -5), no overflow and no subnormal factor.
                     mid = row_of(rise[b], SUB_CHUNK // 2 - 1)
                     centred = exp(rise[b] - mid)
-                    if wide_keys:
-                        keys = jnp.where(blk == b, k_all * exp(mid - rise_all), 0.0)
-                        accumulate(b, q_b * centred, k_b * centred, keys)
-                    else:
-                        accumulate((b, b), q_b * centred, k_b * centred,
-                                   k_b * exp(mid - rise[b]))
-                if not wide_keys:
-                    k_fall.append(k_b * exp(total[b] - rise[b]))
-            return tuple(a_acc.values()), tuple(l_acc.values())
+                    accumulate(b, b, q_b * centred, k_b * centred, k_b * exp(mid - rise[b]))
+                k_fall.append(k_b * exp(total[b] - rise[b]))
+            return tuple(a_blk.values()), tuple(l_blk.values())
 
-        no_sums = (jnp.zeros((SUB_CHUNK, width), f32),) * len(accumulators)
+        no_sums = (jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32),) * len(pairs)
         sums = lax.fori_loop(0, q_ref.shape[-1] // block_k, key_slice, (no_sums, no_sums))
-        a_acc, l_acc = (dict(zip(accumulators, part)) for part in sums)
-        if wide_keys:
-            def column_block(x, c):
-                """Columns of block c of a [16, C] row block."""
-                x = x.reshape(SUB_CHUNK, blocks, SUB_CHUNK)
-                return jnp.sum(jnp.where(iota(x.shape, 1) == c, x, 0.0), axis=1)
-
-            a_blk = {(b, c): column_block(a_acc[b], c) for b, c in pairs}
-            l_blk = {(b, c): column_block(l_acc[b], c) for b, c in pairs}
-            # The diagonal blocks pass through a product with I at fp32 accuracy (3xTF32):
-            # the substitution below then runs in the product's layout (74 instructions a
-            # step at 4 warps, sm_90) instead of the extraction's (259).
-            eye = (iota((SUB_CHUNK, SUB_CHUNK), 0) == iota((SUB_CHUNK, SUB_CHUNK), 1)).astype(f32)
-            for b in range(blocks if bounded else 0):
-                l_blk[b, b] = dot(l_blk[b, b], eye, relayout_precision)
-        else:
-            a_blk, l_blk = a_acc, l_acc
+        a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
 
         col = iota((1, SUB_CHUNK), 1)
         zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
@@ -370,10 +325,7 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
         functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
                           block_k=min(config.prep_block_k, head_k),
                           precision=matmul_precision(exact), bounded=bounded_gates,
-                          wide_keys=config.prep_wide_keys, base=exp_base(exact),
-                          # 3xTF32 is the GPU's; the CPU's interpreter takes plain fp32
-                          relayout_precision=(lax.Precision.HIGHEST if exact or interpret else
-                                              lax.DotAlgorithmPreset.TF32_TF32_F32_X3)),
+                          base=exp_base(exact)),
         out_shape=ChunkMatrices(
             _rows_of(q, chunk, inter), _rows_of(q, chunk, inter), _rows_of(q, head_k, inter),
             _rows_of(q, head_k, inter), _rows_of(q, head_k, f32),

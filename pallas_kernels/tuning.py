@@ -43,13 +43,12 @@ class KernelConfig:
     scan_num_stages: int = 1
     prep_num_warps: int = 2     # prep: G, Qg, Kg, Aqk and T = (I + L)^-1 per chunk
     prep_block_k: int = 16      # key columns per slice of the prep program (a loop)
-    # Prep: each row block's products against all of the chunk's key rows at once ([16, C]
-    # tiles the warps split), not one [16, 16] product per block pair, which every warp of
-    # the program runs in full (docs/KERNEL.md, twelfth session). Untimed: off.
-    prep_wide_keys: bool = False
     w_u_num_warps: int = 8      # prep: W and U per chunk
-    diagonal_num_warps: int = 1  # prep, any-decay path: the diagonal blocks, a row a program
-    diagonal_heads: int = 4      # heads a diagonal program takes (their gcd with H is used)
+    # Prep, any-decay path: the diagonal blocks, a row a program of `diagonal_heads` heads
+    # (their gcd with H is used). 4 heads at 2 warps was the fastest of the 12 pairs on the
+    # H100 at 8K (docs/KERNEL.md, fourteenth session).
+    diagonal_num_warps: int = 2
+    diagonal_heads: int = 4
     output_block_v: int = 128   # value columns per output program
     output_num_warps: int = 4
     output_num_stages: int = 1

@@ -16,9 +16,11 @@ from pallas_kernels.tuning import KernelConfig
 @pytest.mark.slow  # ~40 s of CPU (2-3 min on busy cores), compiling five kernel variants
 def test_quick_run_times_segment_counts_and_writes_json(tmp_path):
     path = tmp_path / "kda_kernel.json"
-    main(["--quick", "--segments", "1,3", "--out", str(path)])
+    main(["--quick", "--segments", "1,3", "--pass-cases", "quick", "--out", str(path)])
     (result,) = json.loads(path.read_text())["results"]
     assert {"pallas 1 seg, 4 snap", "pallas 3 seg w4, 4 snap"} <= set(result["ms"])
+    # The passes alone, the scan computing the output (the runtime's config).
+    assert set(result["pass_ms"]) == {"prep matrices", "prep w_u", "prep", "scan"}
     assert all(ms > 0 for ms in result["ms"].values())
     for row in ("bounded", "pallas 3 seg w4, 4 snap"):
         for name in ("o", "final_states", "snapshots"):
@@ -38,9 +40,8 @@ def test_sweep_covers_the_diagonal_tilings_then_the_bounded_path():
     assert len(set(pairs)) == len(pairs)
     diagonal = {(c.diagonal_heads, c.diagonal_num_warps) for c, bound in pairs if bound is None}
     assert diagonal == {(h, w) for h in (1, 2, 4, 8) for w in (1, 2, 4)}
-    for bound in (None, GATE_LOWER_BOUND):  # the prep's products by row block on both paths
-        assert any(c.prep_wide_keys for c, b in pairs if b == bound)
-        assert any(c.prep_block_k == 8 and not c.prep_wide_keys for c, b in pairs if b == bound)
+    for bound in (None, GATE_LOWER_BOUND):  # the prep's key slices on both paths
+        assert {8, 32} <= {c.prep_block_k for c, b in pairs if b == bound}
     assert all(bound in (None, GATE_LOWER_BOUND) for _, bound in pairs)
 
 
@@ -49,8 +50,7 @@ def test_quick_sweep_times_and_checks_each_config(tmp_path, monkeypatch):
     """The sweep alone (`--cases ''`): every config of the chosen gate path timed and its
     outputs checked against the reference."""
     def configs(base):
-        yield dataclasses.replace(base, prep_wide_keys=True, prep_num_warps=4,
-                                  prep_block_k=8), None
+        yield dataclasses.replace(base, prep_block_k=8), None
         yield base, GATE_LOWER_BOUND  # not the chosen path: skipped
 
     monkeypatch.setattr(kda_kernel, "sweep_configs", configs)
@@ -59,7 +59,7 @@ def test_quick_sweep_times_and_checks_each_config(tmp_path, monkeypatch):
           str(path)])
     result = json.loads(path.read_text())
     assert result["results"] == []
-    assert [row["config"]["prep_wide_keys"] for row in result["sweep"]] == [True]
+    assert [row["config"]["prep_block_k"] for row in result["sweep"]] == [8]
     for row in result["sweep"]:
         assert row["gate"] == "any decay" and row["ms"] > 0
         assert set(row["relative_error_vs_reference"]) == {"o", "final_states", "snapshots"}

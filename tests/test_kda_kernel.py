@@ -176,18 +176,6 @@ class KdaKernelCases:
         config = KernelConfig(block_v=32, diagonal_heads=4)
         self.check_against_recurrence(inputs, 1e-5, config=config)
 
-    @pytest.mark.parametrize("bound", [None, -5.0])
-    def test_prep_products_by_row_block(self, rng, bound):
-        """`prep_wide_keys`: each row block's products against every key row of its chunk;
-        both gate paths, decays down to the bound, packed awkward lengths, fp32 and bf16."""
-        config = KernelConfig(block_v=32, prep_wide_keys=True, prep_num_warps=4,
-                              prep_block_k=8)
-        for dtype, tolerance in ((jnp.float32, 1e-5), (jnp.bfloat16, 5e-3)):
-            inputs = make_inputs(rng, [1, 63, 64, 200], head_k=32, head_v=32, padding=20,
-                                 min_decay=-5.0, dtype=dtype)
-            self.check_against_recurrence(inputs, tolerance, config=config,
-                                          gate_lower_bound=bound)
-
     def test_chunk_size_32(self, rng):
         self.check_against_recurrence(make_inputs(rng, [100, 33]), 1e-5, chunk_size=32)
 
