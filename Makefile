@@ -10,7 +10,7 @@ GPU_PYTHON ?= python3
 PYTHON_CANDIDATES := python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) \
 	python3.13 $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) python3
 
-.PHONY: venv test lint serve test-gpu device-wheels
+.PHONY: venv test lint serve test-gpu device-wheels deviceless-plugin
 
 venv: $(STAMP)
 
@@ -50,3 +50,12 @@ device-wheels: venv
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
 	  -d .whl -r bench/device_wheels.txt
+
+# The CUDA PJRT plugin of the installed jax, unpacked into .cuda-plugin: XLA then compiles
+# for an H200 on a machine without one (`python -m bench.launches`).
+deviceless-plugin: venv
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --platform manylinux_2_27_x86_64 -d .cuda-plugin/wheels \
+	  "jax-cuda13-plugin==$$($(PYTHON) -c 'import jax; print(jax.__version__)')" \
+	  "jax-cuda13-pjrt==$$($(PYTHON) -c 'import jax; print(jax.__version__)')"
+	cd .cuda-plugin && for w in wheels/*.whl; do $(abspath $(PYTHON)) -m zipfile -e "$$w" .; done

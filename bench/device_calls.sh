@@ -28,12 +28,11 @@ run_logged() {  # NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log
   tail -n 25 "$OUT/$name.log"
 }
 
-# The kernels built on the CPU since the last device session, on the GPU: the KDA conv on
-# q, k, v as three inputs, the token-parallel any-decay diagonal (f358a6c; head groups and
-# a loop of last + 1 steps since c0773f4).
+# The kernels built on the CPU since the last device session, on the GPU: mHC's Sinkhorn
+# kernel (a74e50f) and the mHC layer through it.
 verify() {
-  run_logged pytest_gpu 540 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_kda_conv.py tests/test_layers_kda.py tests/test_kda_kernel.py
+  run_logged pytest_gpu 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_sinkhorn.py tests/test_layers_mhc.py
 }
 
 conv() {
@@ -128,6 +127,19 @@ kda_times() {
   ncu -i "$OUT/kda_times_8K.ncu-rep" --csv --page raw > "$OUT/kda_times_8K.csv"
 }
 
+# Whether two copies of a step's executable called in turn spare XLA's CUDA-graph updates
+# (the batch-1 decode step's host time): a chain of 600 small kernels, one executable
+# against two; then 16 calls with XLA's command-buffer log on, to count the updates.
+pingpong() {
+  run_logged cmdbuf_pingpong 120 python3 -m bench.cmdbuf_pingpong \
+    --out "$OUT/cmdbuf_pingpong.json"
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 \
+    run_logged cmdbuf_pingpong_vlog 90 python3 -m bench.cmdbuf_pingpong --calls 16 \
+    --repeats 1 --out "$OUT/cmdbuf_pingpong_vlog.json"
+  grep -i "updated" "$OUT/cmdbuf_pingpong_vlog.log" | sed 's/.*\] //' | cut -c1-100 | sort |
+    uniq -c | sort -rn | head -20
+}
+
 dsa_schedule() {
   run_logged dsa_schedule_layers 240 python3 -m bench.dsa_schedule --model-layers 0 \
     --out "$OUT/dsa_schedule_layers.json"
@@ -140,7 +152,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup verify kda_times kda_diagonal conv kimi_step kimi_ttft decode_host decode kda_full ncu_kda kimi_schedule
+STEPS="setup verify pingpong kda_times kda_diagonal conv kimi_step kimi_ttft decode_host decode kda_full ncu_kda kimi_schedule
 kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then
