@@ -163,7 +163,7 @@ def compile_step(args, device) -> str:
     config = ModelConfig.preset(args.preset)
     if args.num_layers or args.num_experts:
         config = config.replace_depth(args.num_layers or config.num_layers, args.num_experts)
-    config = dataclasses.replace(config, mla_attention="pallas")
+    config = dataclasses.replace(config, mla_attention="pallas", scan_layers=args.scan_layers)
     sharding = jax.sharding.SingleDeviceSharding(device)
     placed = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
@@ -191,6 +191,8 @@ def main(argv=None):
     parser.add_argument("--num-layers", type=int, help="layers kept (all)")
     parser.add_argument("--num-experts", type=int, help="routed experts kept (all)")
     parser.add_argument("--step", choices=("prefill", "decode"), default="prefill")
+    parser.add_argument("--scan-layers", action="store_true",
+                        help="the repeated layer groups as one scan (config.scan_layers)")
     parser.add_argument("--tokens", type=int, default=8192,
                         help="prefill: the prompt's tokens; decode: the rows")
     parser.add_argument("--context", type=int, default=8192, help="decode: positions a row holds")
