@@ -140,6 +140,14 @@ pingpong() {
     uniq -c | sort -rn | head -20
 }
 
+# glm5.3-flash decode at reduced depth (6 layers, 16 experts: fits an H100): its step with
+# mHC's Sinkhorn as one launch a read (a74e50f; 11,042 -> 1,952 launches a step at one row
+# for the full model, counted by bench.launches), never timed.
+glm_decode() {
+  run_logged decode_glm 300 python3 -m bench.decode --preset glm5.3-flash --num-layers 6 \
+    --num-experts 16 --batches 1,16 --steps 32 --json "$OUT/decode_glm_6L16E.json"
+}
+
 dsa_schedule() {
   run_logged dsa_schedule_layers 240 python3 -m bench.dsa_schedule --model-layers 0 \
     --out "$OUT/dsa_schedule_layers.json"
@@ -152,7 +160,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup verify pingpong kda_times kda_diagonal conv kimi_step kimi_ttft decode_host decode kda_full ncu_kda kimi_schedule
+STEPS="setup verify pingpong kda_times kda_diagonal conv kimi_step kimi_ttft kda_full decode_host decode glm_decode ncu_kda kimi_schedule
 kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then

@@ -13,7 +13,7 @@ from pallas_kernels.kda_traffic import GB10_BANDWIDTH, traffic_summary
 from pallas_kernels.tuning import KernelConfig
 
 
-@pytest.mark.slow  # ~40 s of CPU (2-3 min on busy cores), compiling five kernel variants
+@pytest.mark.slow  # ~50 s of CPU (2-3 min on busy cores): five kernel variants and the passes
 def test_quick_run_times_segment_counts_and_writes_json(tmp_path):
     path = tmp_path / "kda_kernel.json"
     main(["--quick", "--segments", "1,3", "--pass-cases", "quick", "--out", str(path)])
