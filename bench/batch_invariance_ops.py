@@ -161,7 +161,8 @@ def kda_fused_step(s: Shapes) -> Op:
     layer = kda_layer(s.config, s.seed)
 
     def call(m, qkv, f_a, g_a, beta, pool, slots):
-        out, pool = m._fused_step(qkv, slice(None), pool, slots, f_a=f_a, g_a=g_a, beta=beta)
+        inputs = jnp.concatenate([qkv, f_a, g_a], axis=-1)
+        out, pool = m._fused_step(inputs, slice(None), pool, slots, beta=beta)
         return with_slots({"out": out}, pool, slots)
 
     return module_op(layer, call, kda_step_inputs(s, "kda_fused_step", None), kda_notes(layer))

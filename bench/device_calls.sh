@@ -29,10 +29,11 @@ run_logged() {  # NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log
 }
 
 # The kernels built on the CPU since the last device session, on the GPU: mHC's Sinkhorn
-# kernel (a74e50f) and the mHC layer through it.
+# kernel (a74e50f) and the mHC layer through it; the fused KDA decode step reading its
+# input projections from one array.
 verify() {
   run_logged pytest_gpu 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_sinkhorn.py tests/test_layers_mhc.py
+    tests/test_sinkhorn.py tests/test_layers_mhc.py tests/test_kda_decode_fused.py
 }
 
 conv() {

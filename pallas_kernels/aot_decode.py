@@ -83,9 +83,8 @@ def lower_kda_decode_fused(spec: DeviceSpec, heads: int, *, rows: int = 1,
     weights = DecodeLayerWeights(shape((3 * hk, 4), bf16), shape((HEAD_DIM, hk), bf16),
                                  shape((hk,), jnp.float32), shape((heads,), jnp.float32),
                                  shape((HEAD_DIM, hk), bf16), shape((HEAD_DIM,), bf16))
-    args = (shape((rows, 3 * hk), bf16), shape((rows, HEAD_DIM), bf16),
-            shape((rows, HEAD_DIM), bf16), shape((rows, heads), jnp.float32), weights,
-            shape((rows,), jnp.int32),
+    args = (shape((rows, 3 * hk + 2 * HEAD_DIM), bf16), shape((rows, heads), jnp.float32),
+            weights, shape((rows,), jnp.int32),
             shape((DECODE_POOL_SLOTS, heads, HEAD_DIM, HEAD_DIM), jnp.float32),
             shape((DECODE_POOL_SLOTS, 3 * hk, 3), bf16))
     launch = FusedDecodeShape(heads=heads, dim=HEAD_DIM, width=4, gate=gate, gate_bound=-5.0,

@@ -4,6 +4,7 @@ projections, on the layer's two state pools, updated in place.
 Per row n with slot s = state_slots[n] and head h (K = V = the head dim, W the conv width):
 
     x      = [q | k | v] channels of the input projection            [3 H K], pre-conv
+    f_a, g_a = the gates' down-projections, after x in the same row    [K] each
     y_c    = silu(sum_j window_c[j] w_c[j]),  window = history[s] ++ x   (short conv)
     q, k   = l2norm(y_q[h]), l2norm(y_k[h]);  v = y_v[h]
     g      = decay(f_a W_fb[:, h] + dt_bias[h], A_log[h])               (KDA.decay)
@@ -12,6 +13,10 @@ Per row n with slot s = state_slots[n] and head h (K = V = the head dim, W the c
 
 `KDA.decode` on one device: the conv, the norms, the gate projections (f_b, g_b: rank K) and
 the recurrence in one launch where they took ~16 small XLA kernels and launches a layer.
+The input projections arrive as one array [N, 3 H K + 2 K] (q | k | v | f_a | g_a): the
+weight stream's partial sums of all five then end in one XLA fusion, where f_a's and g_a's
+were a launch each beside q | k | v's concatenation (`bench.launches`, kimi's batch-1 step:
+two launches a KDA layer).
 A padding row (slot -1) reads zero state, writes none and outputs zeros; an invalid slot
 vector refuses the whole call as `kda_decode` does (nothing written, zeros out).
 
@@ -54,8 +59,8 @@ class DecodeLayerGates(NamedTuple):
     l2_eps: float = 1e-6
 
 
-def _check(qkv, f_a, g_a, beta, weights, state_slots, recurrent, conv, gates):
-    rows = qkv.shape[0]
+def _check(inputs, beta, weights, state_slots, recurrent, conv, gates):
+    rows = inputs.shape[0]
     if recurrent.ndim != 4 or recurrent.dtype != jnp.float32:
         raise ValueError(f"recurrent must be an fp32 pool [S, H, K, K], got "
                          f"{recurrent.dtype}{list(recurrent.shape)}")
@@ -64,8 +69,7 @@ def _check(qkv, f_a, g_a, beta, weights, state_slots, recurrent, conv, gates):
         raise ValueError(f"the head dims must be equal powers of two >= 16, got {dim}, {dim_v}")
     channels, width = weights.conv.shape
     expected = {
-        "qkv": (qkv, (rows, 3 * heads * dim)), "f_a": (f_a, (rows, dim)),
-        "g_a": (g_a, (rows, dim)), "beta": (beta, (rows, heads)),
+        "inputs": (inputs, (rows, 3 * heads * dim + 2 * dim)), "beta": (beta, (rows, heads)),
         "state_slots": (state_slots, (rows,)),
         "conv weight": (weights.conv, (3 * heads * dim, width)),
         "f_b": (weights.f_b, (dim, heads * dim)), "dt_bias": (weights.dt_bias, (heads * dim,)),
@@ -95,12 +99,13 @@ def decay(f: jax.Array, a_log: jax.Array, gate: str, gate_bound: float) -> jax.A
     return gate_bound * jax.nn.sigmoid(a * f)
 
 
-def kda_decode_fused_reference(qkv, f_a, g_a, beta, weights: DecodeLayerWeights, state_slots,
+def kda_decode_fused_reference(inputs, beta, weights: DecodeLayerWeights, state_slots,
                                recurrent, conv, *, gates: DecodeLayerGates):
     """The jax.numpy path (slots already checked)."""
-    f32, dtype = jnp.float32, qkv.dtype
-    rows = qkv.shape[0]
+    f32, dtype = jnp.float32, inputs.dtype
+    rows = inputs.shape[0]
     _, heads, dim, _ = recurrent.shape
+    qkv, f_a, g_a = jnp.split(inputs, [3 * heads * dim, 3 * heads * dim + dim], axis=-1)
     index = jnp.where(state_slots >= 0, state_slots, conv.shape[0])  # fill / drop
     window = jnp.concatenate([conv.at[index].get(mode="fill", fill_value=0).astype(dtype),
                               qkv[:, :, None]], axis=-1)  # [N, C, W]
@@ -130,14 +135,15 @@ def kda_decode_fused_reference(qkv, f_a, g_a, beta, weights: DecodeLayerWeights,
     return out.astype(dtype).reshape(rows, heads * dim), recurrent, conv
 
 
-def kda_decode_fused(qkv, f_a, g_a, beta, weights: DecodeLayerWeights, state_slots, recurrent,
-                     conv, *, gates: DecodeLayerGates, backend: str = "pallas",
+def kda_decode_fused(inputs, beta, weights: DecodeLayerWeights, state_slots, recurrent, conv,
+                     *, gates: DecodeLayerGates, backend: str = "pallas",
                      interpret: bool | None = None, num_warps: int = 16):
     """One KDA token per row, the layer's conv and recurrent state advanced in their pools.
 
     Args:
-      qkv: [N, 3 H K] the q | k | v projections (pre-conv), in the activations' dtype;
-      f_a, g_a: [N, K] the gates' down-projections; beta: [N, H] in (0, 1), any float.
+      inputs: [N, 3 H K + 2 K], the q | k | v projections (pre-conv) then the gates'
+        down-projections f_a and g_a, in the activations' dtype; beta: [N, H] in (0, 1),
+        any float.
       weights: the layer's (`DecodeLayerWeights`).
       state_slots: int32 [N], each row's slot in both pools; -1: a padding row.
       recurrent: fp32 [S, H, K, K]; conv: [S, 3 H K, W - 1] (oldest first). Donate both to
@@ -146,16 +152,16 @@ def kda_decode_fused(qkv, f_a, g_a, beta, weights: DecodeLayerWeights, state_slo
       backend: "pallas" (the kernel; interpret mode by default on the CPU) or "reference".
 
     Returns:
-      out [N, H K] in qkv's dtype (zeros on padding rows), ready for the output projection;
+      out [N, H K] in inputs' dtype (zeros on padding rows), ready for the output projection;
       the recurrent and conv pools (only the rows' slots changed). A slot outside [-1, S) or
       a slot given to two rows refuses the call: pools unchanged, every output row zeros.
     """
-    _check(qkv, f_a, g_a, beta, weights, state_slots, recurrent, conv, gates)
+    _check(inputs, beta, weights, state_slots, recurrent, conv, gates)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     slots = checked_slots(state_slots, recurrent.shape[0])
     if backend == "reference":
-        return kda_decode_fused_reference(qkv, f_a, g_a, beta, weights, slots, recurrent, conv,
+        return kda_decode_fused_reference(inputs, beta, weights, slots, recurrent, conv,
                                           gates=gates)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -164,5 +170,5 @@ def kda_decode_fused(qkv, f_a, g_a, beta, weights: DecodeLayerWeights, state_slo
                              gate=gates.gate, gate_bound=float(gates.gate_bound),
                              norm_eps=float(gates.norm_eps), l2_eps=float(gates.l2_eps),
                              num_warps=num_warps)
-    return kda_decode_fused_pallas(qkv, f_a, g_a, beta, weights, slots, recurrent, conv,
+    return kda_decode_fused_pallas(inputs, beta, weights, slots, recurrent, conv,
                                    shape=shape, interpret=bool(interpret))

@@ -2,11 +2,11 @@
 through Triton.
 
 One program per (row, head). It reads the head's q, k and v channels of the input
-projection and their conv history at the row's slot, runs the conv, the L2 norms, the
-decay and output gates' rank-K up-projections (as [32, K] weight slices, fp32
-broadcast-multiply-sum: one row is too thin for the tensor cores), and the recurrence on
-the state one [K, 32] value block at a time, then the gated RMSNorm over the head's
-output. The pools are aliased to outputs (`input_output_aliases`): the row's slot is
+projections (and the row's f_a and g_a after them) and their conv history at the row's
+slot, runs the conv, the L2 norms, the decay and output gates' rank-K up-projections (as
+[32, K] weight slices, fp32 broadcast-multiply-sum: one row is too thin for the tensor
+cores), and the recurrence on the state one [K, 32] value block at a time, then the gated
+RMSNorm over the head's output. The pools are aliased to outputs (`input_output_aliases`): the row's slot is
 written in place. Every conv history value is read before a barrier and written after it,
 since a 32-channel tile is replicated over the warps and one warp's store could otherwise
 land before another's load.
@@ -36,14 +36,14 @@ class FusedDecodeShape(NamedTuple):
     num_warps: int = 16
 
 
-def _kernel(slots_ref, qkv_ref, fa_ref, ga_ref, beta_ref, taps_ref, fb_ref, dtb_ref, alog_ref,
-            gb_ref, norm_ref, rec_in_ref, conv_in_ref, out_ref, rec_ref, conv_ref, *,
-            shape: FusedDecodeShape, interpret: bool):
+def _kernel(slots_ref, in_ref, beta_ref, taps_ref, fb_ref, dtb_ref, alog_ref, gb_ref, norm_ref,
+            rec_in_ref, conv_in_ref, out_ref, rec_ref, conv_ref, *, shape: FusedDecodeShape,
+            interpret: bool):
     del rec_in_ref, conv_in_ref  # aliased to rec_ref, conv_ref
     n, h = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[n]
     dim, heads, hist = shape.dim, shape.heads, shape.width - 1
-    f32, dtype = jnp.float32, qkv_ref.dtype
+    f32, dtype = jnp.float32, in_ref.dtype
     head = pl.ds(h * dim, dim)
 
     @pl.when(slot >= 0)
@@ -54,10 +54,12 @@ def _kernel(slots_ref, qkv_ref, fa_ref, ga_ref, beta_ref, taps_ref, fb_ref, dtb_
             chans = pl.ds((part * heads + h) * dim, dim)
             window = [conv_ref[slot, chans, j].astype(dtype) for j in range(hist)]
             taps = [taps_ref[chans, j].astype(f32) for j in range(hist + 1)]
-            return chans, window + [qkv_ref[n, chans]], taps
+            return chans, window + [in_ref[n, chans]], taps
 
         conv_in = [read(part) for part in range(3)]  # q, k, v
-        f_a, g_a = fa_ref[n, :].astype(f32), ga_ref[n, :].astype(f32)
+        gates_at = 3 * heads * dim  # f_a, then g_a, after the q | k | v channels
+        f_a = in_ref[n, pl.ds(gates_at, dim)].astype(f32)
+        g_a = in_ref[n, pl.ds(gates_at + dim, dim)].astype(f32)
         f_b, g_b = fb_ref[:, head].astype(f32), gb_ref[:, head].astype(f32)
         bias, a_log = dtb_ref[head], alog_ref[h]
         beta = beta_ref[n, h].astype(f32)
@@ -107,21 +109,22 @@ def _kernel(slots_ref, qkv_ref, fa_ref, ga_ref, beta_ref, taps_ref, fb_ref, dtb_
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "interpret"))
-def kda_decode_fused_pallas(qkv, f_a, g_a, beta, weights, state_slots, recurrent, conv, *,
+def kda_decode_fused_pallas(inputs, beta, weights, state_slots, recurrent, conv, *,
                             shape: FusedDecodeShape, interpret: bool):
-    """The kernel (arguments checked and slots validated by `kda_decode_fused`).
-    Returns out [N, H K] in qkv's dtype and the recurrent and conv pools."""
-    rows = qkv.shape[0]
+    """The kernel (arguments checked and slots validated by `kda_decode_fused`; inputs
+    [N, 3 H K + 2 K]). Returns out [N, H K] in inputs' dtype and the recurrent and conv
+    pools."""
+    rows = inputs.shape[0]
     call = pl.pallas_call(
         functools.partial(_kernel, shape=shape, interpret=interpret),
-        out_shape=(jax.ShapeDtypeStruct((rows, shape.heads * shape.dim), qkv.dtype),
+        out_shape=(jax.ShapeDtypeStruct((rows, shape.heads * shape.dim), inputs.dtype),
                    jax.ShapeDtypeStruct(recurrent.shape, recurrent.dtype),
                    jax.ShapeDtypeStruct(conv.shape, conv.dtype)),
         grid=(rows, shape.heads),
-        input_output_aliases={11: 1, 12: 2},
+        input_output_aliases={9: 1, 10: 2},
         compiler_params=plgpu.CompilerParams(num_warps=shape.num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode_fused",
     )
-    return call(state_slots, qkv, f_a, g_a, beta, weights.conv, weights.f_b, weights.dt_bias,
+    return call(state_slots, inputs, beta, weights.conv, weights.f_b, weights.dt_bias,
                 weights.a_log, weights.g_b, weights.norm, recurrent, conv)

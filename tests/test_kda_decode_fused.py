@@ -109,9 +109,9 @@ class FusedCases:
         w = DecodeLayerWeights(*(jnp.asarray(x, jnp.float32 if n in ("dt_bias", "a_log")
                                              else dtype)
                                  for n, x in zip(DecodeLayerWeights._fields, weights)))
-        return kda_decode_fused(cast["qkv"], cast["f_a"], cast["g_a"], cast["beta"], w,
-                                jnp.asarray(slots, jnp.int32), *pools, gates=gates,
-                                backend=self.BACKEND, interpret=self.INTERPRET)
+        inputs = jnp.concatenate([cast["qkv"], cast["f_a"], cast["g_a"]], axis=-1)
+        return kda_decode_fused(inputs, cast["beta"], w, jnp.asarray(slots, jnp.int32), *pools,
+                                gates=gates, backend=self.BACKEND, interpret=self.INTERPRET)
 
     def check(self, rng, slots, *, heads=2, dim=32, width=4, num_slots=8, steps=1,
               gate="sigmoid_bound", dtype=jnp.float32, tol=2e-5):
@@ -205,11 +205,11 @@ class TestFusedGpu(FusedCases):
         weights = DecodeLayerWeights(shape((3 * hk, 4), bf16), shape((dim, hk), bf16),
                                      shape((hk,), jnp.float32), shape((heads,), jnp.float32),
                                      shape((dim, hk), bf16), shape((dim,), bf16))
-        args = (shape((rows, 3 * hk), bf16), shape((rows, dim), bf16), shape((rows, dim), bf16),
-                shape((rows, heads), jnp.float32), weights, shape((rows,), jnp.int32),
-                shape((slots, heads, dim, dim), jnp.float32), shape((slots, 3 * hk, 3), bf16))
+        args = (shape((rows, 3 * hk + 2 * dim), bf16), shape((rows, heads), jnp.float32),
+                weights, shape((rows,), jnp.int32), shape((slots, heads, dim, dim), jnp.float32),
+                shape((slots, 3 * hk, 3), bf16))
         step = jax.jit(lambda *a: kda_decode_fused(*a, gates=GATES["softplus"]),
-                       donate_argnums=(6, 7))
+                       donate_argnums=(4, 5))
         hlo = step.lower(*args).compile().as_text()
         assert not [line for line in hlo.splitlines()
                     if (f"f32[{slots},{heads}" in line or f"bf16[{slots},{3 * hk}" in line)
@@ -230,7 +230,7 @@ class TestFusedReference(FusedCases):
     [
         (dict(state_slots=jnp.zeros((3,), jnp.float32)), "state_slots must be int32"),
         (dict(beta=jnp.zeros((3, 3))), r"beta must have shape \(3, 2\)"),
-        (dict(qkv=jnp.zeros((3, 100))), r"qkv must have shape \(3, 192\)"),
+        (dict(inputs=jnp.zeros((3, 100))), r"inputs must have shape \(3, 256\)"),
         (dict(conv=jnp.zeros((8, 192, 2))), r"conv pool must have shape \(8, 192, 3\)"),
         (dict(recurrent=jnp.zeros((8, 2, 32, 32), jnp.bfloat16)), "fp32 pool"),
         (dict(gates=DecodeLayerGates("relu", 0.0, 1e-5)), "gate must be one of"),
@@ -242,7 +242,9 @@ def test_bad_arguments_name_the_value(rng, change, message):
             for n, x in make_step(rng, 3, heads, dim, [0, 1, 2]).items()}
     weights = DecodeLayerWeights(*(jnp.asarray(x, jnp.float32)
                                    for x in make_weights(rng, heads, dim, width)))
-    args = dict(**step, weights=weights, state_slots=jnp.zeros((3,), jnp.int32),
+    inputs = jnp.concatenate([step["qkv"], step["f_a"], step["g_a"]], axis=-1)
+    args = dict(inputs=inputs, beta=step["beta"], weights=weights,
+                state_slots=jnp.zeros((3,), jnp.int32),
                 recurrent=jnp.zeros((8, heads, dim, dim), jnp.float32),
                 conv=jnp.zeros((8, 3 * heads * dim, width - 1), jnp.float32),
                 gates=GATES["softplus"])

@@ -174,18 +174,21 @@ class KDA(nnx.Module):
             chain = state_slots.reshape(-1, state_slots.shape[-1])  # [J, R]
             width = chain.shape[1]
             parts, f_a, g_a, beta = self.project(x)
-            qkv = jnp.concatenate(parts, axis=-1)  # [N, 3 H K]: a few rows
             fused = plan is None and use_fused_decode(device_spec(), num_rows=width,
                                                       num_heads=self.num_heads)
-            step = (functools.partial(self._fused_step, f_a=f_a, g_a=g_a, beta=beta) if fused
-                    else functools.partial(self._per_op_step, g=self.decay(f_a), beta=beta,
-                                           plan=plan))
+            if fused:  # one array [N, 3 H K + 2 K]: the partial sums end in one fusion
+                inputs = jnp.concatenate([*parts, f_a, g_a], axis=-1)
+                step = functools.partial(self._fused_step, beta=beta)
+            else:
+                inputs = jnp.concatenate(parts, axis=-1)  # [N, 3 H K]: a few rows
+                step = functools.partial(self._per_op_step, g=self.decay(f_a), beta=beta,
+                                         plan=plan)
             outputs = []
             for j in range(chain.shape[0]):
                 part = slice(j * width, (j + 1) * width)
                 if j:
                     pool = _copy_chain_slots(pool, chain[j - 1], chain[j])
-                o, pool = step(qkv, part, pool, chain[j])
+                o, pool = step(inputs, part, pool, chain[j])
                 outputs.append(o)
             o = jnp.concatenate(outputs) if len(outputs) > 1 else outputs[0]
             if not fused:
@@ -193,17 +196,18 @@ class KDA(nnx.Module):
                 o = self.o_norm(o, gate).reshape(x.shape[0], -1)
             return self.o_proj(o), pool
 
-    def _fused_step(self, qkv, part, pool, slots, *, f_a, g_a, beta):
-        """Rows `part` on one device: the gated, normed output [R, H V] and the pool."""
-        dtype = qkv.dtype
+    def _fused_step(self, inputs, part, pool, slots, *, beta):
+        """Rows `part` of inputs [N, 3 H K + 2 K] (q | k | v | f_a | g_a) on one device:
+        the gated, normed output [R, H V] and the pool."""
+        dtype = inputs.dtype
         weights = DecodeLayerWeights(
             self.conv.weight[...], self.f_b_proj.kernel[...].astype(dtype),
             self.dt_bias[...], self.A_log[...], self.g_b_proj.kernel[...].astype(dtype),
             self.o_norm.weight[...])
         gates = DecodeLayerGates(self.gate, self.gate_bound, self.o_norm.eps)
         out, recurrent, conv = kda_decode_fused(
-            qkv[part], f_a[part], g_a[part], beta[part], weights, slots, pool.recurrent,
-            pool.conv, gates=gates, backend=self.backend)
+            inputs[part], beta[part], weights, slots, pool.recurrent, pool.conv, gates=gates,
+            backend=self.backend)
         return out, KDAState(recurrent, conv)
 
     def _per_op_step(self, qkv, part, pool, slots, *, g, beta, plan):

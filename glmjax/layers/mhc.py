@@ -14,8 +14,9 @@ feed-forward, with its own pre-norm), per token:
 five launches an iteration) exponentiates and then alternately normalises rows and columns
 (rows first), `iters` times, so columns sum to 1 exactly and rows to within the
 iteration's error. The model copies the embedding into every stream at the start and
-collapses the streams by their mean at the end. The init (alpha = 0.01, b_pre = logit(1/n), b_post = 0, b_res = 0) starts
-near a plain pre-norm residual: with alpha = 0 and equal streams, it is exactly x + F(x).
+collapses the streams by their mean at the end. The init (alpha = 0.01, b_pre =
+logit(1/n), b_post = 0, b_res = 0) starts near a plain pre-norm residual: with alpha = 0
+and equal streams, it is exactly x + F(x).
 """
 
 from __future__ import annotations
