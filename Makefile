@@ -54,8 +54,8 @@ device-wheels: venv
 # The CUDA PJRT plugin of the installed jax, unpacked into .cuda-plugin: XLA then compiles
 # for an H200 on a machine without one (`python -m bench.launches`).
 deviceless-plugin: venv
-	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	version=$$($(PYTHON) -c 'import jax; print(jax.__version__)') && \
+	  $(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
 	  --platform manylinux_2_27_x86_64 -d .cuda-plugin/wheels \
-	  "jax-cuda13-plugin==$$($(PYTHON) -c 'import jax; print(jax.__version__)')" \
-	  "jax-cuda13-pjrt==$$($(PYTHON) -c 'import jax; print(jax.__version__)')"
+	  "jax-cuda13-plugin==$$version" "jax-cuda13-pjrt==$$version"
 	cd .cuda-plugin && for w in wheels/*.whl; do $(abspath $(PYTHON)) -m zipfile -e "$$w" .; done

@@ -13,7 +13,8 @@ again: `runtime_launches` counts them), and the copies of the donated caches. Wh
 cannot see: autotuned GEMM configs (the defaults are used), cuDNN calls (MLA attention
 runs on the Pallas kernel here), the CUB sort (XLA falls back without its scratch data),
 time. It found the latent pool copied twice per MLA layer per prefill step and mHC's
-Sinkhorn loop (~9,000 launches a glm step) (docs/PERFORMANCE.md, "Kernel launches").
+Sinkhorn loop (~9,000 launches a glm step) (docs/PERFORMANCE.md, "Kernel launches per
+step").
 """
 
 from __future__ import annotations
