@@ -30,10 +30,11 @@ run_logged() {  # NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log
 
 # The kernels built on the CPU since the last device session, on the GPU: mHC's Sinkhorn
 # kernel (a74e50f) and the mHC layer through it; the fused KDA decode step reading its
-# input projections from one array.
+# input projections from one array; the KDA prefill with its prep split three ways.
 verify() {
   run_logged pytest_gpu 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_sinkhorn.py tests/test_layers_mhc.py tests/test_kda_decode_fused.py
+    tests/test_sinkhorn.py tests/test_layers_mhc.py tests/test_kda_decode_fused.py \
+    tests/test_kda_kernel.py
 }
 
 conv() {
@@ -89,10 +90,10 @@ decode_host() {
     "$OUT/decode_b1.prof" > "$OUT/decode_b1_prof.txt"
 }
 
-# At 8K: the any-decay path at the diagonal kernel's tilings (heads a program x warps) and
-# the prep's key slices, with the 8K case and fla beside them; then the bounded path's
-# prep / W/U / scan tilings.
-kda_diagonal() {
+# At 8K, the prep split three ways (the diagonal blocks' inverses apart; the gates kernel
+# apart or not): the any-decay path's prep tilings with the 8K case and fla beside them;
+# then the bounded path's prep / inverse / W/U / scan tilings.
+kda_prep() {
   run_logged kda_sweep_any 420 python3 -m bench.kda_kernel --sweep any --sweep-case 8K \
     --cases 8K --pass-cases '' --out "$OUT/kda_kernel_sweep_any_8K.json"
   run_logged kda_sweep_bounded 360 python3 -m bench.kda_kernel --sweep bounded \
@@ -161,7 +162,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup verify pingpong kda_times kda_diagonal conv kimi_step kimi_ttft kda_full decode_host decode glm_decode ncu_kda kimi_schedule
+STEPS="setup verify pingpong kda_times kda_prep conv kimi_step kimi_ttft kda_full decode_host decode glm_decode ncu_kda kimi_schedule
 kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then

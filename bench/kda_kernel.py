@@ -255,22 +255,24 @@ def run_case(name, lens, config, args, bandwidth):
 
 
 def sweep_configs(base: KernelConfig):
-    """(tiling, gate lower bound) pairs: on the any-decay path the selected tiling, the
-    diagonal kernel's other (heads a program, warps) pairs and the prep pass's key slices
-    of 8 and 32 columns; then on the bounded path the selected tiling and one change at a
-    time: the prep pass's warps and key slice, W/U's warps, the scan's value block (16:
-    twice the programs, 190 registers at 8 warps on sm_90)."""
-    yield base, None
-    for heads in (1, 2, 4, 8):
-        for warps in (1, 2, 4):
-            if (heads, warps) != (base.diagonal_heads, base.diagonal_num_warps):
-                yield dataclasses.replace(base, diagonal_heads=heads,
-                                          diagonal_num_warps=warps), None
-    for block_k in (8, 32):
-        yield dataclasses.replace(base, prep_block_k=block_k), None
-    yield base, GATE_LOWER_BOUND
-    for warps, block_k in ((4, 16), (1, 16), (1, 8), (2, 8), (2, 32), (4, 32)):
-        yield dataclasses.replace(base, prep_num_warps=warps, prep_block_k=block_k), GATE_LOWER_BOUND
+    """(tiling, gate lower bound) pairs: on each gate path (any decay first) the selected
+    tiling, then the prep kernel's warps and key slice with and without its gates kernel
+    apart (`prep_gates_apart`); on the bounded path also the inverse kernel's warps and
+    key slice, W/U's warps and the scan's value block (16: twice the programs, 190
+    registers at 8 warps on sm_90). The diagonal kernel's (heads, warps) pairs were swept
+    on the H100 (docs/KERNEL.md, fourteenth session)."""
+    for bound in (None, GATE_LOWER_BOUND):
+        yield base, bound
+        for apart in (False, True):
+            for warps, block_k in ((1, 16), (2, 16), (4, 16), (1, 8), (2, 32)):
+                config = dataclasses.replace(base, prep_gates_apart=apart,
+                                             prep_num_warps=warps, prep_block_k=block_k)
+                if config != base:
+                    yield config, bound
+    for warps, block_k in ((1, 16), (1, 64), (2, 32), (2, 64)):
+        config = dataclasses.replace(base, inverse_num_warps=warps, inverse_block_k=block_k)
+        if config != base:
+            yield config, GATE_LOWER_BOUND
     yield dataclasses.replace(base, w_u_num_warps=4), GATE_LOWER_BOUND
     yield dataclasses.replace(base, block_v=16), GATE_LOWER_BOUND
 

@@ -112,9 +112,10 @@ def kda_prefill(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets
     if not 1 <= config.scan_segments <= MAX_SEGMENTS:
         raise ValueError(f"scan_segments must be in [1, {MAX_SEGMENTS}], got "
                          f"{config.scan_segments}")
-    if head_k % min(config.prep_block_k, head_k):
-        raise ValueError(f"head dim K={head_k} must be a multiple of the prep pass's key "
-                         f"slice {config.prep_block_k}")
+    for name in ("prep_block_k", "inverse_block_k"):
+        if head_k % min(getattr(config, name), head_k):
+            raise ValueError(f"head dim K={head_k} must be a multiple of the prep pass's "
+                             f"key slice {name}={getattr(config, name)}")
     return kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_offsets,
                               scale=scale, bounded_gates=gate_lower_bound is not None,
                               config=config, interpret=bool(interpret), exact=exact)

@@ -7,7 +7,7 @@ chunk of zero rows at the end (`kda_chunks.pad_rows`), T' = T + C rows; on the G
 loads need none, T' = T.
 
 Pass 1 turns each chunk of C tokens into the matrices the recurrence needs (DESIGN
-section 2), in fully parallel programs (one per chunk slot and head):
+section 2), in fully parallel programs:
 
     G   = in-chunk inclusive cumsum of g                         [C, K]
     Aqk = scale * tril_incl(q_i k_j exp(G_i - G_j))              [C, C]
@@ -16,20 +16,23 @@ section 2), in fully parallel programs (one per chunk slot and head):
     U   = T diag(beta) v                                         [C, V]
     Qg  = scale * q * exp(G),  Kg = k * exp(G_last - G)          [C, K]
 
-1. `_chunk_prep_kernel`: G, Qg, Kg, Aqk and T, by 16 x 16 blocks (b, c) and slices of the
-   key dimension, keeping only [16, BK] tiles live. exp(G_i - G_j) is never formed as
-   exp(G_i) * exp(-G_j) over a whole chunk. Below the diagonal it is
-   exp(G_i - E_c) * exp(E_c - G_j) with E_c = G at block c's last row (both factors
-   <= 1), each exponent built from block-local cumsums and block totals. The diagonal
-   16 x 16 blocks:
-   - bounded gates (`kda_prefill`'s `gate_lower_bound` b >= -5: g >= b everywhere): one
-     more matmul, with the reference at the block's middle row, so both factors stay
-     within exp(8 |b|) ~ e^40;
-   - any decay (`gate_lower_bound=None`): from `_diagonal_kernel`, which forms them
-     elementwise, one program per row and group of heads, with every exponent <= 0.
-   T by blocks: T_bb = (I + L_bb)^-1 (by forward substitution on both paths),
-   T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (fp32 values; TF32 products on the fast path).
-2. `_w_u_kernel`: W and U, two [C, C] x [C, *] matmuls per chunk.
+1. The diagonal 16 x 16 blocks of Aqk and L, and T's diagonal blocks T_bb = (I + L_bb)^-1
+   (by forward substitution), one program per sub-chunk and head (`_inverse_kernel`):
+   - bounded gates (`kda_prefill`'s `gate_lower_bound` b >= -5: g >= b everywhere): by
+     matmul, exp(G_i - G_j) = exp(G_i - M) exp(M - G_j) with M = G at the sub-chunk's
+     middle row, so both factors stay within exp(8 |b|) ~ e^40;
+   - any decay (`gate_lower_bound=None`): from `_diagonal_kernel`, which forms the blocks'
+     rows elementwise, one program per row and group of heads, every exponent <= 0.
+2. `_chunk_prep_kernel`, one program per chunk and head: G, Qg, Kg, beta k exp(G), the
+   blocks below the diagonal, by pairs (b, c) and slices of the key dimension, keeping
+   only [16, BK] tiles live, and T's merge. exp(G_i - G_j) is never formed as
+   exp(G_i) * exp(-G_j) over a whole chunk: exp(G_i - E_c) * exp(E_c - G_j) with E_c = G
+   at block c's last row (both factors <= 1), each exponent built from block-local
+   cumsums and block totals. T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (fp32 values; TF32
+   products on the fast path). The diagonal work, which every program used to run
+   serially after its loop (the substitution) or inside it (20 accumulators where 12
+   remain), runs in the first kernel's 4x more, smaller programs, as fla splits it.
+3. `_w_u_kernel`: W and U, two [C, C] x [C, *] matmuls per chunk.
 """
 
 from __future__ import annotations
@@ -125,21 +128,110 @@ def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref,
         l_ref[i, head, :] = l_row
 
 
+def _inverse_kernel(chunk_start_ref, chunk_len_ref, beta_ref, *refs, chunk, block_k, scale,
+                    precision, bounded, base):
+    """One sub-chunk (16 rows) of one head: its diagonal block of Aqk (scaled, inclusive,
+    operand dtype) and T_bb = (I + beta L_bb)^-1 (fp32), both stored at the block's rows
+    ([T', H, 16]; column c is the sub-chunk's row c).
+
+    bounded: refs are q, k, g ([T', H, K]), the blocks formed here by products over slices
+    of `block_k` key columns, every decay from the sub-chunk's own cumsum of g; otherwise
+    the rows of the blocks from `_diagonal_kernel` ([T', H, 16] fp32, Aqk's then L's).
+    """
+    *inputs, a_ref, t_ref = refs
+    g_scale, exp = base
+    p, h = pl.program_id(0), pl.program_id(1)
+    blocks = chunk // SUB_CHUNK
+    slot, b = p // blocks, p % blocks
+    n_valid = chunk_len_ref[slot] - b * SUB_CHUNK
+    row, col = iota((SUB_CHUNK, 1), 0), iota((1, SUB_CHUNK), 1)
+    f32 = jnp.float32
+
+    @pl.when(n_valid > 0)
+    def _():
+        rows = pl.ds(chunk_start_ref[slot] + b * SUB_CHUNK, SUB_CHUNK)
+        valid = row < n_valid
+
+        def load(ref, cols=slice(None)):
+            return load_rows(ref, rows, h, valid, cols)
+
+        if bounded:
+            q_ref, k_ref, g_ref = inputs
+
+            def key_slice(index, sums):
+                """Reference at the middle row M: exp(G_i - M) exp(M - G_j), both within
+                exp(8 |b|) (~e^40 at b = -5): no overflow and no subnormal factor."""
+                cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+                rise = lax.cumsum(load(g_ref, cols) * g_scale, axis=0)
+                mid = jnp.sum(jnp.where(row == SUB_CHUNK // 2 - 1, rise, 0.0), axis=0,
+                              keepdims=True)
+                centred, k = exp(rise - mid), load(k_ref, cols)
+                keys = k * exp(mid - rise)
+                return (sums[0] + dot_nt(load(q_ref, cols) * centred, keys, precision),
+                        sums[1] + dot_nt(k * centred, keys, precision))
+
+            zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
+            a_bb, l_bb = lax.fori_loop(0, q_ref.shape[-1] // block_k, key_slice,
+                                       (zeros, zeros))
+        else:
+            a_bb, l_bb = (load(ref) for ref in inputs)
+        (t_bb,) = _invert_by_substitution([jnp.where(col < row, load(beta_ref) * l_bb, 0.0)])
+        plgpu.store(a_ref.at[rows, h, :],
+                    jnp.where(col <= row, scale * a_bb, 0.0).astype(a_ref.dtype), mask=valid)
+        plgpu.store(t_ref.at[rows, h, :], t_bb, mask=valid)
+
+
+def _gates_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_ref, g_ref,
+                  beta_ref, qg_ref, kg_ref, gcum_ref, glast_ref, kb_ref, *, scale, chunk,
+                  block_k, base):
+    """One chunk of one head, elementwise over slices of `block_k` key columns: G (fp32,
+    stored only where `snapshot_ref` [S] marks the slot; G_last [S, H, K] always), Qg =
+    scale q exp(G), Kg = k exp(G_last - G) and beta k exp(G) (operand dtype)."""
+    g_scale, exp = base
+    slot, h = pl.program_id(0), pl.program_id(1)
+    clen = chunk_len_ref[slot]
+
+    @pl.when(clen > 0)
+    def _():
+        rows, valid = pl.ds(chunk_start_ref[slot], chunk), iota((chunk, 1), 0) < clen
+
+        def store(ref, value, cols):
+            plgpu.store(ref.at[rows, h, cols], value.astype(ref.dtype), mask=valid)
+
+        @pl.loop(0, q_ref.shape[-1] // block_k)
+        def _(index):
+            cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+            g_cum = lax.cumsum(load_rows(g_ref, rows, h, valid, cols) * g_scale, axis=0)
+            g_last = jnp.sum(jnp.where(iota((chunk, 1), 0) == chunk - 1, g_cum, 0.0), axis=0,
+                             keepdims=True)                                   # [1, BK]
+            glast_ref[pl.ds(slot, 1), h, cols] = g_last * (1 / g_scale)
+
+            @pl.when(snapshot_ref[slot] != 0)  # the scan reads G only there
+            def _():
+                store(gcum_ref, g_cum * (1 / g_scale), cols)
+
+            k, decay = load_rows(k_ref, rows, h, valid, cols), exp(g_cum)
+            store(qg_ref, scale * load_rows(q_ref, rows, h, valid, cols) * decay, cols)
+            store(kb_ref, load_rows(beta_ref, rows, h, valid) * k * decay, cols)
+            store(kg_ref, k * exp(g_last - g_cum), cols)
+
+
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_ref, g_ref,
-                       beta_ref, *refs, scale, chunk, block_k, precision, bounded, base):
-    """One chunk of one head: G (fp32, stored only where `snapshot_ref` [S] marks the
-    slot), Qg, Kg, Aqk (scaled), beta k exp(G) and T = (I + L)^-1 (the last five in the
-    operand dtype), all by 16 x 16 blocks and key slices of `block_k` columns.
+                       beta_ref, a_diag_ref, t_diag_ref, *refs, scale, chunk, block_k,
+                       precision, base, gates):
+    """One chunk of one head: Aqk (scaled) and T = (I + L)^-1 (operand dtype), and with
+    `gates` (else `_gates_kernel` stores them) G (fp32, stored only where `snapshot_ref`
+    [S] marks the slot), Qg, Kg and beta k exp(G), by 16 x 16 blocks and key slices of
+    `block_k` columns.
 
     Refs are whole arrays [T', H, ...]; rows past the chunk's length load as zeros
-    (g = 0 keeps G flat there, k = beta = 0 adds nothing). bounded: the diagonal blocks
-    are formed here by matmul; otherwise they come from `_diagonal_kernel` (two more
-    input refs, [T', H, 16]: the diagonal blocks of Aqk and of L). Either way T_bb is
-    inverted here.
+    (g = 0 keeps G flat there, k = beta = 0 adds nothing). The diagonal blocks of Aqk and
+    of T come from `_inverse_kernel` (a_diag_ref, t_diag_ref [T', H, 16]).
     """
-    if not bounded:
-        diag_a_ref, diag_l_ref, *refs = refs
-    aqk_ref, t_ref, qg_ref, kg_ref, gcum_ref, glast_ref, kb_ref = refs
+    if gates:
+        aqk_ref, t_ref, qg_ref, kg_ref, gcum_ref, glast_ref, kb_ref = refs
+    else:
+        aqk_ref, t_ref = refs
     # Decays in the base of `exp` (`tiles.exp_base`): g is scaled as it loads, G back as
     # it is stored.
     g_scale, exp = base
@@ -167,12 +259,9 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
         def row_of(x, row):
             return jnp.sum(jnp.where(sub_row == row, x, 0.0), axis=0, keepdims=True)
 
-        # Blocks (b, c) of Aqk and L: below the diagonal, and on it when gates are bounded.
-        pairs = [(b, c) for b in range(blocks) for c in range(b + 1) if bounded or c < b]
-        # One [16, 16] product per pair, which every warp of the program runs in full (a
-        # [16, 16] tile is one warp's). Products of a row block against every key row of
-        # the chunk at once, which the warps split by columns, were slower on the H100 at
-        # 8K on both gate paths (docs/KERNEL.md, fourteenth session).
+        # Blocks (b, c) of Aqk and L below the diagonal: one [16, 16] product per pair,
+        # which every warp of the program runs in full (a [16, 16] tile is one warp's).
+        pairs = [(b, c) for b in range(blocks) for c in range(b)]
 
         def key_slice(index, sums):
             """One slice of `block_k` key columns: G, Qg, Kg and beta k exp(G) stored (the
@@ -181,12 +270,6 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
             then L's, [16, 16] per pair).
             A loop, not unrolled: the kernel's code stays small."""
             a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
-
-            def accumulate(b, c, q_rows, k_rows, keys):
-                """Block b's decayed q and k rows against block c's decayed `keys`."""
-                a_blk[b, c] += dot_nt(q_rows, keys, precision)
-                l_blk[b, c] += dot_nt(k_rows, keys, precision)
-
             cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
             # Every exponent below comes from block-local cumsums ("rise": G minus G just
             # before the block) and block totals, never from differences of whole-chunk G.
@@ -196,31 +279,28 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
             for c in range(blocks):
                 before.append(before[-1] + total[c])
                 after.insert(0, after[0] + total[blocks - 1 - c])
-            glast_ref[pl.ds(slot, 1), h, cols] = before[-1] * (1 / g_scale)
+            if gates:
+                glast_ref[pl.ds(slot, 1), h, cols] = before[-1] * (1 / g_scale)
             k_fall = []  # k_c exp(E_c - G_c), E_c = G at block c's last row: <= 1
             for b in range(blocks):
                 q_b, k_b = load(q_ref, b, cols), load(k_ref, b, cols)
-                g_b = before[b] + rise[b]
+                if gates:
+                    g_b = before[b] + rise[b]
 
-                @pl.when(snapshot_ref[slot] != 0)  # the scan reads G only there
-                def _(b=b, g_b=g_b):
-                    store(gcum_ref, b, g_b * (1 / g_scale), cols)
+                    @pl.when(snapshot_ref[slot] != 0)  # the scan reads G only there
+                    def _(b=b, g_b=g_b):
+                        store(gcum_ref, b, g_b * (1 / g_scale), cols)
 
-                store(qg_ref, b, scale * q_b * exp(g_b), cols)
-                store(kb_ref, b, load(beta_ref, b) * k_b * exp(g_b), cols)
-                store(kg_ref, b, k_b * exp(after[b + 1] + total[b] - rise[b]), cols)
+                    store(qg_ref, b, scale * q_b * exp(g_b), cols)
+                    store(kb_ref, b, load(beta_ref, b) * k_b * exp(g_b), cols)
+                    store(kg_ref, b, k_b * exp(after[b + 1] + total[b] - rise[b]), cols)
                 fall = exp(rise[b])
                 # exp(G_i - G_j) = exp(G_i - E_c) exp(E_c - G_j) exp(the totals of the
                 # blocks between), every factor <= 1.
                 for c in range(b):
                     gap = fall if c == b - 1 else fall * exp(sum(total[c + 1:b]))
-                    accumulate(b, c, q_b * gap, k_b * gap, k_fall[c])
-                if bounded:
-                    # Diagonal block, reference G at its middle row: both factors within
-                    # exp(8 |b|) (~e^40 at b = -5), no overflow and no subnormal factor.
-                    mid = row_of(rise[b], SUB_CHUNK // 2 - 1)
-                    centred = exp(rise[b] - mid)
-                    accumulate(b, b, q_b * centred, k_b * centred, k_b * exp(mid - rise[b]))
+                    a_blk[b, c] += dot_nt(q_b * gap, k_fall[c], precision)
+                    l_blk[b, c] += dot_nt(k_b * gap, k_fall[c], precision)
                 k_fall.append(k_b * exp(total[b] - rise[b]))
             return tuple(a_blk.values()), tuple(l_blk.values())
 
@@ -228,19 +308,14 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
         sums = lax.fori_loop(0, q_ref.shape[-1] // block_k, key_slice, (no_sums, no_sums))
         a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
 
-        col = iota((1, SUB_CHUNK), 1)
         zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
-        betas = [load(beta_ref, b) for b in range(blocks)]                   # [16, 1] each
-        l_diag = [l_blk[b, b] if bounded else load(diag_l_ref, b) for b in range(blocks)]
-        t = dict(zip(((b, b) for b in range(blocks)), _invert_by_substitution(
-            [jnp.where(col < sub_row, beta_b * l_bb, 0.0) for beta_b, l_bb in zip(betas, l_diag)])))
+        t = {(b, b): load(t_diag_ref, b) for b in range(blocks)}
         for b in range(blocks):
-            beta_b = betas[b]
-            a_bb = a_blk[b, b] if bounded else load(diag_a_ref, b)
+            beta_b = load(beta_ref, b)                                         # [16, 1]
             for c in range(blocks):
-                a_bc = a_blk[b, c] if c < b else jnp.where(col <= sub_row, a_bb, 0.0)
-                store(aqk_ref, b, scale * a_bc if c <= b else zeros,
-                      pl.ds(c * SUB_CHUNK, SUB_CHUNK))
+                a_bc = (scale * a_blk[b, c] if c < b else
+                        load(a_diag_ref, b) if c == b else zeros)
+                store(aqk_ref, b, a_bc, pl.ds(c * SUB_CHUNK, SUB_CHUNK))
             # T = (I + L)^-1 by blocks: T_bc = -T_bb sum_{c <= m < b} L_bm T_mc, at the
             # pass's precision (TF32 products on the fast path, as fla's merge; IEEE when
             # exact). Emulated TF32 left the bf16 errors unchanged to three digits.
@@ -302,42 +377,70 @@ def _params(num_warps):
 def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
                    bounded_gates: bool, config: KernelConfig, interpret: bool,
                    exact: bool) -> ChunkMatrices:
-    """Pass 1a over [T', H, K] inputs: G, Qg, Kg, Aqk and T (`_chunk_prep_kernel`, after
-    `_diagonal_kernel` when gates are unbounded)."""
-    head_k = q.shape[-1]
+    """Pass 1a over [T', H, K] inputs: the diagonal blocks (`_inverse_kernel`, after
+    `_diagonal_kernel` when gates are unbounded), then Aqk and T (`_chunk_prep_kernel`)
+    and G, Qg, Kg and beta k exp(G), by the same kernel or, with
+    `config.prep_gates_apart`, by `_gates_kernel`."""
+    num_heads, head_k = q.shape[1:]
     chunk = config.chunk_size
     inter, f32 = operand_dtype(exact), jnp.float32
     num_slots = slots.start.shape[0]
-    diagonal_blocks = ()
-    if not bounded_gates:
-        heads = math.gcd(q.shape[1], config.diagonal_heads)
+    precision, base = matmul_precision(exact), exp_base(exact)
+    if bounded_gates:
+        blocks_from = (q, k, g)
+    else:
+        heads = math.gcd(num_heads, config.diagonal_heads)
         diagonal = pl.pallas_call(
             functools.partial(_diagonal_kernel, chunk=chunk, heads=heads,
                               exp=exp_function(exact)),
             out_shape=(_rows_of(q, SUB_CHUNK, f32), _rows_of(q, SUB_CHUNK, f32)),
-            grid=(num_slots * chunk, q.shape[1] // heads),
+            grid=(num_slots * chunk, num_heads // heads),
             compiler_params=_params(config.diagonal_num_warps),
             interpret=interpret,
             name="kda_chunk_diagonal",
         )
-        diagonal_blocks = diagonal(slots.start, slots.length, q, k, g)
+        blocks_from = diagonal(slots.start, slots.length, q, k, g)
+    inverse = pl.pallas_call(
+        functools.partial(_inverse_kernel, chunk=chunk,
+                          block_k=min(config.inverse_block_k, head_k), scale=scale,
+                          precision=precision, bounded=bounded_gates, base=base),
+        out_shape=(_rows_of(q, SUB_CHUNK, inter), _rows_of(q, SUB_CHUNK, f32)),
+        grid=(num_slots * (chunk // SUB_CHUNK), num_heads),
+        compiler_params=_params(config.inverse_num_warps),
+        interpret=interpret,
+        name="kda_chunk_inverse",
+    )
+    diagonal_blocks = inverse(slots.start, slots.length, beta, *blocks_from)
+    gates_apart = config.prep_gates_apart
+    gate_outputs = (_rows_of(q, head_k, inter), _rows_of(q, head_k, inter),
+                    _rows_of(q, head_k, f32),
+                    jax.ShapeDtypeStruct((num_slots, num_heads, head_k), f32),
+                    _rows_of(q, head_k, inter))            # Qg, Kg, G, G_last, beta k exp(G)
+    inputs = (slots.start, slots.length, slots.snapshot, q, k, g, beta)
     prep = pl.pallas_call(
         functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
-                          block_k=min(config.prep_block_k, head_k),
-                          precision=matmul_precision(exact), bounded=bounded_gates,
-                          base=exp_base(exact)),
-        out_shape=ChunkMatrices(
-            _rows_of(q, chunk, inter), _rows_of(q, chunk, inter), _rows_of(q, head_k, inter),
-            _rows_of(q, head_k, inter), _rows_of(q, head_k, f32),
-            jax.ShapeDtypeStruct((num_slots, q.shape[1], head_k), f32),
-            _rows_of(q, head_k, inter)),
-        grid=(num_slots, q.shape[1]),
+                          block_k=min(config.prep_block_k, head_k), precision=precision,
+                          base=base, gates=not gates_apart),
+        out_shape=(_rows_of(q, chunk, inter), _rows_of(q, chunk, inter),
+                   *(() if gates_apart else gate_outputs)),                    # Aqk, T
+        grid=(num_slots, num_heads),
         compiler_params=_params(config.prep_num_warps),
         interpret=interpret,
         name="kda_chunk_prep",
     )
-    return ChunkMatrices(*prep(slots.start, slots.length, slots.snapshot, q, k, g, beta,
-                               *diagonal_blocks))
+    aqk_t = prep(*inputs, *diagonal_blocks)
+    if not gates_apart:
+        return ChunkMatrices(*aqk_t)
+    gates = pl.pallas_call(
+        functools.partial(_gates_kernel, scale=scale, chunk=chunk,
+                          block_k=min(config.gates_block_k, head_k), base=base),
+        out_shape=gate_outputs,
+        grid=(num_slots, num_heads),
+        compiler_params=_params(config.gates_num_warps),
+        interpret=interpret,
+        name="kda_chunk_gates",
+    )
+    return ChunkMatrices(*aqk_t, *gates(*inputs))
 
 
 def chunk_w_u(matrices: ChunkMatrices, v, beta, slots: ChunkSlots, *,

@@ -27,13 +27,21 @@ def bytes_per_token_head(config: KernelConfig, head_k: int, head_v: int, *,
     and G_last of the first P - 1 segments, (P - 1) / P of the tokens."""
     k, v, c = head_k, head_v, config.chunk_size
     inputs = 2 * BF16 * k + FP32 * k + BF16  # q, k, g, beta
+    diagonal_blocks = (BF16 + FP32) * SUB_CHUNK  # Aqk's (operand dtype) and T's (fp32)
+    # Qg, Kg, beta k exp(G); G_last. G itself is stored only in the chunks that hold a
+    # snapshot (at most 4 a sequence), which the scan reads.
+    gates = 3 * BF16 * k + FP32 * k / c
     passes = {}
-    if not bounded:  # reads the inputs, writes Aqk's diagonal blocks and their inverses
+    if bounded:  # the diagonal blocks' products from the inputs
+        passes["inverse"] = inputs + diagonal_blocks
+    else:  # the rows of the diagonal blocks, then their inverses from them
         passes["diagonal"] = inputs + 2 * FP32 * SUB_CHUNK
-    # Aqk, T; Qg, Kg, beta k exp(G); G_last. G itself is stored only in the chunks that
-    # hold a snapshot (at most 4 a sequence), which the scan reads.
-    passes["prep"] = (inputs + (0 if bounded else 2 * FP32 * SUB_CHUNK)
-                      + 2 * BF16 * c + 3 * BF16 * k + FP32 * k / c)
+        passes["inverse"] = 2 * FP32 * SUB_CHUNK + BF16 + diagonal_blocks
+    passes["prep"] = inputs + diagonal_blocks + 2 * BF16 * c  # Aqk, T out
+    if config.prep_gates_apart:
+        passes["gates"] = inputs + gates
+    else:
+        passes["prep"] += gates
     passes["w_u"] = BF16 * (k + v) + BF16 + BF16 * c + BF16 * (k + v)  # beta k exp(G), v, beta, T
     recurrence_reads = BF16 * (2 * k + v) + FP32 * k / c  # W, Kg, U, G_last
     segments = config.scan_segments

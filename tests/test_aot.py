@@ -24,7 +24,10 @@ def test_every_kernel_compiles_within_limits():
     prefill = {r.kernel for r in reports if not r.kernel.startswith("kda_decode")}
     assert prefill == {
         "kda_chunk_diagonal",
+        "kda_chunk_inverse",
         "kda_chunk_prep",
+        "kda_chunk_prep_apart",
+        "kda_chunk_gates",
         "kda_chunk_w_u",
         "kda_chunk_scan",
         "kda_chunk_scan_unfused",

@@ -31,17 +31,21 @@ def test_quick_run_times_segment_counts_and_writes_json(tmp_path):
         traffic["total_bytes_per_token_head"] * tokens_heads / GB10_BANDWIDTH * 1e3)
 
 
-def test_sweep_covers_the_diagonal_tilings_then_the_bounded_path():
-    """Any decay at every (heads, warps) pair of the diagonal kernel, the selected tiling
-    first; the bounded path from the selected tiling; no pair twice."""
+def test_sweep_covers_the_prep_tilings_on_both_paths():
+    """Each gate path from the selected tiling, the prep's warps and key slices with and
+    without the gates kernel apart; the inverse kernel's tilings on the bounded path; no
+    pair twice."""
     base = KernelConfig()
     pairs = list(sweep_configs(base))
     assert pairs[0] == (base, None) and (base, GATE_LOWER_BOUND) in pairs
     assert len(set(pairs)) == len(pairs)
-    diagonal = {(c.diagonal_heads, c.diagonal_num_warps) for c, bound in pairs if bound is None}
-    assert diagonal == {(h, w) for h in (1, 2, 4, 8) for w in (1, 2, 4)}
-    for bound in (None, GATE_LOWER_BOUND):  # the prep's key slices on both paths
-        assert {8, 32} <= {c.prep_block_k for c, b in pairs if b == bound}
+    for bound in (None, GATE_LOWER_BOUND):
+        configs = [c for c, b in pairs if b == bound]
+        assert {8, 16, 32} <= {c.prep_block_k for c in configs}
+        assert {(1, True), (2, False), (4, False)} <= {
+            (c.prep_num_warps, c.prep_gates_apart) for c in configs}
+    assert {(1, 64), (2, 32)} <= {(c.inverse_num_warps, c.inverse_block_k)
+                                  for c, b in pairs if b == GATE_LOWER_BOUND}
     assert all(bound in (None, GATE_LOWER_BOUND) for _, bound in pairs)
 
 
@@ -67,25 +71,32 @@ def test_quick_sweep_times_and_checks_each_config(tmp_path, monkeypatch):
 
 
 def test_bytes_per_token_head_by_hand():
-    """K = V = 128, C = 64, bounded gates: 6,420 B (issue 20 counted about 7.4 KB before T
-    and W's right-hand side were stored in bf16 and G only in snapshot chunks)."""
+    """K = V = 128, C = 64, bounded gates: 7,638 B (issue 20 counted about 7.4 KB before T
+    and W's right-hand side were stored in bf16 and G only in snapshot chunks; the
+    diagonal blocks' inverse kernel reads the inputs once more)."""
+    inputs = 2 * 128 * 2 + 4 * 128 + 2
     plain = traffic_summary(KernelConfig(), 128, 128, bounded=True, tokens=1, heads=1)
     assert plain["bytes_per_token_head"] == {
-        "prep": 2 * 128 * 2 + 4 * 128 + 2 + 2 * 2 * 64 + 3 * 2 * 128 + 8,
+        "inverse": inputs + 6 * 16,
+        "prep": inputs + 6 * 16 + 2 * 2 * 64 + 3 * 2 * 128 + 8,
         "w_u": 2 * 256 + 2 + 2 * 64 + 2 * 256,
         "scan": 2 * 384 + 8 + 2 * 128 * 128 / 64 + 2 * 128,
         "output": 2 * (128 + 64 + 256 + 128) + 4 * 128,
     }
-    assert plain["total_bytes_per_token_head"] == 6420
+    assert plain["total_bytes_per_token_head"] == 7638
     segmented = traffic_summary(KernelConfig(scan_segments=4), 128, 128, bounded=True,
                                 tokens=1, heads=1)
     assert segmented["bytes_per_token_head"]["transition"] == pytest.approx(776 * 3 / 4)
     any_decay = traffic_summary(KernelConfig(), 128, 128, bounded=False, tokens=1, heads=1)
-    assert any_decay["total_bytes_per_token_head"] == 6420 + 1154 + 128
+    assert any_decay["total_bytes_per_token_head"] == 7638 - inputs + 1154 + 130
+    apart = traffic_summary(KernelConfig(prep_gates_apart=True), 128, 128, bounded=True,
+                            tokens=1, heads=1)
+    assert apart["bytes_per_token_head"]["gates"] == inputs + 3 * 2 * 128 + 8
+    assert apart["total_bytes_per_token_head"] == 7638 + inputs
     # The output fused into the scan: Qg and Aqk read there, o written (and zero-filled);
-    # no entry states or Vnew stored, no output pass. 4,884 B: under issue 20's 5 KB.
+    # no entry states or Vnew stored, no output pass. 6,102 B: over issue 20's 5 KB.
     fused = traffic_summary(KernelConfig(fuse_output=True), 128, 128, bounded=True, tokens=1,
                             heads=1)
     assert fused["bytes_per_token_head"]["scan"] == 2 * 384 + 8 + 2 * (128 + 64) + 4 * 128
     assert "output" not in fused["bytes_per_token_head"]
-    assert fused["total_bytes_per_token_head"] == 4884
+    assert fused["total_bytes_per_token_head"] == 6102

@@ -176,6 +176,18 @@ class KdaKernelCases:
         config = KernelConfig(block_v=32, diagonal_heads=4)
         self.check_against_recurrence(inputs, 1e-5, config=config)
 
+    @pytest.mark.parametrize("bound", [None, -5.0])
+    def test_gates_kernel_apart(self, rng, bound):
+        """G, Qg, Kg and beta k exp(G) by their own kernel (`prep_gates_apart`), key
+        slices narrower than K in every prep kernel, decays at the bound."""
+        config = KernelConfig(block_v=32, prep_gates_apart=True, prep_num_warps=1,
+                              prep_block_k=16, inverse_block_k=16, gates_block_k=16)
+        inputs = make_inputs(rng, [1, 150, 64], padding=7, min_decay=-5.0)
+        inputs["g"] = inputs["g"].at[150:].set(-5.0)
+        self.check_against_recurrence(inputs, 1e-5, config=config, gate_lower_bound=bound)
+        inputs = make_inputs(rng, [97, 31], dtype=jnp.bfloat16)
+        self.check_against_recurrence(inputs, 5e-3, config=config, gate_lower_bound=bound)
+
     def test_chunk_size_32(self, rng):
         self.check_against_recurrence(make_inputs(rng, [100, 33]), 1e-5, chunk_size=32)
 
@@ -305,8 +317,10 @@ def test_config_rejects_mismatched_blocks(rng):
     inputs = make_inputs(rng, [10], head_k=32, head_v=32)
     with pytest.raises(ValueError, match="value block"):
         kda_prefill(**inputs, config=KernelConfig(block_v=64))
-    with pytest.raises(ValueError, match="K=32 .* key slice 24"):  # 8 columns would be lost
+    with pytest.raises(ValueError, match="K=32 .* prep_block_k=24"):  # 8 columns lost
         kda_prefill(**inputs, config=KernelConfig(block_v=32, prep_block_k=24))
+    with pytest.raises(ValueError, match="K=32 .* inverse_block_k=24"):
+        kda_prefill(**inputs, config=KernelConfig(block_v=32, inverse_block_k=24))
 
 
 @pytest.mark.parametrize("segments", [0, 17])
