@@ -256,19 +256,16 @@ def run_case(name, lens, config, args, bandwidth):
 
 def sweep_configs(base: KernelConfig):
     """(tiling, gate lower bound) pairs: on each gate path (any decay first) the selected
-    tiling, then the prep kernel's warps and key slice with and without its gates kernel
-    apart (`prep_gates_apart`); on the bounded path also the inverse kernel's warps and
-    key slice, W/U's warps and the scan's value block (16: twice the programs, 190
-    registers at 8 warps on sm_90). The diagonal kernel's (heads, warps) pairs were swept
-    on the H100 (docs/KERNEL.md, fourteenth session)."""
+    tiling, then the prep kernel's warps and key slice; on the bounded path also the
+    inverse kernel's warps and key slice, W/U's warps and the scan's value block (16:
+    twice the programs, 190 registers at 8 warps on sm_90). The diagonal kernel's (heads,
+    warps) pairs were swept on the H100 (docs/KERNEL.md, fourteenth session)."""
     for bound in (None, GATE_LOWER_BOUND):
         yield base, bound
-        for apart in (False, True):
-            for warps, block_k in ((1, 16), (2, 16), (4, 16), (1, 8), (2, 32)):
-                config = dataclasses.replace(base, prep_gates_apart=apart,
-                                             prep_num_warps=warps, prep_block_k=block_k)
-                if config != base:
-                    yield config, bound
+        for warps, block_k in ((1, 16), (2, 16), (4, 16), (1, 32), (4, 32), (2, 64)):
+            config = dataclasses.replace(base, prep_num_warps=warps, prep_block_k=block_k)
+            if config != base:
+                yield config, bound
     for warps, block_k in ((1, 16), (1, 64), (2, 32), (2, 64)):
         config = dataclasses.replace(base, inverse_num_warps=warps, inverse_block_k=block_k)
         if config != base:

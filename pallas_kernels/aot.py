@@ -306,12 +306,6 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                     if module.name in ("kda_chunk_scan", "kda_chunk_output"):
                         renamed = module.name.replace("scan", "scan_unfused")
                         modules[renamed] = dataclasses.replace(module, name=renamed)
-                # The prep with its elementwise gates kernel apart (`prep_gates_apart`).
-                apart = dataclasses.replace(picked, prep_gates_apart=True)
-                for module in lower_kda_prefill(spec, num_heads, apart, bounded_gates=True):
-                    if module.name in ("kda_chunk_gates", "kda_chunk_prep"):
-                        renamed = module.name.replace("prep", "prep_apart")
-                        modules[renamed] = dataclasses.replace(module, name=renamed)
                 for module in lower_kda_conv(spec, num_heads):
                     modules.setdefault(module.name, module)
             for rows in DECODE_ROWS:

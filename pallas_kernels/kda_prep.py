@@ -181,57 +181,18 @@ def _inverse_kernel(chunk_start_ref, chunk_len_ref, beta_ref, *refs, chunk, bloc
         plgpu.store(t_ref.at[rows, h, :], t_bb, mask=valid)
 
 
-def _gates_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_ref, g_ref,
-                  beta_ref, qg_ref, kg_ref, gcum_ref, glast_ref, kb_ref, *, scale, chunk,
-                  block_k, base):
-    """One chunk of one head, elementwise over slices of `block_k` key columns: G (fp32,
-    stored only where `snapshot_ref` [S] marks the slot; G_last [S, H, K] always), Qg =
-    scale q exp(G), Kg = k exp(G_last - G) and beta k exp(G) (operand dtype)."""
-    g_scale, exp = base
-    slot, h = pl.program_id(0), pl.program_id(1)
-    clen = chunk_len_ref[slot]
-
-    @pl.when(clen > 0)
-    def _():
-        rows, valid = pl.ds(chunk_start_ref[slot], chunk), iota((chunk, 1), 0) < clen
-
-        def store(ref, value, cols):
-            plgpu.store(ref.at[rows, h, cols], value.astype(ref.dtype), mask=valid)
-
-        @pl.loop(0, q_ref.shape[-1] // block_k)
-        def _(index):
-            cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-            g_cum = lax.cumsum(load_rows(g_ref, rows, h, valid, cols) * g_scale, axis=0)
-            g_last = jnp.sum(jnp.where(iota((chunk, 1), 0) == chunk - 1, g_cum, 0.0), axis=0,
-                             keepdims=True)                                   # [1, BK]
-            glast_ref[pl.ds(slot, 1), h, cols] = g_last * (1 / g_scale)
-
-            @pl.when(snapshot_ref[slot] != 0)  # the scan reads G only there
-            def _():
-                store(gcum_ref, g_cum * (1 / g_scale), cols)
-
-            k, decay = load_rows(k_ref, rows, h, valid, cols), exp(g_cum)
-            store(qg_ref, scale * load_rows(q_ref, rows, h, valid, cols) * decay, cols)
-            store(kb_ref, load_rows(beta_ref, rows, h, valid) * k * decay, cols)
-            store(kg_ref, k * exp(g_last - g_cum), cols)
-
-
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_ref, g_ref,
                        beta_ref, a_diag_ref, t_diag_ref, *refs, scale, chunk, block_k,
-                       precision, base, gates):
-    """One chunk of one head: Aqk (scaled) and T = (I + L)^-1 (operand dtype), and with
-    `gates` (else `_gates_kernel` stores them) G (fp32, stored only where `snapshot_ref`
-    [S] marks the slot), Qg, Kg and beta k exp(G), by 16 x 16 blocks and key slices of
-    `block_k` columns.
+                       precision, base):
+    """One chunk of one head: G (fp32, stored only where `snapshot_ref` [S] marks the
+    slot), Qg, Kg, Aqk (scaled), beta k exp(G) and T = (I + L)^-1 (the last five in the
+    operand dtype), by 16 x 16 blocks and key slices of `block_k` columns.
 
     Refs are whole arrays [T', H, ...]; rows past the chunk's length load as zeros
     (g = 0 keeps G flat there, k = beta = 0 adds nothing). The diagonal blocks of Aqk and
     of T come from `_inverse_kernel` (a_diag_ref, t_diag_ref [T', H, 16]).
     """
-    if gates:
-        aqk_ref, t_ref, qg_ref, kg_ref, gcum_ref, glast_ref, kb_ref = refs
-    else:
-        aqk_ref, t_ref = refs
+    aqk_ref, t_ref, qg_ref, kg_ref, gcum_ref, glast_ref, kb_ref = refs
     # Decays in the base of `exp` (`tiles.exp_base`): g is scaled as it loads, G back as
     # it is stored.
     g_scale, exp = base
@@ -279,21 +240,19 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
             for c in range(blocks):
                 before.append(before[-1] + total[c])
                 after.insert(0, after[0] + total[blocks - 1 - c])
-            if gates:
-                glast_ref[pl.ds(slot, 1), h, cols] = before[-1] * (1 / g_scale)
+            glast_ref[pl.ds(slot, 1), h, cols] = before[-1] * (1 / g_scale)
             k_fall = []  # k_c exp(E_c - G_c), E_c = G at block c's last row: <= 1
             for b in range(blocks):
                 q_b, k_b = load(q_ref, b, cols), load(k_ref, b, cols)
-                if gates:
-                    g_b = before[b] + rise[b]
+                g_b = before[b] + rise[b]
 
-                    @pl.when(snapshot_ref[slot] != 0)  # the scan reads G only there
-                    def _(b=b, g_b=g_b):
-                        store(gcum_ref, b, g_b * (1 / g_scale), cols)
+                @pl.when(snapshot_ref[slot] != 0)  # the scan reads G only there
+                def _(b=b, g_b=g_b):
+                    store(gcum_ref, b, g_b * (1 / g_scale), cols)
 
-                    store(qg_ref, b, scale * q_b * exp(g_b), cols)
-                    store(kb_ref, b, load(beta_ref, b) * k_b * exp(g_b), cols)
-                    store(kg_ref, b, k_b * exp(after[b + 1] + total[b] - rise[b]), cols)
+                store(qg_ref, b, scale * q_b * exp(g_b), cols)
+                store(kb_ref, b, load(beta_ref, b) * k_b * exp(g_b), cols)
+                store(kg_ref, b, k_b * exp(after[b + 1] + total[b] - rise[b]), cols)
                 fall = exp(rise[b])
                 # exp(G_i - G_j) = exp(G_i - E_c) exp(E_c - G_j) exp(the totals of the
                 # blocks between), every factor <= 1.
@@ -378,9 +337,8 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
                    bounded_gates: bool, config: KernelConfig, interpret: bool,
                    exact: bool) -> ChunkMatrices:
     """Pass 1a over [T', H, K] inputs: the diagonal blocks (`_inverse_kernel`, after
-    `_diagonal_kernel` when gates are unbounded), then Aqk and T (`_chunk_prep_kernel`)
-    and G, Qg, Kg and beta k exp(G), by the same kernel or, with
-    `config.prep_gates_apart`, by `_gates_kernel`."""
+    `_diagonal_kernel` when gates are unbounded), then G, Qg, Kg, Aqk and T
+    (`_chunk_prep_kernel`)."""
     num_heads, head_k = q.shape[1:]
     chunk = config.chunk_size
     inter, f32 = operand_dtype(exact), jnp.float32
@@ -411,36 +369,22 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
         name="kda_chunk_inverse",
     )
     diagonal_blocks = inverse(slots.start, slots.length, beta, *blocks_from)
-    gates_apart = config.prep_gates_apart
-    gate_outputs = (_rows_of(q, head_k, inter), _rows_of(q, head_k, inter),
-                    _rows_of(q, head_k, f32),
-                    jax.ShapeDtypeStruct((num_slots, num_heads, head_k), f32),
-                    _rows_of(q, head_k, inter))            # Qg, Kg, G, G_last, beta k exp(G)
-    inputs = (slots.start, slots.length, slots.snapshot, q, k, g, beta)
     prep = pl.pallas_call(
         functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
                           block_k=min(config.prep_block_k, head_k), precision=precision,
-                          base=base, gates=not gates_apart),
-        out_shape=(_rows_of(q, chunk, inter), _rows_of(q, chunk, inter),
-                   *(() if gates_apart else gate_outputs)),                    # Aqk, T
+                          base=base),
+        out_shape=ChunkMatrices(
+            _rows_of(q, chunk, inter), _rows_of(q, chunk, inter), _rows_of(q, head_k, inter),
+            _rows_of(q, head_k, inter), _rows_of(q, head_k, f32),
+            jax.ShapeDtypeStruct((num_slots, num_heads, head_k), f32),
+            _rows_of(q, head_k, inter)),
         grid=(num_slots, num_heads),
         compiler_params=_params(config.prep_num_warps),
         interpret=interpret,
         name="kda_chunk_prep",
     )
-    aqk_t = prep(*inputs, *diagonal_blocks)
-    if not gates_apart:
-        return ChunkMatrices(*aqk_t)
-    gates = pl.pallas_call(
-        functools.partial(_gates_kernel, scale=scale, chunk=chunk,
-                          block_k=min(config.gates_block_k, head_k), base=base),
-        out_shape=gate_outputs,
-        grid=(num_slots, num_heads),
-        compiler_params=_params(config.gates_num_warps),
-        interpret=interpret,
-        name="kda_chunk_gates",
-    )
-    return ChunkMatrices(*aqk_t, *gates(*inputs))
+    return ChunkMatrices(*prep(slots.start, slots.length, slots.snapshot, q, k, g, beta,
+                               *diagonal_blocks))
 
 
 def chunk_w_u(matrices: ChunkMatrices, v, beta, slots: ChunkSlots, *,

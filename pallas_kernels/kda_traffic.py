@@ -37,11 +37,7 @@ def bytes_per_token_head(config: KernelConfig, head_k: int, head_v: int, *,
     else:  # the rows of the diagonal blocks, then their inverses from them
         passes["diagonal"] = inputs + 2 * FP32 * SUB_CHUNK
         passes["inverse"] = 2 * FP32 * SUB_CHUNK + BF16 + diagonal_blocks
-    passes["prep"] = inputs + diagonal_blocks + 2 * BF16 * c  # Aqk, T out
-    if config.prep_gates_apart:
-        passes["gates"] = inputs + gates
-    else:
-        passes["prep"] += gates
+    passes["prep"] = inputs + diagonal_blocks + 2 * BF16 * c + gates  # Aqk, T out
     passes["w_u"] = BF16 * (k + v) + BF16 + BF16 * c + BF16 * (k + v)  # beta k exp(G), v, beta, T
     recurrence_reads = BF16 * (2 * k + v) + FP32 * k / c  # W, Kg, U, G_last
     segments = config.scan_segments

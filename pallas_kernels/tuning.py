@@ -41,17 +41,15 @@ class KernelConfig:
     block_v: int = 64           # value columns per scan program
     scan_num_warps: int = 8
     scan_num_stages: int = 1
-    prep_num_warps: int = 2     # prep: G, Qg, Kg, Aqk and T = (I + L)^-1 per chunk
-    prep_block_k: int = 16      # key columns per slice of the prep program (a loop)
+    # Prep: G, Qg, Kg, Aqk and T = (I + L)^-1 per chunk, over slices of `prep_block_k` key
+    # columns (a loop). 2 warps x 32 columns was the fastest of ten tilings on the H200 at
+    # 8K (docs/KERNEL.md, fifteenth session).
+    prep_num_warps: int = 2
+    prep_block_k: int = 32
     # Prep: the diagonal 16 x 16 blocks and their inverses, a sub-chunk a program (bounded
     # gates: their products over slices of `inverse_block_k` key columns).
     inverse_num_warps: int = 1
     inverse_block_k: int = 32
-    # Prep: G, Qg, Kg and beta k exp(G) by their own elementwise kernel (one more read of
-    # q, k and g: 1 KB a token-head), so the prep program holds only its products.
-    prep_gates_apart: bool = False
-    gates_num_warps: int = 4
-    gates_block_k: int = 32
     w_u_num_warps: int = 8      # prep: W and U per chunk
     # Prep, any-decay path: the diagonal blocks, a row a program of `diagonal_heads` heads
     # (their gcd with H is used). 4 heads at 2 warps was the fastest of the 12 pairs on the

@@ -26,8 +26,6 @@ def test_every_kernel_compiles_within_limits():
         "kda_chunk_diagonal",
         "kda_chunk_inverse",
         "kda_chunk_prep",
-        "kda_chunk_prep_apart",
-        "kda_chunk_gates",
         "kda_chunk_w_u",
         "kda_chunk_scan",
         "kda_chunk_scan_unfused",

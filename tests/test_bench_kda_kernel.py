@@ -32,9 +32,8 @@ def test_quick_run_times_segment_counts_and_writes_json(tmp_path):
 
 
 def test_sweep_covers_the_prep_tilings_on_both_paths():
-    """Each gate path from the selected tiling, the prep's warps and key slices with and
-    without the gates kernel apart; the inverse kernel's tilings on the bounded path; no
-    pair twice."""
+    """Each gate path from the selected tiling, then the prep's warps and key slices; the
+    inverse kernel's tilings on the bounded path; no pair twice."""
     base = KernelConfig()
     pairs = list(sweep_configs(base))
     assert pairs[0] == (base, None) and (base, GATE_LOWER_BOUND) in pairs
@@ -42,8 +41,8 @@ def test_sweep_covers_the_prep_tilings_on_both_paths():
     for bound in (None, GATE_LOWER_BOUND):
         configs = [c for c, b in pairs if b == bound]
         assert {8, 16, 32} <= {c.prep_block_k for c in configs}
-        assert {(1, True), (2, False), (4, False)} <= {
-            (c.prep_num_warps, c.prep_gates_apart) for c in configs}
+        assert {(1, 16), (2, 16), (4, 16)} <= {
+            (c.prep_num_warps, c.prep_block_k) for c in configs}
     assert {(1, 64), (2, 32)} <= {(c.inverse_num_warps, c.inverse_block_k)
                                   for c, b in pairs if b == GATE_LOWER_BOUND}
     assert all(bound in (None, GATE_LOWER_BOUND) for _, bound in pairs)
@@ -89,10 +88,6 @@ def test_bytes_per_token_head_by_hand():
     assert segmented["bytes_per_token_head"]["transition"] == pytest.approx(776 * 3 / 4)
     any_decay = traffic_summary(KernelConfig(), 128, 128, bounded=False, tokens=1, heads=1)
     assert any_decay["total_bytes_per_token_head"] == 7638 - inputs + 1154 + 130
-    apart = traffic_summary(KernelConfig(prep_gates_apart=True), 128, 128, bounded=True,
-                            tokens=1, heads=1)
-    assert apart["bytes_per_token_head"]["gates"] == inputs + 3 * 2 * 128 + 8
-    assert apart["total_bytes_per_token_head"] == 7638 + inputs
     # The output fused into the scan: Qg and Aqk read there, o written (and zero-filled);
     # no entry states or Vnew stored, no output pass. 6,102 B: over issue 20's 5 KB.
     fused = traffic_summary(KernelConfig(fuse_output=True), 128, 128, bounded=True, tokens=1,

@@ -177,11 +177,10 @@ class KdaKernelCases:
         self.check_against_recurrence(inputs, 1e-5, config=config)
 
     @pytest.mark.parametrize("bound", [None, -5.0])
-    def test_gates_kernel_apart(self, rng, bound):
-        """G, Qg, Kg and beta k exp(G) by their own kernel (`prep_gates_apart`), key
-        slices narrower than K in every prep kernel, decays at the bound."""
-        config = KernelConfig(block_v=32, prep_gates_apart=True, prep_num_warps=1,
-                              prep_block_k=16, inverse_block_k=16, gates_block_k=16)
+    def test_key_slices_narrower_than_k(self, rng, bound):
+        """Every prep kernel over several key slices (16 of K = 32 columns), decays at the
+        bound."""
+        config = KernelConfig(block_v=32, prep_block_k=16, inverse_block_k=16)
         inputs = make_inputs(rng, [1, 150, 64], padding=7, min_decay=-5.0)
         inputs["g"] = inputs["g"].at[150:].set(-5.0)
         self.check_against_recurrence(inputs, 1e-5, config=config, gate_lower_bound=bound)
