@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from glmjax.alternating import Alternating
 from glmjax.batch import DecodeBatch, PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
@@ -296,3 +297,6 @@ def decode_step(model_state: ModelState, caches: Caches, batch: DecodeBatch, *,
 prefill = jax.jit(prefill_step, donate_argnums=1, static_argnames="return_logprobs",
                   compiler_options=STEP_OPTIONS)
 decode = jax.jit(decode_step, donate_argnums=1, compiler_options=STEP_OPTIONS)
+# The engine's decode on one GPU: two executables called in turn, so that neither re-records
+# its CUDA graph on every call (`glmjax.alternating`).
+decode_in_turn = Alternating(decode_step, donate_argnums=1, compiler_options=STEP_OPTIONS)

@@ -44,6 +44,7 @@ from glmjax.model import (
     ModelState,
     PrefillOutput,
     decode,
+    decode_in_turn,
     decode_step,
     prefill,
     prefill_step,
@@ -155,8 +156,13 @@ class ModelSteps(NamedTuple):
 
 
 def single_device_steps(config: ModelConfig) -> ModelSteps:
-    """The steps of `glmjax.model` on JAX's default device."""
-    return ModelSteps(prefill, decode, copy_state_slots, copy_kv_blocks,
+    """The steps of `glmjax.model` on JAX's default device; on a GPU its decode is two
+    executables called in turn (`decode_in_turn`: a CUDA graph updated on every call is
+    what bounds a batch-1 step there; elsewhere there are no graphs, only a second
+    compile)."""
+    gpu = jax.default_backend() == "gpu"
+    return ModelSteps(prefill, decode_in_turn if gpu else decode, copy_state_slots,
+                      copy_kv_blocks,
                       lambda slots, blocks: Caches.init(config, slots, blocks),
                       pure_state, None, DCPLayout(), mixed)
 

@@ -40,7 +40,7 @@ def test_sweep_covers_the_prep_tilings_on_both_paths():
     assert len(set(pairs)) == len(pairs)
     for bound in (None, GATE_LOWER_BOUND):
         configs = [c for c, b in pairs if b == bound]
-        assert {8, 16, 32} <= {c.prep_block_k for c in configs}
+        assert {16, 32, 64} <= {c.prep_block_k for c in configs}
         assert {(1, 16), (2, 16), (4, 16)} <= {
             (c.prep_num_warps, c.prep_block_k) for c in configs}
     assert {(1, 64), (2, 32)} <= {(c.inverse_num_warps, c.inverse_block_k)

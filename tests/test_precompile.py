@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import serving.dispatch
+from glmjax.alternating import Alternating
 from glmjax.config import ModelConfig
 from glmjax.model import DecodeOutput, HybridModel, PrefillOutput
 from glmjax.sharding import single_device_steps
@@ -71,11 +72,12 @@ def test_every_reachable_shape_is_listed_and_nothing_else(config, single, feed):
 class FakeStep:
     """A model step's stand-in: logits one-hot at each row's last token, caches passed
     through, status OK. Jitted per bucket as the real step is, with the same ``lower``
-    (the sampler's and the copies' compiles do not depend on the model)."""
+    (the sampler's and the copies' compiles do not depend on the model); ``in_turn``: two
+    executables called in turn, as the GPU's decode step (`glmjax.alternating`)."""
 
-    def __init__(self, kind: str, vocab_size: int):
+    def __init__(self, kind: str, vocab_size: int, *, in_turn: bool = False):
         self.kind, self.vocab_size, self.rows_seen = kind, vocab_size, set()
-        self.jitted = jax.jit(self._step)
+        self.jitted = (Alternating if in_turn else jax.jit)(self._step)
 
     def _step(self, caches, batch):
         if self.kind == "prefill":
@@ -93,12 +95,12 @@ class FakeStep:
         return self.jitted.lower(caches, batch)
 
 
-def fake_engine(**config) -> Engine:
+def fake_engine(*, in_turn: bool = False, **config) -> Engine:
     """An engine of the tiny preset's shapes on `FakeStep`s."""
     model_config = dataclasses.replace(ModelConfig.preset("tiny"), kv_block_size=16)
     vocab = model_config.vocab_size
-    steps = single_device_steps(model_config)._replace(prefill=FakeStep("prefill", vocab),
-                                                       decode=FakeStep("decode", vocab))
+    steps = single_device_steps(model_config)._replace(
+        prefill=FakeStep("prefill", vocab), decode=FakeStep("decode", vocab, in_turn=in_turn))
     model = nnx.state(nnx.eval_shape(lambda: HybridModel(model_config, nnx.Rngs(0))))
     return Engine(model_config, model, EngineConfig(block_size=16, **config), steps=steps)
 
@@ -135,11 +137,13 @@ def test_the_sampler_compiles_once_per_variant_across_sequence_buckets(rng):
     assert compiles["jit(gather_rows)"]["count"] == len(rows_seen)
 
 
-def test_after_precompile_a_mixed_workload_compiles_nothing(rng):
+@pytest.mark.parametrize("in_turn", [False, True], ids=["one-decode", "decode-in-turn"])
+def test_after_precompile_a_mixed_workload_compiles_nothing(rng, in_turn):
     """Every program the engine calls while serving requests of any shape within its
-    limits (prefix hits and their copies included) was compiled by `precompile`."""
+    limits (prefix hits and their copies included) was compiled by `precompile`; both
+    executables of a decode step called in turn too."""
     engine = fake_engine(max_model_len=64, budget=32, max_num_seqs=4, num_kv_blocks=24,
-                         num_state_slots=12)
+                         num_state_slots=12, in_turn=in_turn)
     precompile(engine, workers=2, progress=False)
     with CompileLog() as log:
         mixed_workload(engine, rng, requests=16)

@@ -1,0 +1,62 @@
+"""Two executables of one jitted step, called in turn.
+
+Why: a decode step at batch 1 is host-bound on the H200, and most of the host's time is
+XLA re-recording the step's CUDA graph. With asynchronous dispatch (step n + 1 enqueued
+before step n's results are fetched) consecutive calls of one executable find their
+temporaries at alternating addresses, so XLA updates every command of the graph on every
+call (901 commands, 1-2.6 ms each time in `bench.cmdbuf_pingpong`'s log). Two executables
+called in turn each find the addresses of their own previous call again, two steps back,
+and launch their graphs as recorded: on the H200 a 600-kernel chain dispatched that way
+took 2.87 ms a call against 3.94 with one executable (median of three runs,
+`bench/results/cmdbuf_pingpong_2026-12-05.json`).
+
+The two copies trace the same function under the same name, so their programs are
+identical: with the persistent compilation cache on (`glmjax.compile_cache`) the second
+is a cache hit, loaded as an executable of its own; without it, a second compile.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+
+
+class _LoweredPair:
+    """Both copies lowered; `compile` compiles both and returns the first's `Compiled`
+    (its shardings and memory analysis are the second's too)."""
+
+    def __init__(self, lowered):
+        self.lowered = lowered
+
+    def compile(self):
+        return [lowered.compile() for lowered in self.lowered][0]
+
+
+class Alternating:
+    """`jax.jit(fn, **jit_kwargs)` twice; each call runs the copy the previous call did not.
+
+    Call it and lower it as the jitted function (``lower`` lowers both copies: what an
+    ahead-of-time compile of it compiles, both executables are). Not thread-safe: one
+    caller (the engine's thread) dispatches the steps.
+    """
+
+    def __init__(self, fn: Callable, **jit_kwargs):
+        def copy():
+            @functools.wraps(fn)
+            def step(*args, **kwargs):
+                return fn(*args, **kwargs)
+            return jax.jit(step, **jit_kwargs)
+
+        self.copies = (copy(), copy())
+        self._turn = 0
+        self.__name__ = fn.__name__
+
+    def __call__(self, *args, **kwargs):
+        step = self.copies[self._turn]
+        self._turn ^= 1
+        return step(*args, **kwargs)
+
+    def lower(self, *args, **kwargs) -> _LoweredPair:
+        return _LoweredPair([step.lower(*args, **kwargs) for step in self.copies])
