@@ -94,15 +94,21 @@ decode_host() {
 # apart or not): the any-decay path's prep tilings with the 8K case and fla beside them;
 # then the bounded path's prep / inverse / W/U / scan tilings.
 kda_prep() {
-  run_logged kda_sweep_any 420 python3 -m bench.kda_kernel --sweep any --sweep-case 8K \
-    --cases 8K --pass-cases '' --out "$OUT/kda_kernel_sweep_any_8K.json"
-  run_logged kda_sweep_bounded 360 python3 -m bench.kda_kernel --sweep bounded \
-    --sweep-case 8K --cases '' --out "$OUT/kda_kernel_sweep_bounded_8K.json"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run_logged kda_sweep_any 420 python3 -m \
+    bench.kda_kernel --sweep any --sweep-case 8K --cases 8K --pass-cases '' \
+    --out "$OUT/kda_kernel_sweep_any_8K.json"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run_logged kda_sweep_bounded 360 python3 -m \
+    bench.kda_kernel --sweep bounded --sweep-case 8K --cases '' \
+    --out "$OUT/kda_kernel_sweep_bounded_8K.json"
 }
 
+# JAX and PyTorch (fla) share the GPU: no preallocation (fla ran out of memory at 32K on an
+# H100 under XLA's 95%, 2026-12-05).
 kda_full() {
-  run_logged kda_kernel_full 540 python3 -m bench.kda_kernel --cases 8K,32K,4x8K \
-    --unfused-output --out "$OUT/kda_kernel.json"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run_logged kda_kernel_full 540 python3 -m \
+    bench.kda_kernel --cases 8K,32K,4x8K --unfused-output --out "$OUT/kda_kernel.json"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run_logged kda_kernel_h16 180 python3 -m \
+    bench.kda_kernel --heads 16 --cases 32K --pass-cases '' --out "$OUT/kda_kernel_h16.json"
 }
 
 # Issue 20's profile: every kernel of one kda_prefill call (both gate paths) and of fla's
