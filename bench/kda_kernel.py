@@ -218,8 +218,8 @@ def run_case(name, lens, config, args, bandwidth):
             measure(row, checked[row], **timing)
     ref = jax.jit(lambda i, off: kda_prefill(**i, checkpoint_offsets=off, backend="reference"))
     offsets4 = snapshot_offsets(lens, 4)
-    measure("jax.numpy reference", lambda: ref(inputs, offsets4), iters=2,
-            samples=max(3, args.samples // 2))
+    measure("jax.numpy reference", lambda: ref(inputs, offsets4), iters=min(2, args.iters),
+            samples=min(args.samples, max(3, args.samples // 2)))
     fla_options = {"fla chunk_kda": {},
                    "fla chunk_kda safe_gate": dict(safe_gate=True, lower_bound=GATE_LOWER_BOUND)}
     for row, options in fla_options.items():
@@ -369,7 +369,7 @@ def main(argv=None):
             errors = {}
             try:
                 ms = time_calls(lambda fn=fn: fn(inputs, offsets), jax.block_until_ready,
-                                iters=5, samples=3)[0]
+                                iters=min(5, args.iters), samples=min(3, args.samples))[0]
                 # a fast tiling must also be right: its errors against the reference
                 errors = {out: relative_error(a, b) for out, a, b in
                           zip(("o", "final_states", "snapshots"), fn(inputs, offsets), reference)}

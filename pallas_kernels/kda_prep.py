@@ -63,27 +63,22 @@ from pallas_kernels.tuning import KernelConfig
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tile a Triton dot accepts
 
 
-def _invert_by_substitution(l_blocks):
-    """(I + L)^-1 for each strictly lower triangular [16, 16] fp32 L of `l_blocks`, by
-    forward substitution.
+def _invert_by_substitution(l_blk):
+    """(I + L)^-1 of a strictly lower triangular [16, 16] fp32 L, by forward substitution.
 
     X starts as I; step j subtracts L[:, j] x X[j, :] from every row (rows <= j are
     untouched, L being strictly lower), after which row j + 1 is final. A 16-step loop of
-    elementwise updates in fp32: short code, no matmul rounding. The prep kernel's choice:
-    its code was 7,512 SASS instructions with products, 5,544 with this (sm_90). The blocks
-    share one loop: their steps are independent, so each step's reductions overlap.
+    elementwise updates in fp32: short code, no matmul rounding (when the prep kernel ran
+    it, its code was 7,512 SASS instructions with products, 5,544 with this; sm_90).
     """
-    rows, cols = iota(l_blocks[0].shape, 0), iota(l_blocks[0].shape, 1)
+    rows, cols = iota(l_blk.shape, 0), iota(l_blk.shape, 1)
 
-    def step(j, xs):
-        def update(l_blk, x):
-            l_col = jnp.sum(jnp.where(cols == j, l_blk, 0.0), axis=1, keepdims=True)  # [16, 1]
-            x_row = jnp.sum(jnp.where(rows == j, x, 0.0), axis=0, keepdims=True)      # [1, 16]
-            return x - l_col * x_row
-        return tuple(update(l_blk, x) for l_blk, x in zip(l_blocks, xs))
+    def step(j, x):
+        l_col = jnp.sum(jnp.where(cols == j, l_blk, 0.0), axis=1, keepdims=True)  # [16, 1]
+        x_row = jnp.sum(jnp.where(rows == j, x, 0.0), axis=0, keepdims=True)      # [1, 16]
+        return x - l_col * x_row
 
-    eye = (rows == cols).astype(jnp.float32)
-    return lax.fori_loop(0, rows.shape[0], step, (eye,) * len(l_blocks))
+    return lax.fori_loop(0, rows.shape[0], step, (rows == cols).astype(jnp.float32))
 
 
 def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref, l_ref, *,
@@ -175,7 +170,7 @@ def _inverse_kernel(chunk_start_ref, chunk_len_ref, beta_ref, *refs, chunk, bloc
                                        (zeros, zeros))
         else:
             a_bb, l_bb = (load(ref) for ref in inputs)
-        (t_bb,) = _invert_by_substitution([jnp.where(col < row, load(beta_ref) * l_bb, 0.0)])
+        t_bb = _invert_by_substitution(jnp.where(col < row, load(beta_ref) * l_bb, 0.0))
         plgpu.store(a_ref.at[rows, h, :],
                     jnp.where(col <= row, scale * a_bb, 0.0).astype(a_ref.dtype), mask=valid)
         plgpu.store(t_ref.at[rows, h, :], t_bb, mask=valid)
