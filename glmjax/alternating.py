@@ -12,7 +12,8 @@ took 2.87 ms a call against 3.94 with one executable (median of three runs,
 
 The two copies trace the same function under the same name, so their programs are
 identical: with the persistent compilation cache on (`glmjax.compile_cache`) the second
-is a cache hit, loaded as an executable of its own; without it, a second compile.
+should be read from the cache as an executable of its own (not yet checked on a GPU);
+without it (the tests), it is a second compile.
 """
 
 from __future__ import annotations
