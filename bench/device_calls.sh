@@ -83,6 +83,13 @@ decode() {
 
 # Where the batch-1 step's ~3.6 ms of host time goes (the device needs 3.3): cProfile of the
 # whole benchmark; per call of the jitted steps and of the engine's own functions.
+# Batch-1 decode of the whole kimi through the engine, its step two executables in turn
+# (glmjax.alternating, 6bb4c59; bar 3.32 ms a step, host-bound at 3.41-4.5 before).
+decode_b1() {
+  run_logged decode_b1 240 python3 -m bench.decode --batches 1 --steps 200 --no-profile \
+    --json "$OUT/decode_b1_in_turn.json"
+}
+
 decode_host() {
   run_logged decode_host 300 python3 -m cProfile -o "$OUT/decode_b1.prof" -m bench.decode \
     --batches 1 --steps 200 --no-profile --json "$OUT/decode_b1_host.json"
@@ -168,7 +175,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup verify pingpong kda_times kda_prep conv kimi_step kimi_ttft kda_full decode_host decode glm_decode ncu_kda kimi_schedule
+STEPS="setup verify pingpong kda_times kda_prep conv kimi_step kimi_ttft kda_full decode_b1 decode_host decode glm_decode ncu_kda kimi_schedule
 kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then
