@@ -63,6 +63,11 @@ from pallas_kernels.tuning import KernelConfig
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tile a Triton dot accepts
 
 
+def _row_of(x, row):
+    """Row `row` of a [R, C] tile as [1, C] (a masked sum over the rows)."""
+    return jnp.sum(jnp.where(iota((x.shape[0], 1), 0) == row, x, 0.0), axis=0, keepdims=True)
+
+
 def _invert_by_substitution(l_blk):
     """(I + L)^-1 of a strictly lower triangular [16, 16] fp32 L, by forward substitution.
 
@@ -75,8 +80,7 @@ def _invert_by_substitution(l_blk):
 
     def step(j, x):
         l_col = jnp.sum(jnp.where(cols == j, l_blk, 0.0), axis=1, keepdims=True)  # [16, 1]
-        x_row = jnp.sum(jnp.where(rows == j, x, 0.0), axis=0, keepdims=True)      # [1, 16]
-        return x - l_col * x_row
+        return x - l_col * _row_of(x, j)
 
     return lax.fori_loop(0, rows.shape[0], step, (rows == cols).astype(jnp.float32))
 
@@ -158,8 +162,7 @@ def _inverse_kernel(chunk_start_ref, chunk_len_ref, beta_ref, *refs, chunk, bloc
                 exp(8 |b|) (~e^40 at b = -5): no overflow and no subnormal factor."""
                 cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
                 rise = lax.cumsum(load(g_ref, cols) * g_scale, axis=0)
-                mid = jnp.sum(jnp.where(row == SUB_CHUNK // 2 - 1, rise, 0.0), axis=0,
-                              keepdims=True)
+                mid = _row_of(rise, SUB_CHUNK // 2 - 1)
                 centred, k = exp(rise - mid), load(k_ref, cols)
                 keys = k * exp(mid - rise)
                 return (sums[0] + dot_nt(load(q_ref, cols) * centred, keys, precision),
@@ -212,9 +215,6 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
             index, valid = rows(b)
             plgpu.store(ref.at[index, h, cols], value.astype(ref.dtype), mask=valid)
 
-        def row_of(x, row):
-            return jnp.sum(jnp.where(sub_row == row, x, 0.0), axis=0, keepdims=True)
-
         # Blocks (b, c) of Aqk and L below the diagonal: one [16, 16] product per pair,
         # which every warp of the program runs in full (a [16, 16] tile is one warp's).
         pairs = [(b, c) for b in range(blocks) for c in range(b)]
@@ -230,7 +230,7 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
             # Every exponent below comes from block-local cumsums ("rise": G minus G just
             # before the block) and block totals, never from differences of whole-chunk G.
             rise = [lax.cumsum(load(g_ref, c, cols) * g_scale, axis=0) for c in range(blocks)]
-            total = [row_of(x, SUB_CHUNK - 1) for x in rise]             # [1, BK] each
+            total = [_row_of(x, SUB_CHUNK - 1) for x in rise]             # [1, BK] each
             before, after = [0.0], [0.0]   # G just before block b; sum of g after block b
             for c in range(blocks):
                 before.append(before[-1] + total[c])
