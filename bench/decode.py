@@ -67,8 +67,9 @@ from bench.profile import (
     traceable,
 )
 from glmjax import compile_cache
-from glmjax.model import HybridModel, decode_step
+from glmjax.model import HybridModel, decode, decode_in_turn, decode_step
 from glmjax.random_weights import random_model
+from glmjax.sharding import ModelSteps, single_device_steps
 from serving.compiles import CompileLog
 from serving.engine import Engine, EngineConfig
 
@@ -247,7 +248,8 @@ def run_benchmark(args) -> dict:
     log(f"{config.name}: drawing the weights while compiling")
     with CompileLog() as compile_log, concurrent.futures.ThreadPoolExecutor(1) as host:
         weights = host.submit(lambda: (random_model(config, args.seed), time.perf_counter()))
-        probe = Engine(config, abstract, engine_config(args))
+        steps = model_steps(config, args.decode_executables)
+        probe = Engine(config, abstract, engine_config(args), steps=steps)
         batches = dry_run_buckets(args, probe.builder.buckets, config)
         log(f"dry run: {len(batches)} buckets {sorted(batches)}")
         mark = time.perf_counter()
@@ -257,7 +259,7 @@ def run_benchmark(args) -> dict:
         del probe
         model, drawn = weights.result()
         result["setup_s"]["weights_ready"] = drawn - start
-        engine = Engine(config, nnx.split(model), engine_config(args))
+        engine = Engine(config, nnx.split(model), engine_config(args), steps=steps)
         del model
         session, rng = Session(engine, {}), np.random.default_rng(args.seed + 1)
         for batch in args.batch_sizes:
@@ -317,6 +319,15 @@ def print_table(result: dict) -> None:
           + ("n/a" if peak is None else f"{peak / 2**30:.1f} GiB"))
 
 
+def model_steps(config, executables: int | None) -> ModelSteps | None:
+    """The engine's steps with its decode as one executable (`model.decode`) or two called
+    in turn (`model.decode_in_turn`); None (`executables` None) leaves the engine's pick."""
+    if executables is None:
+        return None
+    return single_device_steps(config)._replace(
+        decode=decode if executables == 1 else decode_in_turn)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.decode",
                                      description=__doc__.splitlines()[0])
@@ -343,6 +354,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
              "step (default: on a GPU, off with --quick)")
     add("--profile-batch", type=int, help="the batch traced (the largest of --batches)")
     add("--trace-dir", type=Path, help="where the trace goes (a new temp dir)")
+    add("--decode-executables", type=int, choices=(1, 2),
+        help="decode through one executable or two called in turn (default: the engine's "
+             "pick, two on a GPU), to time what the alternation saves")
     add("--seed", type=int, default=0)
     add("--json", type=Path, help="output (bench/results/decode_<preset>.json)")
     compile_cache.add_arguments(parser)

@@ -81,15 +81,21 @@ decode() {
   done
 }
 
-# Where the batch-1 step's ~3.6 ms of host time goes (the device needs 3.3): cProfile of the
-# whole benchmark; per call of the jitted steps and of the engine's own functions.
-# Batch-1 decode of the whole kimi through the engine, its step two executables in turn
-# (glmjax.alternating, 6bb4c59; bar 3.32 ms a step, host-bound at 3.41-4.5 before).
+# Batch-1 decode of the whole kimi through the engine, its step as two executables called
+# in turn (glmjax.alternating; the engine's pick on a GPU) against one, alternately twice
+# on the same machine (bar 3.32 ms a step; 4.05 with two in turn, 2026-12-05).
 decode_b1() {
-  run_logged decode_b1 240 python3 -m bench.decode --batches 1 --steps 200 --no-profile \
-    --json "$OUT/decode_b1_in_turn.json"
+  local i
+  for i in 1 2; do
+    run_logged "decode_b1_two_$i" 150 python3 -m bench.decode --batches 1 --steps 200 \
+      --no-profile --decode-executables 2 --json "$OUT/decode_b1_two_$i.json"
+    run_logged "decode_b1_one_$i" 150 python3 -m bench.decode --batches 1 --steps 200 \
+      --no-profile --decode-executables 1 --json "$OUT/decode_b1_one_$i.json"
+  done
 }
 
+# Where the batch-1 step's ~3.6 ms of host time goes (the device needs 3.3): cProfile of the
+# whole benchmark; per call of the jitted steps and of the engine's own functions.
 decode_host() {
   run_logged decode_host 300 python3 -m cProfile -o "$OUT/decode_b1.prof" -m bench.decode \
     --batches 1 --steps 200 --no-profile --json "$OUT/decode_b1_host.json"
