@@ -356,7 +356,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--trace-dir", type=Path, help="where the trace goes (a new temp dir)")
     add("--decode-executables", type=int, choices=(1, 2),
         help="decode through one executable or two called in turn (default: the engine's "
-             "pick, two on a GPU), to time what the alternation saves")
+             "pick, one), to time what the alternation saves")
     add("--seed", type=int, default=0)
     add("--json", type=Path, help="output (bench/results/decode_<preset>.json)")
     compile_cache.add_arguments(parser)

@@ -10,6 +10,12 @@ and launch their graphs as recorded: on the H200 a 600-kernel chain dispatched t
 took 2.87 ms a call against 3.94 with one executable (median of three runs,
 `bench/results/cmdbuf_pingpong_2026-12-05.json`).
 
+Through the engine it saved nothing (whole kimi, batch 1, one H200, the two alternately:
+3.85 / 3.53 ms a step with two executables, 3.63 / 3.55 with one; `bench.decode
+--decode-executables`), so the engine keeps one; likely because the engine fetches each
+step's tokens before it dispatches the next, so one executable's temporaries come back at
+the same addresses (not checked in XLA's log).
+
 The two copies trace the same function under the same name, so their programs are
 identical: with the persistent compilation cache on (`glmjax.compile_cache`) the second
 should be read from the cache as an executable of its own (not yet checked on a GPU);

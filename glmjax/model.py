@@ -297,6 +297,6 @@ def decode_step(model_state: ModelState, caches: Caches, batch: DecodeBatch, *,
 prefill = jax.jit(prefill_step, donate_argnums=1, static_argnames="return_logprobs",
                   compiler_options=STEP_OPTIONS)
 decode = jax.jit(decode_step, donate_argnums=1, compiler_options=STEP_OPTIONS)
-# The engine's decode on one GPU: two executables called in turn, so that neither re-records
-# its CUDA graph on every call (`glmjax.alternating`).
+# Two executables called in turn (`glmjax.alternating`), for `bench.decode
+# --decode-executables 2`: through the engine they saved nothing (docs/PERFORMANCE.md).
 decode_in_turn = Alternating(decode_step, donate_argnums=1, compiler_options=STEP_OPTIONS)

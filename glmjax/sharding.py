@@ -44,7 +44,6 @@ from glmjax.model import (
     ModelState,
     PrefillOutput,
     decode,
-    decode_in_turn,
     decode_step,
     prefill,
     prefill_step,
@@ -156,13 +155,11 @@ class ModelSteps(NamedTuple):
 
 
 def single_device_steps(config: ModelConfig) -> ModelSteps:
-    """The steps of `glmjax.model` on JAX's default device; on a GPU its decode is two
-    executables called in turn (`decode_in_turn`: a CUDA graph updated on every call is
-    what bounds a batch-1 step there; elsewhere there are no graphs, only a second
-    compile)."""
-    gpu = jax.default_backend() == "gpu"
-    return ModelSteps(prefill, decode_in_turn if gpu else decode, copy_state_slots,
-                      copy_kv_blocks,
+    """The steps of `glmjax.model` on JAX's default device. Decode is one executable:
+    two called in turn (`decode_in_turn`) saved nothing through the engine on the H200
+    (batch 1, whole kimi: 3.53-3.85 ms a step against 3.55-3.63; docs/PERFORMANCE.md),
+    at a second compile."""
+    return ModelSteps(prefill, decode, copy_state_slots, copy_kv_blocks,
                       lambda slots, blocks: Caches.init(config, slots, blocks),
                       pure_state, None, DCPLayout(), mixed)
 

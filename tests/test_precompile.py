@@ -73,7 +73,7 @@ class FakeStep:
     """A model step's stand-in: logits one-hot at each row's last token, caches passed
     through, status OK. Jitted per bucket as the real step is, with the same ``lower``
     (the sampler's and the copies' compiles do not depend on the model); ``in_turn``: two
-    executables called in turn, as the GPU's decode step (`glmjax.alternating`)."""
+    executables called in turn (`glmjax.alternating`, `bench.decode --decode-executables 2`)."""
 
     def __init__(self, kind: str, vocab_size: int, *, in_turn: bool = False):
         self.kind, self.vocab_size, self.rows_seen = kind, vocab_size, set()
