@@ -82,8 +82,8 @@ decode() {
 }
 
 # Batch-1 decode of the whole kimi through the engine, its step as two executables called
-# in turn (glmjax.alternating; the engine's pick on a GPU) against one, alternately twice
-# on the same machine (bar 3.32 ms a step; 4.05 with two in turn, 2026-12-05).
+# in turn (glmjax.alternating) against one (the engine's pick), alternately twice on the
+# same machine (bar 3.32 ms a step; 3.85 / 3.53 against 3.63 / 3.55 on 2026-12-05).
 decode_b1() {
   local i
   for i in 1 2; do
