@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from glmjax.config import ModelConfig
-from glmjax.model import ModelState
+from glmjax.model import ModelState, merge
 
 _U32 = jnp.uint32
 # Constants of MurmurHash3's 32-bit finaliser, a cheap full-avalanche mix.
@@ -81,7 +81,7 @@ _checksum = jax.jit(tensor_checksum)
 def model_fingerprint(model_state: ModelState, config: ModelConfig) -> str:
     """sha256 hex digest over every parameter (path order: path, shape, dtype, checksums)
     and ``config``."""
-    params = jax.tree_util.tree_flatten_with_path(nnx.state(nnx.merge(*model_state), nnx.Param))[0]
+    params = jax.tree_util.tree_flatten_with_path(nnx.state(merge(model_state), nnx.Param))[0]
     sums = jax.device_get([_checksum(leaf) for _, leaf in params])  # uint32 [2] each
     digest = hashlib.sha256()
     digest.update(json.dumps(dataclasses.asdict(config), sort_keys=True, default=str).encode())

@@ -33,12 +33,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from glmjax.batch import DecodeBatch, PrefillBatch
 from glmjax.caches import Caches
 from glmjax.layers.mhc import collapse_streams, expand_streams
-from glmjax.model import ModelState
+from glmjax.model import ModelState, merge
 from glmjax.state_pool import (
     PoolStatus,
     StatePool,
@@ -87,7 +86,7 @@ def mixed_step(model_state: ModelState, caches: Caches, prefill_batch: PrefillBa
                decode_batch: DecodeBatch, *, plan: ShardingPlan | None = None) -> MixedOutput:
     """`glmjax.model.prefill_step` on `prefill_batch` and `decode_step` on `decode_batch`
     in one forward (same arguments and meanings; `caches` donated by `mixed`)."""
-    model = nnx.merge(*model_state)
+    model = merge(model_state)
     config = model.config
     status = mixed_status(prefill_batch, decode_batch, caches.num_state_slots)
     ok = status == PoolStatus.OK

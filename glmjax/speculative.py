@@ -37,12 +37,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from glmjax.batch import PrefillBatch, VerifyBatch
 from glmjax.caches import Caches
 from glmjax.layers.packing import PackedBatch
-from glmjax.model import ModelState, prefill_forward
+from glmjax.model import ModelState, merge, prefill_forward
 from glmjax.state_pool import PoolStatus, StatePool, copy_slots, decode_slots
 from glmjax.xla_options import STEP_OPTIONS
 
@@ -82,7 +81,7 @@ def _rows(batch: VerifyBatch, active: jax.Array) -> PackedBatch:
 def verify_step(model_state: ModelState, caches: Caches, batch: VerifyBatch) -> VerifyOutput:
     """The target model over every sequence's token and drafts (see the module docstring).
     `caches` is donated by `verify`: use the returned one."""
-    model = nnx.merge(*model_state)
+    model = merge(model_state)
     num_chain, num_seqs = batch.token_ids.shape
     chain = jnp.where(batch.positions[None, :] >= 0, batch.slot_chain, -1)
     flat, status = decode_slots(chain.reshape(-1), caches.num_state_slots)
@@ -120,7 +119,7 @@ def accept_and_draft_step(model_state: ModelState, caches: Caches, batch: Verify
       verify_status: the verify (or prefill) step's status; not OK: nothing is written.
     `caches` is donated by `accept_and_draft`: use the returned one.
     """
-    model = nnx.merge(*model_state)
+    model = merge(model_state)
     mtp = model.mtp[0]
     num_chain, num_seqs = batch.token_ids.shape
     sampled = jnp.stack([tokens[:num_seqs] for tokens in sampled])  # [J, R]
@@ -161,7 +160,7 @@ def spec_prefill_step(model_state: ModelState, caches: Caches, batch: PrefillBat
     next_tokens: int32 [N], the token after span n's last one (0 when not yet sampled:
     `accept_and_draft_step` then rewrites that position). `caches` is donated by
     `spec_prefill`: use the returned one."""
-    model = nnx.merge(*model_state)
+    model = merge(model_state)
     num_tokens = batch.token_ids.shape[0]
     out, packed, caches, status = prefill_forward(model, caches, batch)
     cu = packed.cu_seqlens

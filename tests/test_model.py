@@ -21,7 +21,7 @@ from test_layers_oracles import random_module
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
-from glmjax.model import HybridModel, decode, prefill
+from glmjax.model import FlatParams, HybridModel, decode, merge, prefill, pure_state
 from glmjax.state_pool import PoolStatus, copy_slots
 
 CONFIG = dataclasses.replace(ModelConfig.preset("tiny"), kv_block_size=64)
@@ -123,6 +123,21 @@ def cold_states(setup):
         assert int(out.status) == PoolStatus.OK
         states |= {p: slot_states(out.caches, n) for n, p in enumerate(pair)}
     return states
+
+
+def test_pure_state_is_flat_and_merges_back(setup):
+    """`pure_state`'s parameters are the split's leaves one level deep (`FlatParams`);
+    `merge` of it is the same model; pure_state of it returns it unchanged."""
+    model_state, tokens, expected = setup
+    pure = pure_state(model_state)
+    assert isinstance(pure[1], FlatParams)
+    assert len(jax.tree.leaves(pure)) == len(jax.tree.leaves(model_state))
+    assert pure_state(pure) is pure
+    for a, b in zip(jax.tree.leaves(nnx.state(merge(pure))), jax.tree.leaves(model_state[1]),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    logits = jax.jit(lambda s, ids: merge(s).reference_forward(ids))(pure, jnp.asarray(tokens))
+    np.testing.assert_array_equal(np.asarray(logits), expected)
 
 
 def test_one_pass_prefill_matches_reference(setup):
