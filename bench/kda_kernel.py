@@ -13,7 +13,8 @@ Cases (H = 32 unless `--heads`, K = V = 128, bf16 q/k/v/beta, fp32 decay): one s
 of 8192 and of 32768 tokens, a packed batch of 4 x 8192. Rows: our kernel on its bounded-gate path
 (`gate_lower_bound=-5`, GLM's gate; the benchmark's decays are inside it) with no snapshot
 (capacity 1, inactive) and with 4 snapshots at unaligned offsets; our kernel on its
-any-decay path with 4 snapshots; the jitted jax.numpy chunked oracle; fla-core `chunk_kda`
+any-decay path with 4 snapshots, on the same decays and on decays 128x stronger (its
+worst case: the diagonal blocks summed key by key); the jitted jax.numpy chunked oracle; fla-core `chunk_kda`
 (output_final_state=True, `cu_seqlens` as its varlen users pass it, under
 `torch.inference_mode`) on identical inputs when fla imports, by default (any decay) and
 with `safe_gate=True, lower_bound=-5` (its bounded-gate path). `--segments P,...` adds our
@@ -49,6 +50,10 @@ HEADS, HEAD_K, HEAD_V = 32, 128, 128
 QUICK_HEADS, QUICK_HEAD_DIM = 2, 32  # --quick: interpret mode on the CPU
 GATE_LOWER_BOUND = -5.0
 CASES = {"8K": [8192], "32K": [32768], "4x8K": [8192] * 4, "quick": [700, 90]}
+# The any-decay worst-case row: decays x128 (mean ~ -6 a token) spread wider than the
+# diagonal blocks' products take (`kda_prep.MAX_FACTOR_LOG`) in nearly every sub-chunk.
+WIDE_DECAY_SCALE = 128.0
+WIDE_ROW = "pallas any decay, decays x128, 4 snap"
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -185,7 +190,7 @@ def run_case(name, lens, config, args, bandwidth):
     inputs = make_inputs(lens)
     rows = {}
 
-    def ours(capacity, bound=GATE_LOWER_BOUND, config=config):
+    def ours(capacity, bound=GATE_LOWER_BOUND, config=config, inputs=inputs):
         offsets = snapshot_offsets(lens, capacity)
         fn = jax.jit(lambda i, off: kda_prefill(**i, checkpoint_offsets=off, config=config,
                                                 gate_lower_bound=bound))
@@ -202,6 +207,11 @@ def run_case(name, lens, config, args, bandwidth):
     measure("pallas, 0 snapshots", ours(1), **timing)
     measure("pallas, 4 snapshots", bounded4, **timing)
     measure("pallas any decay, 4 snap", any_decay4, **timing)
+    # The any-decay path's worst case: decays too wide for the diagonal blocks' products
+    # in (nearly) every sub-chunk and head, which then sum them key by key.
+    wide = dict(inputs, g=inputs["g"] * WIDE_DECAY_SCALE)
+    any_wide4 = ours(4, None, inputs=wide)
+    measure(WIDE_ROW, any_wide4, **timing)
     if args.unfused_output:  # the output pass after a plain scan, both gate paths
         unfused = dataclasses.replace(config, fuse_output=False)
         for row, bound in (("pallas output pass, 4 snap", GATE_LOWER_BOUND),
@@ -232,14 +242,17 @@ def run_case(name, lens, config, args, bandwidth):
     for path, call in checked.items():
         for out_name, a, b in zip(("o", "final_states", "snapshots"), call(), ref_out):
             errors[f"{path} {out_name}"] = relative_error(a, b)
+    for out_name, a, b in zip(("o", "final_states", "snapshots"), any_wide4(),
+                              ref(wide, offsets4)):
+        errors[f"{WIDE_ROW} {out_name}"] = relative_error(a, b)
     floor_ms = floor_bytes(lens, 4) / bandwidth * 1e3
     ours4 = rows["pallas, 4 snapshots"]
     return dict(
         case=name, lens=lens, ms=rows, relative_error_vs_reference=errors,
-        traffic=traffic_summary(config, HEAD_K, HEAD_V, bounded=True, tokens=sum(lens),
+        traffic=traffic_summary(config, HEAD_K, HEAD_V, tokens=sum(lens),
                                 heads=HEADS),
         traffic_unfused_output=(traffic_summary(
-            dataclasses.replace(config, fuse_output=False), HEAD_K, HEAD_V, bounded=True,
+            dataclasses.replace(config, fuse_output=False), HEAD_K, HEAD_V,
             tokens=sum(lens), heads=HEADS) if args.unfused_output else None),
         pass_ms=(time_passes(inputs, lens, config, timing)
                  if name in args.pass_cases.split(",") else None),
@@ -258,8 +271,7 @@ def sweep_configs(base: KernelConfig):
     """(tiling, gate lower bound) pairs: on each gate path (any decay first) the selected
     tiling, then the prep kernel's warps and key slice; on the bounded path also the
     inverse kernel's warps and key slice, W/U's warps and the scan's value block (16:
-    twice the programs, 190 registers at 8 warps on sm_90). The diagonal kernel's (heads,
-    warps) pairs were swept on the H100 (docs/KERNEL.md, fourteenth session)."""
+    twice the programs, 190 registers at 8 warps on sm_90)."""
     for bound in (None, GATE_LOWER_BOUND):
         yield base, bound
         for warps, block_k in ((1, 16), (2, 16), (4, 16), (1, 32), (4, 32), (2, 64)):

@@ -17,12 +17,13 @@ section 2), in fully parallel programs:
     Qg  = scale * q * exp(G),  Kg = k * exp(G_last - G)          [C, K]
 
 1. The diagonal 16 x 16 blocks of Aqk and L, and T's diagonal blocks T_bb = (I + L_bb)^-1
-   (by forward substitution), one program per sub-chunk and head (`_inverse_kernel`):
-   - bounded gates (`kda_prefill`'s `gate_lower_bound` b >= -5: g >= b everywhere): by
-     matmul, exp(G_i - G_j) = exp(G_i - M) exp(M - G_j) with M = G at the sub-chunk's
-     middle row, so both factors stay within exp(8 |b|) ~ e^40;
-   - any decay (`gate_lower_bound=None`): from `_diagonal_kernel`, which forms the blocks'
-     rows elementwise, one program per row and group of heads, every exponent <= 0.
+   (by forward substitution), one program per sub-chunk and head (`_inverse_kernel`), over
+   slices of the key dimension: by matmul, exp(G_i - G_j) = exp(G_i - M) exp(M - G_j)
+   with M = G at the sub-chunk's middle row, while both factors stay within e^+-42. With a
+   gate bound (`kda_prefill`'s `gate_lower_bound` b >= -5: g >= b everywhere) they always
+   do; for any decay (`gate_lower_bound=None`) each slice is checked, and a slice whose
+   decays spread wider is summed key by key instead (`_slice_by_keys`, every exponent
+   <= 0).
 2. `_chunk_prep_kernel`, one program per chunk and head: G, Qg, Kg, beta k exp(G), the
    blocks below the diagonal, by pairs (b, c) and slices of the key dimension, keeping
    only [16, BK] tiles live, and T's merge. exp(G_i - G_j) is never formed as
@@ -38,7 +39,6 @@ section 2), in fully parallel programs:
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -52,7 +52,6 @@ from pallas_kernels.tiles import (
     dot,
     dot_nt,
     exp_base,
-    exp_function,
     iota,
     load_rows,
     matmul_precision,
@@ -61,6 +60,10 @@ from pallas_kernels.tiles import (
 from pallas_kernels.tuning import KernelConfig
 
 SUB_CHUNK = 16  # rows per sub-chunk: the smallest tile a Triton dot accepts
+# The widest |G_i - M| (natural log) a diagonal block's products take: factors within
+# e^+-42 are normal fp32 (and TF32) numbers, and the pairs above the diagonal, which the
+# masks discard, stay below e^84 a term. A gate bound b >= -5 keeps it <= 40.
+MAX_FACTOR_LOG = 42.0
 
 
 def _row_of(x, row):
@@ -85,59 +88,49 @@ def _invert_by_substitution(l_blk):
     return lax.fori_loop(0, rows.shape[0], step, (rows == cols).astype(jnp.float32))
 
 
-def _diagonal_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_ref, l_ref, *,
-                     chunk, heads, exp):
-    """One row i of `heads` heads: its row of the sub-chunk's diagonal [16, 16] blocks of
-    Aqk (inclusive, before scale) and of L (strict, before beta), stored at row i
-    ([T', H, 16], fp32; column c is the sub-chunk's key row c).
+def _blocks_by_keys(load_qkg, head_k, exp):
+    """A sub-chunk's diagonal blocks of Aqk and L ([16, 16] fp32 each, unmasked) for any
+    decay: key j at a time, the decay from key j to row i summed from g_{j + 1} .. g_i
+    alone (a masked cumsum: no difference of large cumsums), every exponent <= 0.
+    `load_qkg(cols)` gives the sub-chunk's q, k and g ([16, 16] fp32 tiles of the key
+    columns `cols`, g in the base of `exp`), read 16 columns at a time so that few
+    registers stay live. 16 steps of elementwise work a 16-column piece, where the
+    products are two dots: for the sub-chunks whose decays spread too wide for those."""
+    row, col = iota((SUB_CHUNK, 1), 0), iota((1, SUB_CHUNK), 1)
 
-    Token-parallel, as fla's default path forms these blocks: the program walks back from
-    key j = i to its sub-chunk's first row, only as far as that row (a loop of `last + 1`
-    steps, 8.5 on average, not 16 masked ones), carrying the decay between key j and row
-    i (g summed over rows j + 1 .. i) from one key to the next, so every exponent is <= 0
-    (exact for any decay). The heads of a row are contiguous in memory ([heads, K] tiles:
-    one wide load a step instead of one per head).
-    """
-    p, hb = pl.program_id(0), pl.program_id(1)
-    slot, pos = p // chunk, p % chunk
-    last = pos % SUB_CHUNK  # row i's place in its sub-chunk: keys j = i - d for d <= last
-    head = pl.ds(hb * heads, heads)
-    f32 = jnp.float32
+    def piece(index, sums):
+        q, k, g = load_qkg(pl.ds(pl.multiple_of(index * SUB_CHUNK, SUB_CHUNK), SUB_CHUNK))
 
-    @pl.when(pos < chunk_len_ref[slot])
-    def _():
-        i = chunk_start_ref[slot] + pos
-        q_i, k_i = q_ref[i, head, :].astype(f32), k_ref[i, head, :].astype(f32)
-        cols = iota((1, SUB_CHUNK), 1)
+        def key(j, sums):
+            decay = exp(jnp.minimum(lax.cumsum(jnp.where(row > j, g, 0.0), axis=0), 0.0))
+            keys = jnp.where(row >= j, decay, 0.0) * _row_of(k, j)        # [16, 16]
+            at = col == j
+            return (sums[0] + jnp.where(at, jnp.sum(q * keys, axis=1, keepdims=True), 0.0),
+                    sums[1] + jnp.where(at, jnp.sum(k * keys, axis=1, keepdims=True), 0.0))
 
-        def step(d, carry):
-            a_row, l_row, decay = carry
-            j = i - d
-            decay = decay + jnp.where(d > 0, g_ref[j + 1, head, :], 0.0)  # g at row j + 1
-            k_dec = k_ref[j, head, :].astype(f32) * exp(jnp.minimum(decay, 0.0))
-            at = cols == last - d                                          # [1, 16]
-            a_row = jnp.where(at, jnp.sum(q_i * k_dec, axis=1, keepdims=True), a_row)
-            l_row = jnp.where(at & (d > 0), jnp.sum(k_i * k_dec, axis=1, keepdims=True),
-                              l_row)
-            return a_row, l_row, decay
+        return lax.fori_loop(0, SUB_CHUNK, key, sums)
 
-        zeros = jnp.zeros((heads, SUB_CHUNK), f32)
-        a_row, l_row, _ = lax.fori_loop(0, last + 1, step, (zeros, zeros, jnp.zeros_like(k_i)))
-        a_ref[i, head, :] = a_row
-        l_ref[i, head, :] = l_row
+    zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), jnp.float32)
+    return lax.fori_loop(0, head_k // SUB_CHUNK, piece, (zeros, zeros))
 
 
-def _inverse_kernel(chunk_start_ref, chunk_len_ref, beta_ref, *refs, chunk, block_k, scale,
-                    precision, bounded, base):
+def _inverse_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, a_ref,
+                    t_ref, *, chunk, block_k, scale, precision, checked, base):
     """One sub-chunk (16 rows) of one head: its diagonal block of Aqk (scaled, inclusive,
     operand dtype) and T_bb = (I + beta L_bb)^-1 (fp32), both stored at the block's rows
     ([T', H, 16]; column c is the sub-chunk's row c).
 
-    bounded: refs are q, k, g ([T', H, K]), the blocks formed here by products over slices
-    of `block_k` key columns, every decay from the sub-chunk's own cumsum of g; otherwise
-    the rows of the blocks from `_diagonal_kernel` ([T', H, 16] fp32, Aqk's then L's).
+    The blocks come from two products per slice of `block_k` key columns,
+    exp(G_i - G_j) = exp(G_i - M) exp(M - G_j) with M = G at the sub-chunk's middle row,
+    which holds while every |G_i - M| is at most `MAX_FACTOR_LOG` (both factors normal
+    fp32 numbers: no overflow, no subnormal). Under a gate bound b >= -5 it always is (7
+    and 8 rows either side of M; g of the sub-chunk's first row is left out, as no pair of
+    the block decays by it), so the bounded path runs the products alone
+    (`checked=False`). For any decay (`checked=True`) the loop also tracks the widest
+    |G_i - M|, and a sub-chunk and head whose decays spread wider are summed again key by
+    key (`_blocks_by_keys`, exact for any decay): a branch that typical decays never take
+    (a decay of -5.25 a token on average over 8 rows is the least that takes it).
     """
-    *inputs, a_ref, t_ref = refs
     g_scale, exp = base
     p, h = pl.program_id(0), pl.program_id(1)
     blocks = chunk // SUB_CHUNK
@@ -154,25 +147,30 @@ def _inverse_kernel(chunk_start_ref, chunk_len_ref, beta_ref, *refs, chunk, bloc
         def load(ref, cols=slice(None)):
             return load_rows(ref, rows, h, valid, cols)
 
-        if bounded:
-            q_ref, k_ref, g_ref = inputs
+        def load_qkg(cols):
+            """q, k and g (scaled to the base of `exp`; the first row's left out)."""
+            g = jnp.where(row == 0, 0.0, load(g_ref, cols) * g_scale)
+            return load(q_ref, cols), load(k_ref, cols), g
 
-            def key_slice(index, sums):
-                """Reference at the middle row M: exp(G_i - M) exp(M - G_j), both within
-                exp(8 |b|) (~e^40 at b = -5): no overflow and no subnormal factor."""
-                cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
-                rise = lax.cumsum(load(g_ref, cols) * g_scale, axis=0)
-                mid = _row_of(rise, SUB_CHUNK // 2 - 1)
-                centred, k = exp(rise - mid), load(k_ref, cols)
-                keys = k * exp(mid - rise)
-                return (sums[0] + dot_nt(load(q_ref, cols) * centred, keys, precision),
-                        sums[1] + dot_nt(k * centred, keys, precision))
+        def key_slice(index, carry):
+            """The slice's products added to the sums; when `checked`, the widest
+            |G_i - M| so far carried too (a max by axis: Triton's reductions)."""
+            q, k, g = load_qkg(pl.ds(pl.multiple_of(index * block_k, block_k), block_k))
+            rise = lax.cumsum(g, axis=0)
+            mid = _row_of(rise, SUB_CHUNK // 2 - 1)
+            centred, keys = exp(rise - mid), k * exp(mid - rise)
+            wider = ((jnp.maximum(carry[2], jnp.max(jnp.max(jnp.abs(rise - mid), axis=0),
+                                                    axis=0)),) if checked else ())
+            return (carry[0] + dot_nt(q * centred, keys, precision),
+                    carry[1] + dot_nt(k * centred, keys, precision), *wider)
 
-            zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
-            a_bb, l_bb = lax.fori_loop(0, q_ref.shape[-1] // block_k, key_slice,
-                                       (zeros, zeros))
-        else:
-            a_bb, l_bb = (load(ref) for ref in inputs)
+        zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
+        head_k = q_ref.shape[-1]
+        carry = (zeros, zeros, jnp.float32(0.0)) if checked else (zeros, zeros)
+        a_bb, l_bb, *spread = lax.fori_loop(0, head_k // block_k, key_slice, carry)
+        if checked:
+            a_bb, l_bb = lax.cond(spread[0] <= MAX_FACTOR_LOG * g_scale, lambda: (a_bb, l_bb),
+                                  lambda: _blocks_by_keys(load_qkg, head_k, exp))
         t_bb = _invert_by_substitution(jnp.where(col < row, load(beta_ref) * l_bb, 0.0))
         plgpu.store(a_ref.at[rows, h, :],
                     jnp.where(col <= row, scale * a_bb, 0.0).astype(a_ref.dtype), mask=valid)
@@ -331,39 +329,25 @@ def _params(num_warps):
 def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
                    bounded_gates: bool, config: KernelConfig, interpret: bool,
                    exact: bool) -> ChunkMatrices:
-    """Pass 1a over [T', H, K] inputs: the diagonal blocks (`_inverse_kernel`, after
-    `_diagonal_kernel` when gates are unbounded), then G, Qg, Kg, Aqk and T
+    """Pass 1a over [T', H, K] inputs: the diagonal blocks (`_inverse_kernel`; any decay,
+    `bounded_gates=False`: with its per-slice check), then G, Qg, Kg, Aqk and T
     (`_chunk_prep_kernel`)."""
     num_heads, head_k = q.shape[1:]
     chunk = config.chunk_size
     inter, f32 = operand_dtype(exact), jnp.float32
     num_slots = slots.start.shape[0]
     precision, base = matmul_precision(exact), exp_base(exact)
-    if bounded_gates:
-        blocks_from = (q, k, g)
-    else:
-        heads = math.gcd(num_heads, config.diagonal_heads)
-        diagonal = pl.pallas_call(
-            functools.partial(_diagonal_kernel, chunk=chunk, heads=heads,
-                              exp=exp_function(exact)),
-            out_shape=(_rows_of(q, SUB_CHUNK, f32), _rows_of(q, SUB_CHUNK, f32)),
-            grid=(num_slots * chunk, num_heads // heads),
-            compiler_params=_params(config.diagonal_num_warps),
-            interpret=interpret,
-            name="kda_chunk_diagonal",
-        )
-        blocks_from = diagonal(slots.start, slots.length, q, k, g)
     inverse = pl.pallas_call(
         functools.partial(_inverse_kernel, chunk=chunk,
                           block_k=min(config.inverse_block_k, head_k), scale=scale,
-                          precision=precision, bounded=bounded_gates, base=base),
+                          precision=precision, checked=not bounded_gates, base=base),
         out_shape=(_rows_of(q, SUB_CHUNK, inter), _rows_of(q, SUB_CHUNK, f32)),
         grid=(num_slots * (chunk // SUB_CHUNK), num_heads),
         compiler_params=_params(config.inverse_num_warps),
         interpret=interpret,
-        name="kda_chunk_inverse",
+        name="kda_chunk_inverse" if bounded_gates else "kda_chunk_inverse_checked",
     )
-    diagonal_blocks = inverse(slots.start, slots.length, beta, *blocks_from)
+    diagonal_blocks = inverse(slots.start, slots.length, q, k, g, beta)
     prep = pl.pallas_call(
         functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
                           block_k=min(config.prep_block_k, head_k), precision=precision,
@@ -407,8 +391,9 @@ def chunk_prep(q, k, v, g, beta, slots: ChunkSlots, *, scale: float,
     """Pass 1 over inputs of T' rows ([T', H, ...], see `pad_rows`).
 
     bounded_gates: the caller guarantees g >= b, b in [-5, 0) (`kda_prefill`'s
-    `gate_lower_bound`): diagonal blocks on the tensor cores; otherwise elementwise, any
-    decay (`_diagonal_kernel`). The kernels do not depend on b itself.
+    `gate_lower_bound`): the diagonal blocks' products unchecked; otherwise each key
+    slice's decays are checked first (`_inverse_kernel`). The kernels do not depend on b
+    itself.
     """
     flags = dict(config=config, interpret=interpret, exact=exact)
     matrices = chunk_matrices(q, k, g, beta, slots, scale=scale,

@@ -20,23 +20,17 @@ GB10_BANDWIDTH = 273e9  # bytes/s, DGX Spark's LPDDR5X
 BF16, FP32 = 2, 4
 
 
-def bytes_per_token_head(config: KernelConfig, head_k: int, head_v: int, *,
-                         bounded: bool) -> dict[str, float]:
-    """Bytes per token and head of each pass (bounded: the gate path without
-    `kda_chunk_diagonal`); the segment transitions (`scan_segments` P > 1) read W, U, Kg
-    and G_last of the first P - 1 segments, (P - 1) / P of the tokens."""
+def bytes_per_token_head(config: KernelConfig, head_k: int, head_v: int) -> dict[str, float]:
+    """Bytes per token and head of each pass, the same on both gate paths; the segment
+    transitions (`scan_segments` P > 1) read W, U, Kg and G_last of the first P - 1
+    segments, (P - 1) / P of the tokens."""
     k, v, c = head_k, head_v, config.chunk_size
     inputs = 2 * BF16 * k + FP32 * k + BF16  # q, k, g, beta
     diagonal_blocks = (BF16 + FP32) * SUB_CHUNK  # Aqk's (operand dtype) and T's (fp32)
     # Qg, Kg, beta k exp(G); G_last. G itself is stored only in the chunks that hold a
     # snapshot (at most 4 a sequence), which the scan reads.
     gates = 3 * BF16 * k + FP32 * k / c
-    passes = {}
-    if bounded:  # the diagonal blocks' products from the inputs
-        passes["inverse"] = inputs + diagonal_blocks
-    else:  # the rows of the diagonal blocks, then their inverses from them
-        passes["diagonal"] = inputs + 2 * FP32 * SUB_CHUNK
-        passes["inverse"] = 2 * FP32 * SUB_CHUNK + BF16 + diagonal_blocks
+    passes = {"inverse": inputs + diagonal_blocks}  # the diagonal blocks from the inputs
     passes["prep"] = inputs + diagonal_blocks + 2 * BF16 * c + gates  # Aqk, T out
     passes["w_u"] = BF16 * (k + v) + BF16 + BF16 * c + BF16 * (k + v)  # beta k exp(G), v, beta, T
     recurrence_reads = BF16 * (2 * k + v) + FP32 * k / c  # W, Kg, U, G_last
@@ -52,10 +46,10 @@ def bytes_per_token_head(config: KernelConfig, head_k: int, head_v: int, *,
     return passes
 
 
-def traffic_summary(config: KernelConfig, head_k: int, head_v: int, *, bounded: bool,
-                    tokens: int, heads: int) -> dict:
+def traffic_summary(config: KernelConfig, head_k: int, head_v: int, *, tokens: int,
+                    heads: int) -> dict:
     """Per-pass and total bytes per token-head, and the GB10 time they imply."""
-    passes = bytes_per_token_head(config, head_k, head_v, bounded=bounded)
+    passes = bytes_per_token_head(config, head_k, head_v)
     total = sum(passes.values())
     return dict(bytes_per_token_head=passes, total_bytes_per_token_head=total,
                 gb10_ms_at_273GBs=total * tokens * heads / GB10_BANDWIDTH * 1e3)

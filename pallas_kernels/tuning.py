@@ -46,16 +46,11 @@ class KernelConfig:
     # 8K (docs/KERNEL.md, fifteenth session).
     prep_num_warps: int = 2
     prep_block_k: int = 32
-    # Prep: the diagonal 16 x 16 blocks and their inverses, a sub-chunk a program (bounded
-    # gates: their products over slices of `inverse_block_k` key columns).
+    # Prep: the diagonal 16 x 16 blocks and their inverses, a sub-chunk a program, their
+    # products over slices of `inverse_block_k` key columns.
     inverse_num_warps: int = 1
     inverse_block_k: int = 32
     w_u_num_warps: int = 8      # prep: W and U per chunk
-    # Prep, any-decay path: the diagonal blocks, a row a program of `diagonal_heads` heads
-    # (their gcd with H is used). 4 heads at 2 warps was the fastest of the 12 pairs on the
-    # H100 at 8K (docs/KERNEL.md, fourteenth session).
-    diagonal_num_warps: int = 2
-    diagonal_heads: int = 4
     output_block_v: int = 128   # value columns per output program
     output_num_warps: int = 4
     output_num_stages: int = 1
@@ -192,7 +187,7 @@ def select_segments(spec: DeviceSpec, config: KernelConfig, *, num_seqs: int, nu
 
     def seconds(segments):
         passes = bytes_per_token_head(dataclasses.replace(config, scan_segments=segments),
-                                      head_k, head_v, bounded=True)
+                                      head_k, head_v)
         scan_bytes = (passes["scan"] + passes.get("transition", 0.0)) * num_tokens * num_heads
         floor = scan_bytes / spec.memory_bandwidth if spec.memory_bandwidth else 0.0
         return max(steps(segments) * SCAN_STEP_SECONDS, floor)

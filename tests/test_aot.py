@@ -23,8 +23,8 @@ def test_every_kernel_compiles_within_limits():
     reports = aot.check_devices([device], heads=heads)
     prefill = {r.kernel for r in reports if not r.kernel.startswith("kda_decode")}
     assert prefill == {
-        "kda_chunk_diagonal",
         "kda_chunk_inverse",
+        "kda_chunk_inverse_checked",
         "kda_chunk_prep",
         "kda_chunk_w_u",
         "kda_chunk_scan",

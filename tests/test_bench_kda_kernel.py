@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench import kda_kernel
-from bench.kda_kernel import GATE_LOWER_BOUND, main, sweep_configs
+from bench.kda_kernel import GATE_LOWER_BOUND, WIDE_ROW, main, sweep_configs
 from pallas_kernels.kda_traffic import GB10_BANDWIDTH, traffic_summary
 from pallas_kernels.tuning import KernelConfig
 
@@ -22,7 +22,8 @@ def test_quick_run_times_segment_counts_and_writes_json(tmp_path):
     # The passes alone, the scan computing the output (the runtime's config).
     assert set(result["pass_ms"]) == {"prep matrices", "prep w_u", "prep", "scan"}
     assert all(ms > 0 for ms in result["ms"].values())
-    for row in ("bounded", "pallas 3 seg w4, 4 snap"):
+    assert WIDE_ROW in result["ms"]  # the any-decay path's worst case, checked too
+    for row in ("bounded", "any decay", WIDE_ROW, "pallas 3 seg w4, 4 snap"):
         for name in ("o", "final_states", "snapshots"):
             assert result["relative_error_vs_reference"][f"{row} {name}"] < 1e-2, (row, name)
     traffic = result["traffic"]
@@ -70,11 +71,11 @@ def test_quick_sweep_times_and_checks_each_config(tmp_path, monkeypatch):
 
 
 def test_bytes_per_token_head_by_hand():
-    """K = V = 128, C = 64, bounded gates: 7,638 B (issue 20 counted about 7.4 KB before T
-    and W's right-hand side were stored in bf16 and G only in snapshot chunks; the
+    """K = V = 128, C = 64, either gate path: 7,638 B (issue 20 counted about 7.4 KB before
+    T and W's right-hand side were stored in bf16 and G only in snapshot chunks; the
     diagonal blocks' inverse kernel reads the inputs once more)."""
     inputs = 2 * 128 * 2 + 4 * 128 + 2
-    plain = traffic_summary(KernelConfig(), 128, 128, bounded=True, tokens=1, heads=1)
+    plain = traffic_summary(KernelConfig(), 128, 128, tokens=1, heads=1)
     assert plain["bytes_per_token_head"] == {
         "inverse": inputs + 6 * 16,
         "prep": inputs + 6 * 16 + 2 * 2 * 64 + 3 * 2 * 128 + 8,
@@ -83,15 +84,11 @@ def test_bytes_per_token_head_by_hand():
         "output": 2 * (128 + 64 + 256 + 128) + 4 * 128,
     }
     assert plain["total_bytes_per_token_head"] == 7638
-    segmented = traffic_summary(KernelConfig(scan_segments=4), 128, 128, bounded=True,
-                                tokens=1, heads=1)
+    segmented = traffic_summary(KernelConfig(scan_segments=4), 128, 128, tokens=1, heads=1)
     assert segmented["bytes_per_token_head"]["transition"] == pytest.approx(776 * 3 / 4)
-    any_decay = traffic_summary(KernelConfig(), 128, 128, bounded=False, tokens=1, heads=1)
-    assert any_decay["total_bytes_per_token_head"] == 7638 - inputs + 1154 + 130
     # The output fused into the scan: Qg and Aqk read there, o written (and zero-filled);
     # no entry states or Vnew stored, no output pass. 6,102 B: over issue 20's 5 KB.
-    fused = traffic_summary(KernelConfig(fuse_output=True), 128, 128, bounded=True, tokens=1,
-                            heads=1)
+    fused = traffic_summary(KernelConfig(fuse_output=True), 128, 128, tokens=1, heads=1)
     assert fused["bytes_per_token_head"]["scan"] == 2 * 384 + 8 + 2 * (128 + 64) + 4 * 128
     assert "output" not in fused["bytes_per_token_head"]
     assert fused["total_bytes_per_token_head"] == 6102

@@ -169,12 +169,31 @@ class KdaKernelCases:
         for name, out, ref in zip(OUTPUT_NAMES, outputs, oracle, strict=True):
             assert relative_error(out, ref) < 1e-5, name
 
-    def test_head_groups_of_the_diagonal(self, rng):
-        """Six heads, 4 asked a program: the any-decay diagonal runs their gcd, 2 heads, in
-        three groups a row."""
-        inputs = make_inputs(rng, [77, 130], heads=6, head_k=32, head_v=32, padding=9)
-        config = KernelConfig(block_v=32, diagonal_heads=4)
-        self.check_against_recurrence(inputs, 1e-5, config=config)
+    @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+    def test_any_decay_wide_spreads_by_keys(self, rng, dtype):
+        """Any decay beyond the products' range: decays to -60 a token, so most key slices
+        of most sub-chunks are summed key by key; a -60 on the first row of some
+        sub-chunks (no pair of its own block decays by it: the products keep it) and on
+        other rows (the slice holding it goes key by key); 16-column slices of K = 32,
+        so a sub-chunk mixes the two ways."""
+        dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+        inputs = make_inputs(rng, [150, 1, 64, 33], padding=7, min_decay=-0.3, dtype=dtype)
+        g = np.array(inputs["g"], np.float32)
+        g[:60, 0] *= 200.0                     # head 0 of the first sequence: down to -60
+        g[16::32, 1, :16] = -60.0              # first rows of every other sub-chunk
+        g[90:95, 1, 16:] = -60.0               # inside a sub-chunk: that slice by keys
+        g[230:240, :, 5] = -45.0               # one column: its slice by keys
+        inputs["g"] = jnp.asarray(g, dtype)
+        config = KernelConfig(block_v=32, inverse_block_k=16)
+        tolerance = 1e-5 if dtype == jnp.float32 else 5e-3
+        self.check_against_recurrence(inputs, tolerance, config=config)
+
+    def test_any_decay_at_the_products_range(self, rng):
+        """Decays around -5.25 a token (8 rows: the products' limit of 42): on both sides
+        of the check, every slice; exact within fp32 either way."""
+        inputs = make_inputs(rng, [200, 77], padding=3)
+        inputs["g"] = jnp.asarray(rng.uniform(-5.4, -5.1, inputs["g"].shape), jnp.float32)
+        self.check_against_recurrence(inputs, 1e-5)
 
     def test_key_slices_narrower_than_k(self, rng):
         """The inverse and prep kernels over several key slices (16 of K = 32 columns),
