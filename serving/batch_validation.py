@@ -172,7 +172,10 @@ class BatchValidator:
     def validate_step(
         self, prefill: PrefillBatch | None, decode: DecodeBatch | VerifyBatch | None
     ) -> None:
-        """Checks across both batches: no slot written twice, no block written and shared."""
+        """Checks across both batches: no slot written twice, no block written and shared.
+        A step of one batch has nothing to cross: its own checks cover both."""
+        if prefill is None or decode is None:
+            return
         slots, rows = [], []
         if prefill is not None:
             p = {name: np.asarray(value) for name, value in prefill._asdict().items()}
@@ -214,13 +217,12 @@ class BatchValidator:
                 raise ValueError(
                     f"{label}: {end} tokens need {needed} blocks, table has {table.size}"
                 )
-            _check_range(f"{label} block_tables", table[:needed], self.num_blocks)
-            if np.any(table[needed:] != -1):
+            entries = table.tolist()
+            _check_range(f"{label} block_tables", entries[:needed], self.num_blocks)
+            if any(entry != -1 for entry in entries[needed:]):
                 raise ValueError(f"{label}: block table entries past block {needed} must be -1")
-            if np.unique(table[:needed]).size != needed:
-                raise ValueError(f"{label}: block table {table[:needed].tolist()} repeats a block")
-            written = set(table[int(start) // self.tokens_per_block : needed].tolist())
-            rows.append((label, set(table[:needed].tolist()), written))
+            written = set(entries[int(start) // self.tokens_per_block : needed])
+            rows.append((label, set(entries[:needed]), written))
         return rows
 
 
@@ -243,17 +245,23 @@ def _check_padding_row(kind: str, i: int, arrays: dict, names: tuple[str, ...]) 
             )
 
 
-def _check_range(what: str, values: np.ndarray, size: int) -> None:
-    bad = values[(values < 0) | (values >= size)]
-    if bad.size:
+def _check_range(what: str, values: np.ndarray | list[int], size: int) -> None:
+    """Every value in [0, size) and none twice (in Python: a step's arrays are small, and
+    NumPy's per-call cost was most of a batch-1 step's validation)."""
+    values = values.tolist() if isinstance(values, np.ndarray) else values
+    bad = [value for value in values if not 0 <= value < size]
+    if bad:
         raise ValueError(f"{what}: {bad[0]} is outside [0, {size})")
-    unique, counts = np.unique(values, return_counts=True)
-    if np.any(counts > 1):
-        raise ValueError(f"{what}: {unique[counts > 1][0]} appears more than once")
+    distinct = set(values)
+    if len(distinct) != len(values):
+        twice = min(value for value in distinct if values.count(value) > 1)
+        raise ValueError(f"{what}: {twice} appears more than once")
 
 
 def _check_writes(rows) -> None:
     """No row writes a block that another row reads or writes (rows: label, read, written)."""
+    if len(rows) < 2:
+        return
     readers = collections.defaultdict(list)
     for label, read, _ in rows:
         for block in read:

@@ -39,10 +39,12 @@ class Draw(NamedTuple):
 
     @classmethod
     def from_row(cls, sampled: Sampled, k: int, num_top: int) -> Draw:
-        """Row k of a fetched ``Sampled`` (host arrays), with its ``num_top`` alternatives."""
-        top = zip(sampled.top_ids[k, :num_top].tolist(),
-                  sampled.top_logprobs[k, :num_top].tolist(), strict=True)
-        return cls(int(sampled.tokens[k]), float(sampled.logprobs[k]), tuple(top))
+        """Row k of a fetched ``Sampled`` (host arrays), with its ``num_top`` alternatives
+        (the alternatives' arrays may be None where no row reports any)."""
+        top = () if not num_top else tuple(zip(sampled.top_ids[k, :num_top].tolist(),
+                                               sampled.top_logprobs[k, :num_top].tolist(),
+                                               strict=True))
+        return cls(int(sampled.tokens[k]), float(sampled.logprobs[k]), top)
 
 
 @dataclasses.dataclass(eq=False)
@@ -197,8 +199,11 @@ class StepDispatch:
         Raises:
           StepRefusedError: a call refused its cache update.
         """
-        codes, drawn = self.device_get(([status for _, status in flight.statuses],
-                                        flight.calls))
+        # The alternatives' arrays only for a call with a row that reports them.
+        calls = [call if any(self._num_top(flight, i) for i in request_ids)
+                 else call._replace(top_ids=None, top_logprobs=None)
+                 for call, request_ids in zip(flight.calls, flight.rows, strict=True)]
+        codes, drawn = self.device_get(([status for _, status in flight.statuses], calls))
         for (what, _), code in zip(flight.statuses, codes):
             if PoolStatus(int(code)) is not PoolStatus.OK:
                 raise StepRefusedError(
@@ -207,9 +212,13 @@ class StepDispatch:
         draws = {}
         for sampled, request_ids in zip(drawn, flight.rows):
             for k, request_id in enumerate(request_ids):
-                num_top = flight.owners[request_id].request.sampling.top_logprobs
-                draws[request_id] = Draw.from_row(sampled, k, num_top)
+                draws[request_id] = Draw.from_row(sampled, k, self._num_top(flight, request_id))
         return draws
+
+    @staticmethod
+    def _num_top(flight: InFlight, request_id: str) -> int:
+        """The alternatives a request sampled by ``flight`` reports."""
+        return flight.owners[request_id].request.sampling.top_logprobs
 
     def device_get(self, tree):
         """``jax.device_get(tree)``, the seconds the engine's thread waited for it added to

@@ -56,16 +56,12 @@ class SamplingTensors(NamedTuple):
         per row, padded to ``size`` greedy rows."""
         if len(rows) > size:
             raise ValueError(f"{len(rows)} sampling rows exceed the bucket size {size}")
-        pad = [(0.0, 0, 1.0, 0, 0, 0)] * (size - len(rows))
-        temperature, top_k, top_p, seeds, index, num_top = zip(*(list(rows) + pad))
-        return cls(
-            np.asarray(temperature, np.float32),
-            np.asarray(top_k, np.int32),
-            np.asarray(top_p, np.float32),
-            np.asarray(seeds, np.uint32),
-            np.asarray(index, np.int32),
-            np.asarray(num_top, np.int32),
-        )
+        padded = cls(np.zeros(size, np.float32), np.zeros(size, np.int32),
+                     np.ones(size, np.float32), np.zeros(size, np.uint32),
+                     np.zeros(size, np.int32), np.zeros(size, np.int32))
+        for column, values in zip(padded, zip(*rows), strict=False):  # none without rows
+            column[: len(values)] = values
+        return padded
 
 
 class SamplerVariant(NamedTuple):
@@ -80,8 +76,8 @@ class SamplerVariant(NamedTuple):
         """What the rows of host ``params`` (NumPy arrays) need."""
         random = np.asarray(params.temperature) > 0
         limited = (np.asarray(params.top_k) > 0) | (np.asarray(params.top_p) < 1)
-        return cls(bool(np.any(random & limited)), bool(np.any(np.asarray(params.num_top) > 0)),
-                   bool(np.any(random)))
+        return cls(bool((random & limited).any()), bool((np.asarray(params.num_top) > 0).any()),
+                   bool(random.any()))
 
 
 SAMPLER_VARIANTS = tuple(SamplerVariant(f, t, d) for d in (False, True) for f in (False, True)
