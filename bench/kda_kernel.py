@@ -14,7 +14,9 @@ of 8192 and of 32768 tokens, a packed batch of 4 x 8192. Rows: our kernel on its
 (`gate_lower_bound=-5`, GLM's gate; the benchmark's decays are inside it) with no snapshot
 (capacity 1, inactive) and with 4 snapshots at unaligned offsets; our kernel on its
 any-decay path with 4 snapshots, on the same decays and on decays 128x stronger (its
-worst case: the diagonal blocks summed key by key); the jitted jax.numpy chunked oracle; fla-core `chunk_kda`
+worst case: the diagonal blocks summed key by key); the bounded path with W and U the
+other way (formed by the scan where the runtime's config reads them from the W/U pass,
+`KernelConfig.form_w_u_in_scan`, and the reverse); the jitted jax.numpy chunked oracle; fla-core `chunk_kda`
 (output_final_state=True, `cu_seqlens` as its varlen users pass it, under
 `torch.inference_mode`) on identical inputs when fla imports, by default (any decay) and
 with `safe_gate=True, lower_bound=-5` (its bounded-gate path). `--segments P,...` adds our
@@ -160,8 +162,9 @@ def time_passes(inputs, lens, config, timing):
     transitions = jax.jit(lambda t, s: kda_segments.segment_transitions(t, s, cu, init,
                                                                         **flags))
     combine = jax.jit(lambda tr: kda_segments.combine_segments(init, tr, segments))
-    scan = jax.jit(lambda t, s, states: kda_pallas.chunk_scan(t, k, s, cu, states, offsets,
-                                                              out_dtype=v.dtype, **flags))
+    scan = jax.jit(lambda t, s, states: kda_pallas.chunk_scan(t, k, v, beta, s, cu, states,
+                                                              offsets, out_dtype=v.dtype,
+                                                              **flags))
     output = jax.jit(lambda t, e, vn, s: kda_pallas.chunk_output(t, e, vn, s,
                                                                  out_dtype=jnp.bfloat16,
                                                                  **flags))
@@ -212,6 +215,13 @@ def run_case(name, lens, config, args, bandwidth):
     wide = dict(inputs, g=inputs["g"] * WIDE_DECAY_SCALE)
     any_wide4 = ours(4, None, inputs=wide)
     measure(WIDE_ROW, any_wide4, **timing)
+    # W and U the other way: formed by the scan where the runtime reads them (the H200),
+    # read from the W/U pass where it forms them (GB10).
+    toggled = dataclasses.replace(config, form_w_u_in_scan=not config.form_w_u_in_scan)
+    row = ("pallas, W/U in the scan, 4 snap" if toggled.scan_forms_w_u else
+           "pallas, W/U pass, 4 snap")
+    checked[row] = ours(4, config=toggled)
+    measure(row, checked[row], **timing)
     if args.unfused_output:  # the output pass after a plain scan, both gate paths
         unfused = dataclasses.replace(config, fuse_output=False)
         for row, bound in (("pallas output pass, 4 snap", GATE_LOWER_BOUND),

@@ -47,18 +47,23 @@ class ChunkSlots(NamedTuple):
 class ChunkTensors(NamedTuple):
     """What the prep pass hands the scan, per row and head ([T', H, ...]).
 
-    W, U, Aqk, Qg, Kg are stored in the operand dtype (bf16 on the fast path, fp32 when
-    exact); G and G_last stay fp32. G is stored only in the slots marked `snapshot` (the
-    scan reads it nowhere else); other rows of it are left unwritten.
+    W, U, Aqk, Qg, Kg, T and beta k exp(G) are stored in the operand dtype (bf16 on the
+    fast path, fp32 when exact); G and G_last stay fp32. G is stored only in the slots
+    marked `snapshot` (the scan reads it nowhere else); other rows of it are left
+    unwritten. Either W and U (the W/U pass ran) or T and beta k exp(G) (the scan forms
+    W = T (beta k exp(G)) and U = T diag(beta) v itself, `KernelConfig.scan_forms_w_u`);
+    the other two are None.
     """
 
-    w: jax.Array      # [T', H, K]
-    u: jax.Array      # [T', H, V]
+    w: jax.Array | None  # [T', H, K]
+    u: jax.Array | None  # [T', H, V]
     aqk: jax.Array    # [T', H, C]
     qg: jax.Array     # [T', H, K]
     kg: jax.Array     # [T', H, K]
     g_cum: jax.Array  # [T', H, K] fp32
     g_last: jax.Array  # [S, H, K] fp32: G at each chunk slot's last row
+    t: jax.Array | None = None   # [T', H, C]: T = (I + L)^-1, by chunk rows
+    kb: jax.Array | None = None  # [T', H, K]: beta k exp(G), W's right-hand side
 
 
 def pad_rows(x, chunk):

@@ -38,27 +38,40 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.kda_chunks import ChunkSlots, ChunkTensors, chunk_slots, pad_rows
 from pallas_kernels.kda_prep import chunk_prep
 from pallas_kernels.kda_segments import combine_segments, segment_chunks, segment_transitions
-from pallas_kernels.tiles import dot, dot_tn, exp_function, iota, matmul_precision, operand_dtype
+from pallas_kernels.tiles import (
+    dot,
+    dot_tn,
+    exp_function,
+    iota,
+    load_rows,
+    matmul_precision,
+    operand_dtype,
+)
 from pallas_kernels.tuning import KernelConfig
 
 
-def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_ref, u_ref,
-                       kg_ref, gcum_ref, glast_ref, *refs, chunk, block_v, capacity, segments,
-                       precision, fused, exp):
+def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_ref,
+                       gcum_ref, glast_ref, *refs, chunk, block_v, capacity, segments,
+                       precision, fused, forms_w_u, num_tokens, exp):
     """One segment x head x value block: the chunk-to-chunk scan with snapshots.
 
     Program axis 0 is sequence n's segment s at n * segments + s; init_ref [N segments,
     H, K, V] holds each segment's entry state (the initial states when segments == 1).
-    Unfused (refs: states, vnew, final, snap), stores each chunk's entry state (for the
+    refs start with W and U ([T', H, K], [T', H, V]), or with `forms_w_u` T, beta k
+    exp(G), v and beta, from which each chunk's W = T (beta k exp(G)) and U = T diag(beta)
+    v are formed here (the W/U pass's products, W in the operand dtype, U in fp32).
+    Unfused (then: states, vnew, final, snap), stores each chunk's entry state (for the
     output pass) at its chunk slot and Vnew at the chunk's rows: only the two matmuls the
-    recurrence depends on run here. Fused (refs: qg, aqk, o_in, o, final, snap), computes
-    the chunk's output O = Qg S_entry + Aqk Vnew from the same operand-dtype values the
-    output pass would load, and stores nothing else per chunk. Each snapshot is stored by
-    the one segment holding its offset, zeros by segment 0 when the offset is inactive;
-    the final state by the sequence's last non-empty segment.
+    recurrence depends on run here. Fused (then: qg, aqk, o, final, snap), computes the
+    chunk's output O = Qg S_entry + Aqk Vnew from the same operand-dtype values the output
+    pass would load, and stores nothing else per chunk; the grid's last program also
+    zeroes the rows past the last sequence, up to `num_tokens` (no fill of o before).
+    Each snapshot is stored by the one segment holding its offset, zeros by segment 0 when
+    the offset is inactive; the final state by the sequence's last non-empty segment.
     """
+    w_u_refs, refs = (refs[:4], refs[4:]) if forms_w_u else (refs[:2], refs[2:])
     if fused:
-        qg_ref, aqk_ref, _, o_ref, final_ref, snap_ref = refs  # o_in aliased to o
+        qg_ref, aqk_ref, o_ref, final_ref, snap_ref = refs
     else:
         states_ref, vnew_ref, final_ref, snap_ref = refs
     index, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -71,7 +84,7 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_r
     vcols = pl.ds(vb * block_v, block_v)
     rows_c = iota((chunk, 1), 0)
     offsets = [offsets_ref[n, c] for c in range(capacity)]
-    operand = w_ref.dtype
+    operand = kg_ref.dtype
 
     for c in range(capacity):
         @pl.when((s == 0) & jnp.logical_not((offsets[c] >= 1) & (offsets[c] <= seq_len)))
@@ -87,9 +100,17 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_r
         def load(ref, cols):
             return plgpu.load(ref.at[rows, h, cols], mask=valid, other=0)
 
+        if forms_w_u:
+            t_ref, kb_ref, v_ref, beta_ref = w_u_refs
+            t = load(t_ref, slice(None))
+            w = dot(t, load(kb_ref, slice(None)), precision).astype(operand)
+            beta_v = load_rows(beta_ref, rows, h, valid) * load_rows(v_ref, rows, h, valid, vcols)
+            u = dot(t, beta_v.astype(operand), precision)
+        else:
+            w_ref, u_ref = w_u_refs
+            w, u = load(w_ref, slice(None)), load(u_ref, vcols).astype(jnp.float32)
         state_op = state.astype(operand)
-        v_new = load(u_ref, vcols).astype(jnp.float32) - dot(load(w_ref, slice(None)),
-                                                             state_op, precision)
+        v_new = u - dot(w, state_op, precision)
         if fused:
             out = (dot(load(qg_ref, slice(None)), state_op, precision)
                    + dot(load(aqk_ref, slice(None)), v_new.astype(operand), precision))
@@ -122,6 +143,20 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, w_r
     def _():
         final_ref[n, h, :, vcols] = state
 
+    if fused:
+        @pl.when(index == pl.num_programs(0) - 1)
+        def _():
+            padding = cu_ref[cu_ref.shape[0] - 1]  # rows no sequence owns: [padding, T)
+
+            def zero(i, carry):
+                r0 = padding + i * chunk
+                plgpu.store(o_ref.at[pl.ds(r0, chunk), h, vcols],
+                            jnp.zeros((chunk, block_v), o_ref.dtype),
+                            mask=rows_c + r0 < num_tokens)
+                return carry
+
+            lax.fori_loop(0, (num_tokens - padding + chunk - 1) // chunk, zero, 0)
+
 
 def _output_kernel(chunk_start_ref, chunk_len_ref, qg_ref, aqk_ref, states_ref, vnew_ref,
                    o_in_ref, o_ref, *, chunk, block_v, precision):
@@ -146,22 +181,25 @@ def _output_kernel(chunk_start_ref, chunk_len_ref, qg_ref, aqk_ref, states_ref, 
         plgpu.store(o_ref.at[rows, h, vcols], out.astype(o_ref.dtype), mask=valid)
 
 
-def chunk_scan(tensors: ChunkTensors, k, slots: ChunkSlots, cu_seqlens, segment_states,
-               checkpoint_offsets, *, config: KernelConfig, interpret: bool, exact: bool,
-               out_dtype=None):
-    """Pass 2: the recurrence. k: [T', H, K], T' = T (GPU) or T + C (interpret mode);
+def chunk_scan(tensors: ChunkTensors, k, v, beta, slots: ChunkSlots, cu_seqlens,
+               segment_states, checkpoint_offsets, *, config: KernelConfig, interpret: bool,
+               exact: bool, out_dtype=None):
+    """Pass 2: the recurrence. k, v: [T', H, K], [T', H, V], beta [T', H] (read only when
+    the scan forms W and U: `tensors.w` None), T' = T (GPU) or T + C (interpret mode);
     segment_states fp32 [N P, H, K, V]: each segment's entry state, P =
     config.scan_segments (the initial states when P = 1; `kda_segments`).
 
     Returns, unless config.fuse_output, entry_states [S, H, K, V] (each chunk slot's entry
     state, operand dtype) and v_new [T', H, V] (operand dtype) for the output pass; with
-    it, o [T', H, V] in out_dtype (zero on rows no chunk owns). Then final_states fp32
+    it, o [T', H, V] in out_dtype (zero on rows past the last sequence; in interpret mode
+    the last C rows, `pad_rows`' own, are left unwritten). Then final_states fp32
     [N, H, K, V] and snapshots fp32 [N, capacity, H, K, V].
     """
     rows, num_heads, head_k = k.shape
-    head_v = tensors.u.shape[-1]
+    head_v = v.shape[-1]
     num_seqs, capacity = checkpoint_offsets.shape
     block_v, segments, fused = config.block_v, config.scan_segments, config.fuse_output
+    forms_w_u = tensors.w is None
     inter, f32 = operand_dtype(exact), jnp.float32
     warps, stages = ((config.scan_num_warps, config.scan_num_stages) if segments == 1 else
                      (config.segment_num_warps, config.segment_num_stages))
@@ -169,23 +207,25 @@ def chunk_scan(tensors: ChunkTensors, k, slots: ChunkSlots, cu_seqlens, segment_
                  (jax.ShapeDtypeStruct((slots.start.shape[0], num_heads, head_k, head_v),
                                        inter),
                   jax.ShapeDtypeStruct((rows, num_heads, head_v), inter)))
-    operands = [cu_seqlens, slots.first_slot, checkpoint_offsets, segment_states, k, tensors.w,
-                tensors.u, tensors.kg, tensors.g_cum, tensors.g_last]
+    operands = [cu_seqlens, slots.first_slot, checkpoint_offsets, segment_states, k, tensors.kg,
+                tensors.g_cum, tensors.g_last,
+                *((tensors.t, tensors.kb, v, beta) if forms_w_u else (tensors.w, tensors.u))]
     if fused:
-        operands += [tensors.qg, tensors.aqk, jnp.zeros((rows, num_heads, head_v), out_dtype)]
+        operands += [tensors.qg, tensors.aqk]
     scan = pl.pallas_call(
         functools.partial(_recurrence_kernel, chunk=config.chunk_size, block_v=block_v,
                           capacity=capacity, segments=segments,
                           precision=matmul_precision(exact), fused=fused,
-                          exp=exp_function(exact)),
+                          forms_w_u=forms_w_u, exp=exp_function(exact),
+                          num_tokens=rows - config.chunk_size if interpret else rows),
         out_shape=(*per_chunk,
                    jax.ShapeDtypeStruct((num_seqs, num_heads, head_k, head_v), f32),
                    jax.ShapeDtypeStruct((num_seqs, capacity, num_heads, head_k, head_v), f32)),
         grid=(num_seqs * segments, num_heads, head_v // block_v),
-        input_output_aliases={len(operands) - 1: 0} if fused else {},
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name="kda_chunk_scan" if segments == 1 else "kda_segment_scan",
+        name=("kda_segment_scan" if segments > 1 else
+              "kda_chunk_scan_w_u" if forms_w_u else "kda_chunk_scan"),
     )
     return scan(*operands)
 
@@ -232,8 +272,8 @@ def kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_
     if config.scan_segments > 1:
         transitions = segment_transitions(tensors, slots, cu_seqlens, initial_states, **flags)
         segment_states = combine_segments(initial_states, transitions, config.scan_segments)
-    scanned = chunk_scan(tensors, k, slots, cu_seqlens, segment_states, checkpoint_offsets,
-                         out_dtype=v.dtype, **flags)
+    scanned = chunk_scan(tensors, k, v, beta, slots, cu_seqlens, segment_states,
+                         checkpoint_offsets, out_dtype=v.dtype, **flags)
     if config.fuse_output:
         o, final_states, snapshots = scanned
     else:

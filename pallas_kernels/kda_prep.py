@@ -388,7 +388,8 @@ def chunk_w_u(matrices: ChunkMatrices, v, beta, slots: ChunkSlots, *,
 def chunk_prep(q, k, v, g, beta, slots: ChunkSlots, *, scale: float,
                bounded_gates: bool, config: KernelConfig, interpret: bool,
                exact: bool) -> ChunkTensors:
-    """Pass 1 over inputs of T' rows ([T', H, ...], see `pad_rows`).
+    """Pass 1 over inputs of T' rows ([T', H, ...], see `pad_rows`): without the W/U
+    kernel where the scan forms W and U (`config.scan_forms_w_u`).
 
     bounded_gates: the caller guarantees g >= b, b in [-5, 0) (`kda_prefill`'s
     `gate_lower_bound`): the diagonal blocks' products unchecked; otherwise each key
@@ -396,6 +397,8 @@ def chunk_prep(q, k, v, g, beta, slots: ChunkSlots, *, scale: float,
     itself.
     """
     flags = dict(config=config, interpret=interpret, exact=exact)
-    matrices = chunk_matrices(q, k, g, beta, slots, scale=scale,
-                              bounded_gates=bounded_gates, **flags)
-    return chunk_w_u(matrices, v, beta, slots, **flags)
+    m = chunk_matrices(q, k, g, beta, slots, scale=scale, bounded_gates=bounded_gates,
+                       **flags)
+    if config.scan_forms_w_u:
+        return ChunkTensors(None, None, m.aqk, m.qg, m.kg, m.g_cum, m.g_last, m.t, m.kb)
+    return chunk_w_u(m, v, beta, slots, **flags)

@@ -32,13 +32,17 @@ def bytes_per_token_head(config: KernelConfig, head_k: int, head_v: int) -> dict
     gates = 3 * BF16 * k + FP32 * k / c
     passes = {"inverse": inputs + diagonal_blocks}  # the diagonal blocks from the inputs
     passes["prep"] = inputs + diagonal_blocks + 2 * BF16 * c + gates  # Aqk, T out
-    passes["w_u"] = BF16 * (k + v) + BF16 + BF16 * c + BF16 * (k + v)  # beta k exp(G), v, beta, T
-    recurrence_reads = BF16 * (2 * k + v) + FP32 * k / c  # W, Kg, U, G_last
+    w_u_inputs = BF16 * (k + v) + BF16 + BF16 * c  # beta k exp(G), v, beta, T
+    if config.scan_forms_w_u:  # the scan reads the W/U pass's inputs instead of W and U
+        recurrence_reads = w_u_inputs + BF16 * k + FP32 * k / c  # and Kg, G_last
+    else:
+        passes["w_u"] = w_u_inputs + BF16 * (k + v)  # W, U out
+        recurrence_reads = BF16 * (2 * k + v) + FP32 * k / c  # W, Kg, U, G_last
     segments = config.scan_segments
     if segments > 1:
         passes["transition"] = recurrence_reads * (segments - 1) / segments
-    if config.fuse_output:  # Qg and Aqk in; o out, after XLA zero-fills it
-        passes["scan"] = recurrence_reads + BF16 * (k + c) + 2 * BF16 * v
+    if config.fuse_output:  # Qg and Aqk in; o out (no fill before: the scan zeroes padding)
+        passes["scan"] = recurrence_reads + BF16 * (k + c) + BF16 * v
         return passes
     passes["scan"] = recurrence_reads + BF16 * k * v / c + BF16 * v  # entry states, Vnew
     # Qg, Aqk, entry states, Vnew in; o out, after XLA zero-fills it.

@@ -65,6 +65,18 @@ class KernelConfig:
     # stored (1,792 fewer bytes a token-head by source count, `kda_traffic`), at two more
     # matmuls a chunk on the scan's serial path (docs/KERNEL.md). `select_config` picks it.
     fuse_output: bool = False
+    # W = T (beta k exp(G)) and U = T diag(beta) v formed by the scan, chunk by chunk, from
+    # T, beta k exp(G), v and beta, instead of read from the W/U pass: 1,024 fewer bytes a
+    # token-head by source count (`kda_traffic`), at two more matmuls a chunk in every
+    # value-block program (W's repeated in each). Plain scan only: with `scan_segments` >
+    # 1 the transitions read W and U, and the W/U pass runs. `select_config` picks it
+    # where bytes decide the time (docs/KERNEL.md, seventeenth session).
+    form_w_u_in_scan: bool = False
+
+    @property
+    def scan_forms_w_u(self) -> bool:
+        """Whether the scan forms W and U itself (`form_w_u_in_scan`, plain scan)."""
+        return self.form_w_u_in_scan and self.scan_segments == 1
 
 
 def device_spec(device: jax.Device | None = None) -> DeviceSpec:
@@ -92,24 +104,28 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
     """Upper estimate of shared memory per block, in bytes, for each pass.
 
     Scan pass: the operands of its largest dots are staged in shared memory, and each
-    pipeline stage past the first buffers the tiles loaded per chunk (W, Qg, Kg [C, K],
-    Aqk [C, C], U [C, BV] in the operand dtype). Hopper and datacenter Blackwell (9.x,
-    10.x) feed wgmma from shared memory and double-buffer those tiles; mma.sync targets
-    (8.x, 12.x, GB10 among them) stage them once. The segment-parallel scan's kernels
-    ("segment") hold the same tiles at `segment_num_stages`. Prep pass (fp32, no loop):
-    its largest kernel, intra, stages a [C, K] key tile and a [16, K] row tile, bounded
-    by [C, C] + [C, max(K, V)] fp32. Output pass (no loop): its operands Qg [C, K],
-    S [K, BV_out], Aqk [C, C] and Vnew [C, BV_out].
+    pipeline stage past the first buffers the tiles loaded per chunk (W or beta k exp(G),
+    Qg, Kg [C, K], Aqk [C, C], U or v [C, BV] in the operand dtype; and T [C, C] where the
+    scan forms W and U). Hopper and datacenter Blackwell (9.x, 10.x) feed wgmma from
+    shared memory and double-buffer those tiles; mma.sync targets (8.x, 12.x, GB10 among
+    them) stage them once, Qg not among them (measured). The segment-parallel scan's
+    kernels ("segment") hold the same tiles at `segment_num_stages`. Prep pass (fp32, no
+    loop): its largest kernel, intra, stages a [C, K] key tile and a [16, K] row tile,
+    bounded by [C, C] + [C, max(K, V)] fp32. Output pass (no loop): its operands Qg
+    [C, K], S [K, BV_out], Aqk [C, C] and Vnew [C, BV_out].
 
     Calibrated against Triton 3.9 (`python -m pallas_kernels.aot`; the test suite checks
-    that the estimate bounds what Triton allocates): e.g. block_v 32, 2 stages, bf16:
-    sm_90 110,592 B (estimate 172,032), sm_121 61,440 B (estimate 95,232).
+    that the estimate bounds what Triton allocates, and not by more than 2x): e.g. block_v
+    32, 2 stages, bf16, output fused: sm_90 159,744 B (estimate 172,032), 176,128 with W
+    and U formed in the scan (188,416); sm_121 78,336 (78,848), 86,528 (87,040).
     """
     c, bv = config.chunk_size, config.block_v
-    loop_tiles = operand_bytes * (3 * c * head_k + c * c + c * bv)
+    formed = operand_bytes * c * c if config.scan_forms_w_u else 0  # T
     if compute_capability[0] in (9, 10):
+        loop_tiles = operand_bytes * (3 * c * head_k + c * c + c * bv) + formed
         base, per_stage = 2 * c * head_k * operand_bytes + head_k * bv * FP32_BYTES, 2 * loop_tiles
     else:
+        loop_tiles = operand_bytes * (2 * c * head_k + c * c + c * bv) + formed
         base, per_stage = 2 * c * head_k * operand_bytes + 1024, loop_tiles
     scan = base + max(0, config.scan_num_stages - 1) * per_stage
     segment = base + max(0, config.segment_num_stages - 1) * per_stage
@@ -118,6 +134,10 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
     output = operand_bytes * (c * head_k + head_k * out_v + c * c + c * out_v)
     return {"scan": scan, "segment": segment, "prep": prep, "output": output}
 
+
+# Memory bandwidth below which the KDA kernel's bytes decide its time (GB10's 273 GB/s;
+# the H200's 4.8 TB/s leaves its passes latency-bound: docs/KERNEL.md).
+BANDWIDTH_BOUND = 1e12
 
 # The segment-parallel scan's rule (`scan_segments`), a model in units of one chunk step
 # of one scan program (docs/KERNEL.md, "The segment-parallel scan"):
@@ -212,7 +232,9 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
     output itself (`fuse_output`): 1-2% faster than the output pass on the H200 at 8K and
     32K on both gate paths (bench/results/kda_kernel_fused_2026-12-02e.json) and 24% fewer
     bytes, which is what decides GB10's speed; `output_block_v` then only matters to a
-    config that turns it off.
+    config that turns it off. Where bytes decide (a device below `BANDWIDTH_BOUND`: GB10)
+    the scan also forms W and U itself (`form_w_u_in_scan`: 17% fewer bytes, two more
+    matmuls a chunk; on the H200, latency-bound, not yet timed, so off there).
     """
     def fits(candidate, pass_name):
         estimate = estimate_shared_memory(candidate, head_k, head_v,
@@ -220,7 +242,9 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
                                           operand_bytes=operand_bytes)
         return estimate[pass_name] <= spec.smem_per_block
 
-    base = KernelConfig(block_v=min(32, head_v), fuse_output=True)
+    bandwidth_bound = 0 < spec.memory_bandwidth < BANDWIDTH_BOUND
+    base = KernelConfig(block_v=min(32, head_v), fuse_output=True,
+                        form_w_u_in_scan=bandwidth_bound)
     for stages in (2, 1):
         config = dataclasses.replace(base, scan_num_stages=stages)
         if not (fits(config, "scan") and fits(config, "segment") and fits(config, "prep")):

@@ -28,6 +28,7 @@ def test_every_kernel_compiles_within_limits():
         "kda_chunk_prep",
         "kda_chunk_w_u",
         "kda_chunk_scan",
+        "kda_chunk_scan_w_u",
         "kda_chunk_scan_unfused",
         "kda_conv",
         "kda_chunk_output",
@@ -82,8 +83,9 @@ def test_every_kernel_compiles_within_limits():
 @pytest.mark.parametrize("spec", [GB10, H200], ids=["gb10", "h200"])
 @pytest.mark.parametrize(
     "config",
-    [KernelConfig(block_v=32, scan_num_stages=1), KernelConfig(block_v=64, scan_num_stages=2)],
-    ids=["bv32-s1", "bv64-s2"],
+    [KernelConfig(block_v=32, scan_num_stages=1), KernelConfig(block_v=64, scan_num_stages=2),
+     KernelConfig(block_v=32, scan_num_stages=2, fuse_output=True, form_w_u_in_scan=True)],
+    ids=["bv32-s1", "bv64-s2", "bv32-s2-fused-w_u"],
 )
 def test_shared_memory_estimate_bounds_triton(spec, config):
     """The estimate select_config relies on is an upper bound of what Triton allocates."""
@@ -91,7 +93,8 @@ def test_shared_memory_estimate_bounds_triton(spec, config):
     estimate = estimate_shared_memory(
         config, aot.HEAD_DIM, aot.HEAD_DIM, compute_capability=spec.compute_capability
     )
-    checked = {"kda_chunk_scan": "scan", "kda_chunk_output": "output"}
+    checked = {"kda_chunk_scan": "scan", "kda_chunk_scan_w_u": "scan",
+               "kda_chunk_output": "output"}
     for module in modules:
         if module.name not in checked:
             continue

@@ -23,7 +23,8 @@ def test_quick_run_times_segment_counts_and_writes_json(tmp_path):
     assert set(result["pass_ms"]) == {"prep matrices", "prep w_u", "prep", "scan"}
     assert all(ms > 0 for ms in result["ms"].values())
     assert WIDE_ROW in result["ms"]  # the any-decay path's worst case, checked too
-    for row in ("bounded", "any decay", WIDE_ROW, "pallas 3 seg w4, 4 snap"):
+    for row in ("bounded", "any decay", WIDE_ROW, "pallas 3 seg w4, 4 snap",
+                "pallas, W/U in the scan, 4 snap"):
         for name in ("o", "final_states", "snapshots"):
             assert result["relative_error_vs_reference"][f"{row} {name}"] < 1e-2, (row, name)
     traffic = result["traffic"]
@@ -86,9 +87,18 @@ def test_bytes_per_token_head_by_hand():
     assert plain["total_bytes_per_token_head"] == 7638
     segmented = traffic_summary(KernelConfig(scan_segments=4), 128, 128, tokens=1, heads=1)
     assert segmented["bytes_per_token_head"]["transition"] == pytest.approx(776 * 3 / 4)
-    # The output fused into the scan: Qg and Aqk read there, o written (and zero-filled);
-    # no entry states or Vnew stored, no output pass. 6,102 B: over issue 20's 5 KB.
+    # The output fused into the scan: Qg and Aqk read there, o written once (the scan
+    # zeroes the padding rows: no fill first); no entry states or Vnew stored, no output
+    # pass. 5,846 B: over issue 20's 5 KB.
     fused = traffic_summary(KernelConfig(fuse_output=True), 128, 128, tokens=1, heads=1)
-    assert fused["bytes_per_token_head"]["scan"] == 2 * 384 + 8 + 2 * (128 + 64) + 4 * 128
+    assert fused["bytes_per_token_head"]["scan"] == 2 * 384 + 8 + 2 * (128 + 64) + 2 * 128
     assert "output" not in fused["bytes_per_token_head"]
-    assert fused["total_bytes_per_token_head"] == 6102
+    assert fused["total_bytes_per_token_head"] == 5846
+    # And W, U formed by the scan (GB10's pick): it reads T, beta k exp(G), v and beta
+    # where it read W and U, and the W/U pass is gone. 4,822 B: under 5 KB.
+    formed = traffic_summary(KernelConfig(fuse_output=True, form_w_u_in_scan=True), 128, 128,
+                             tokens=1, heads=1)
+    assert "w_u" not in formed["bytes_per_token_head"]
+    assert formed["bytes_per_token_head"]["scan"] == (
+        fused["bytes_per_token_head"]["scan"] + 2 * (64 + 1) + 2 * (128 + 128) - 2 * 256)
+    assert formed["total_bytes_per_token_head"] == 4822

@@ -277,6 +277,33 @@ class KdaKernelCases:
         np.testing.assert_array_equal(np.asarray(final), np.asarray(final_passes))
         np.testing.assert_array_equal(np.asarray(snapshots), np.asarray(snapshots_passes))
 
+    @pytest.mark.parametrize(("lens", "bound", "dtype", "fuse_output"), [
+        ([65, 0, 200, 3, 129], None, "fp32", True),
+        ([257, 64, 31], -5.0, "bf16", True),
+        ([1, 130, 64], -5.0, "fp32", False),
+        ([190, 7], None, "bf16", False),
+    ])
+    def test_scan_forms_w_u(self, rng, lens, bound, dtype, fuse_output):
+        """`form_w_u_in_scan`: the scan forms each chunk's W and U from T, beta k exp(G), v
+        and beta (no W/U pass), with the output fused in or the output pass after; the
+        recurrence's tolerances, padding rows zero, and in fp32 the W/U pass's results to
+        within fp32 rounding (the same products, summed in another order)."""
+        dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+        inputs = make_inputs(rng, lens, heads=2, head_k=32, head_v=64, padding=70, dtype=dtype,
+                             min_decay=-0.5)
+        tolerance = 1e-5 if dtype == jnp.float32 else 5e-3
+        config = KernelConfig(block_v=32, fuse_output=fuse_output)
+        formed = dataclasses.replace(config, form_w_u_in_scan=True)
+        assert formed.scan_forms_w_u
+        outputs = self.check_against_recurrence(inputs, tolerance, config=formed,
+                                                gate_lower_bound=bound)
+        end = int(inputs["cu_seqlens"][-1])
+        assert not np.asarray(outputs[0][end:]).any(), "padding rows must be zero"
+        if dtype == jnp.float32:
+            passes = self.run_kernel(inputs, config=config, gate_lower_bound=bound)
+            for name, a, b in zip(OUTPUT_NAMES, outputs, passes, strict=True):
+                assert relative_error(a, b) < 1e-6, name
+
     def test_new_lengths_and_offsets_do_not_retrace(self, rng):
         traces = []
 
@@ -356,3 +383,9 @@ def test_chunk_slots_mark_the_slots_holding_a_snapshot():
     slots = chunk_slots(cu, 300, 64, offsets)
     np.testing.assert_array_equal(slots.snapshot, [1, 1, 1, 1, 0, 1, 0, 0])
     np.testing.assert_array_equal(chunk_slots(cu, 300, 64).snapshot, [1] * 8)
+
+
+def test_segments_keep_the_w_u_pass():
+    """With scan segments the transitions read W and U: the scan does not form them."""
+    assert not KernelConfig(form_w_u_in_scan=True, scan_segments=3).scan_forms_w_u
+    assert KernelConfig(form_w_u_in_scan=True).scan_forms_w_u
