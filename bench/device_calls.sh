@@ -28,13 +28,27 @@ run_logged() {  # NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log
   tail -n 25 "$OUT/$name.log"
 }
 
-# The kernels built on the CPU since the last device session, on the GPU: mHC's Sinkhorn
-# kernel (a74e50f) and the mHC layer through it; the fused KDA decode step reading its
-# input projections from one array; the KDA prefill with its prep split three ways.
+# The kernels built on the CPU since the last device session, on the GPU (seventeenth
+# session): the KDA prefill's any-decay diagonal blocks by products with the key-by-key
+# branch, the scan forming W and U, the scan zeroing the padding rows of o; the KDA layer
+# and model through them.
 verify() {
   run_logged pytest_gpu 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_sinkhorn.py tests/test_layers_mhc.py tests/test_kda_decode_fused.py \
-    tests/test_kda_kernel.py
+    tests/test_kda_kernel.py tests/test_layers_kda.py tests/test_model.py
+}
+
+# Issue 20 / 18 at 8K after the seventeenth session: both gate paths (any decay now on the
+# products), the any-decay worst case (decays x128), W and U formed by the scan, fla beside.
+kda_8k() {
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run_logged kda_kernel_8k 300 python3 -m \
+    bench.kda_kernel --cases 8K --pass-cases '' --out "$OUT/kda_kernel_8K.json"
+}
+
+# The engine's host time with the model stubbed, on this machine's CPU: what the lent
+# hosts' Python costs against the 2-core CI box's (bench.engine_host there).
+engine_host() {
+  JAX_PLATFORMS=cpu run_logged engine_host 180 python3 -m bench.engine_host \
+    --out "$OUT/engine_host_kimi_tree.json"
 }
 
 conv() {
@@ -181,8 +195,8 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup verify pingpong kda_times kda_prep conv kimi_step kimi_ttft kda_full decode_b1 decode_host decode glm_decode ncu_kda kimi_schedule
-kimi_fp32 dsa_schedule invariance_glm"
+STEPS="setup verify kda_8k kimi_ttft kimi_step decode_b1 engine_host kda_full kda_times pingpong kda_prep conv decode_host decode glm_decode
+ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then
   echo "steps, in the order docs/STATUS.md gives them: $STEPS"
