@@ -74,10 +74,12 @@ kimi_schedule() {
     --out "$OUT/schedule_kimi_27L256E_bf16.json"
 }
 
-# Cold TTFT through the engine, ladder against coalesced (the 150 / 750 ms bars).
+# Cold TTFT through the engine, ladder against coalesced (the 150 / 750 ms bars);
+# KIMI_LENGTHS=8192 for the 8K bar alone (no 32K compile).
 kimi_ttft() {
   run_logged prefill_kimi 540 python3 -m bench.prefill --preset kimi-linear-48b \
-    --num-layers 27 --num-experts 256 --lengths 8192,32768 --unaligned 0 --beside-lengths '' \
+    --num-layers 27 --num-experts 256 --lengths "${KIMI_LENGTHS:-8192,32768}" --unaligned 0 \
+    --beside-lengths '' \
     --concurrency '' --samples 3 --no-profile --json "$OUT/prefill_kimi_27L256E.json"
 }
 
@@ -95,16 +97,14 @@ decode() {
   done
 }
 
-# Batch-1 decode of the whole kimi through the engine, its step as two executables called
-# in turn (glmjax.alternating) against one (the engine's pick), alternately twice on the
-# same machine (bar 3.32 ms a step; 3.85 / 3.53 against 3.63 / 3.55 on 2026-12-05).
+# Batch-1 decode of the whole kimi through the engine, twice (bar 3.32 ms a step; 3.63 /
+# 3.55 on 2026-12-05 with one executable, the engine's pick; two called in turn, the
+# benchmark's --decode-executables 2, gained nothing then).
 decode_b1() {
   local i
   for i in 1 2; do
-    run_logged "decode_b1_two_$i" 150 python3 -m bench.decode --batches 1 --steps 200 \
-      --no-profile --decode-executables 2 --json "$OUT/decode_b1_two_$i.json"
-    run_logged "decode_b1_one_$i" 150 python3 -m bench.decode --batches 1 --steps 200 \
-      --no-profile --decode-executables 1 --json "$OUT/decode_b1_one_$i.json"
+    run_logged "decode_b1_$i" 150 python3 -m bench.decode --batches 1 --steps 200 \
+      --no-profile --json "$OUT/decode_b1_$i.json"
   done
 }
 
