@@ -21,9 +21,9 @@ section 2), in fully parallel programs:
    slices of the key dimension: by matmul, exp(G_i - G_j) = exp(G_i - M) exp(M - G_j)
    with M = G at the sub-chunk's middle row, while both factors stay within e^+-42. With a
    gate bound (`kda_prefill`'s `gate_lower_bound` b >= -5: g >= b everywhere) they always
-   do; for any decay (`gate_lower_bound=None`) each slice is checked, and a slice whose
-   decays spread wider is summed key by key instead (`_slice_by_keys`, every exponent
-   <= 0).
+   do; for any decay (`gate_lower_bound=None`) the spread is checked, and a sub-chunk
+   whose decays spread wider is summed key by key instead (`_blocks_by_keys`, every
+   exponent <= 0).
 2. `_chunk_prep_kernel`, one program per chunk and head: G, Qg, Kg, beta k exp(G), the
    blocks below the diagonal, by pairs (b, c) and slices of the key dimension, keeping
    only [16, BK] tiles live, and T's merge. exp(G_i - G_j) is never formed as
@@ -330,7 +330,7 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
                    bounded_gates: bool, config: KernelConfig, interpret: bool,
                    exact: bool) -> ChunkMatrices:
     """Pass 1a over [T', H, K] inputs: the diagonal blocks (`_inverse_kernel`; any decay,
-    `bounded_gates=False`: with its per-slice check), then G, Qg, Kg, Aqk and T
+    `bounded_gates=False`: with its check of the decays' spread), then G, Qg, Kg, Aqk and T
     (`_chunk_prep_kernel`)."""
     num_heads, head_k = q.shape[1:]
     chunk = config.chunk_size
