@@ -171,18 +171,18 @@ class KdaKernelCases:
 
     @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
     def test_any_decay_wide_spreads_by_keys(self, rng, dtype):
-        """Any decay beyond the products' range: decays to -60 a token, so most key slices
-        of most sub-chunks are summed key by key; a -60 on the first row of some
-        sub-chunks (no pair of its own block decays by it: the products keep it) and on
-        other rows (the slice holding it goes key by key); 16-column slices of K = 32,
-        so a sub-chunk mixes the two ways."""
+        """Any decay beyond the products' range: decays to -60 a token in one head of the
+        first sequence, so most of its sub-chunks are summed key by key; a -60 on the
+        first row of some sub-chunks (no pair of its own block decays by it: the
+        products keep it) and on other rows or in one column (that sub-chunk goes key by
+        key), over 16-column key slices."""
         dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
         inputs = make_inputs(rng, [150, 1, 64, 33], padding=7, min_decay=-0.3, dtype=dtype)
         g = np.array(inputs["g"], np.float32)
         g[:60, 0] *= 200.0                     # head 0 of the first sequence: down to -60
         g[16::32, 1, :16] = -60.0              # first rows of every other sub-chunk
-        g[90:95, 1, 16:] = -60.0               # inside a sub-chunk: that slice by keys
-        g[230:240, :, 5] = -45.0               # one column: its slice by keys
+        g[90:95, 1, 16:] = -60.0               # inside a sub-chunk: it goes by keys
+        g[230:240, :, 5] = -45.0               # one column: those sub-chunks by keys
         inputs["g"] = jnp.asarray(g, dtype)
         config = KernelConfig(block_v=32, inverse_block_k=16)
         tolerance = 1e-5 if dtype == jnp.float32 else 5e-3
