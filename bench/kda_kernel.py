@@ -15,7 +15,7 @@ of 8192 and of 32768 tokens, a packed batch of 4 x 8192. Rows: our kernel on its
 (capacity 1, inactive) and with 4 snapshots at unaligned offsets; our kernel on its
 any-decay path with 4 snapshots, on the same decays and on decays 128x stronger (its
 worst case: the diagonal blocks summed key by key); the bounded path with W and U the
-other way (formed by the scan where the runtime's config reads them from the W/U pass,
+other way (read from the W/U pass where the runtime's scan forms them,
 `KernelConfig.form_w_u_in_scan`, and the reverse); the jitted jax.numpy chunked oracle; fla-core `chunk_kda`
 (output_final_state=True, `cu_seqlens` as its varlen users pass it, under
 `torch.inference_mode`) on identical inputs when fla imports, by default (any decay) and
@@ -215,8 +215,7 @@ def run_case(name, lens, config, args, bandwidth):
     wide = dict(inputs, g=inputs["g"] * WIDE_DECAY_SCALE)
     any_wide4 = ours(4, None, inputs=wide)
     measure(WIDE_ROW, any_wide4, **timing)
-    # W and U the other way: formed by the scan where the runtime reads them (the H200),
-    # read from the W/U pass where it forms them (GB10).
+    # W and U the other way: read from the W/U pass where the runtime's scan forms them.
     toggled = dataclasses.replace(config, form_w_u_in_scan=not config.form_w_u_in_scan)
     row = ("pallas, W/U in the scan, 4 snap" if toggled.scan_forms_w_u else
            "pallas, W/U pass, 4 snap")

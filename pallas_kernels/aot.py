@@ -7,8 +7,8 @@ device kind is that GPU, with exactly the `KernelConfig` the runtime picks for i
 real shapes (H = 32 and 64, compiled once per distinct config; K = V = 128, capacity 4,
 bf16 inputs), on both gate paths
 (bounded, as GLM's gate, and any decay, as Kimi's), the scan that forms W and U itself
-and the one that reads them from the W/U pass (`kda_chunk_scan_w_u`, GB10's pick, and
-`kda_chunk_scan`, the H200's), and the segment-parallel scan's two
+and the one that reads them from the W/U pass (`kda_chunk_scan_w_u`, the runtime's pick,
+and `kda_chunk_scan`), and the segment-parallel scan's two
 kernels (`kda_segment_*`) at 16 heads and one 32K-token prompt with the config the runtime
 picks there (`segment_config`; 4 segments where it keeps the plain scan, as on GB10); the
 KDA decode kernel likewise, at 1 and 64 rows on a 256-slot pool, with the tiling the
@@ -301,8 +301,8 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                 for bounded in (True, False):
                     for module in lower_kda_prefill(spec, num_heads, bounded_gates=bounded):
                         modules.setdefault(module.name, module)
-                # The scan that forms W and U itself (GB10's pick) or reads them from the
-                # W/U pass (the H200's): the other one too.
+                # The scan that forms W and U itself (the runtime's pick) and the one that
+                # reads them from the W/U pass.
                 toggled = dataclasses.replace(
                     picked, form_w_u_in_scan=not picked.form_w_u_in_scan)
                 for module in lower_kda_prefill(spec, num_heads, toggled, bounded_gates=True):

@@ -70,7 +70,7 @@ class KernelConfig:
     # token-head by source count (`kda_traffic`), at two more matmuls a chunk in every
     # value-block program (W's repeated in each). Plain scan only: with `scan_segments` >
     # 1 the transitions read W and U, and the W/U pass runs. `select_config` picks it
-    # where bytes decide the time (docs/KERNEL.md, seventeenth session).
+    # (docs/KERNEL.md, seventeenth session).
     form_w_u_in_scan: bool = False
 
     @property
@@ -134,10 +134,6 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
     output = operand_bytes * (c * head_k + head_k * out_v + c * c + c * out_v)
     return {"scan": scan, "segment": segment, "prep": prep, "output": output}
 
-
-# Memory bandwidth below which the KDA kernel's bytes decide its time (GB10's 273 GB/s;
-# the H200's 4.8 TB/s leaves its passes latency-bound: docs/KERNEL.md).
-BANDWIDTH_BOUND = 1e12
 
 # The segment-parallel scan's rule (`scan_segments`), a model in units of one chunk step
 # of one scan program (docs/KERNEL.md, "The segment-parallel scan"):
@@ -232,9 +228,10 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
     output itself (`fuse_output`): 1-2% faster than the output pass on the H200 at 8K and
     32K on both gate paths (bench/results/kda_kernel_fused_2026-12-02e.json) and 24% fewer
     bytes, which is what decides GB10's speed; `output_block_v` then only matters to a
-    config that turns it off. Where bytes decide (a device below `BANDWIDTH_BOUND`: GB10)
-    the scan also forms W and U itself (`form_w_u_in_scan`: 17% fewer bytes, two more
-    matmuls a chunk; on the H200, latency-bound, not yet timed, so off there).
+    config that turns it off. The scan also forms W and U itself (`form_w_u_in_scan`): 17%
+    fewer bytes (GB10's speed) and on the H100 as fast or faster than the W/U pass at 8K,
+    32K and 4 x 8K (1.443 / 5.646 / 6.076 ms against 1.480 / 5.652 / 6.119,
+    bench/results/kda_kernel_*_h100_2026-12-05c.json; the H200 untimed).
     """
     def fits(candidate, pass_name):
         estimate = estimate_shared_memory(candidate, head_k, head_v,
@@ -242,9 +239,7 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
                                           operand_bytes=operand_bytes)
         return estimate[pass_name] <= spec.smem_per_block
 
-    bandwidth_bound = 0 < spec.memory_bandwidth < BANDWIDTH_BOUND
-    base = KernelConfig(block_v=min(32, head_v), fuse_output=True,
-                        form_w_u_in_scan=bandwidth_bound)
+    base = KernelConfig(block_v=min(32, head_v), fuse_output=True, form_w_u_in_scan=True)
     for stages in (2, 1):
         config = dataclasses.replace(base, scan_num_stages=stages)
         if not (fits(config, "scan") and fits(config, "segment") and fits(config, "prep")):

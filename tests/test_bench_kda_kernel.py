@@ -24,7 +24,7 @@ def test_quick_run_times_segment_counts_and_writes_json(tmp_path):
     assert all(ms > 0 for ms in result["ms"].values())
     assert WIDE_ROW in result["ms"]  # the any-decay path's worst case, checked too
     for row in ("bounded", "any decay", WIDE_ROW, "pallas 3 seg w4, 4 snap",
-                "pallas, W/U in the scan, 4 snap"):
+                "pallas, W/U pass, 4 snap"):  # the runtime's scan forms W/U: the other way
         for name in ("o", "final_states", "snapshots"):
             assert result["relative_error_vs_reference"][f"{row} {name}"] < 1e-2, (row, name)
     traffic = result["traffic"]
