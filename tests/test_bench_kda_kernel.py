@@ -16,9 +16,9 @@ from pallas_kernels.tuning import KernelConfig
 @pytest.mark.slow  # ~50 s of CPU (2-3 min on busy cores): five kernel variants and the passes
 def test_quick_run_times_segment_counts_and_writes_json(tmp_path):
     path = tmp_path / "kda_kernel.json"
-    main(["--quick", "--segments", "1,3", "--pass-cases", "quick", "--out", str(path)])
+    main(["--quick", "--segments", "3", "--pass-cases", "quick", "--out", str(path)])
     (result,) = json.loads(path.read_text())["results"]
-    assert {"pallas 1 seg, 4 snap", "pallas 3 seg w4, 4 snap"} <= set(result["ms"])
+    assert "pallas 3 seg w4, 4 snap" in result["ms"]
     # The passes alone, the scan computing the output (the runtime's config).
     assert set(result["pass_ms"]) == {"prep matrices", "prep w_u", "prep", "scan"}
     assert all(ms > 0 for ms in result["ms"].values())
