@@ -282,12 +282,31 @@ def lower_gmm(spec: DeviceSpec, gemm: GemmSpec,
     return module, config
 
 
-def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> list[KernelReport]:
+def alternative_modules(spec: DeviceSpec, heads: int, picked: KernelConfig) -> dict:
+    """The KDA scan's modules the runtime does not pick, by name: the scan reading W and U
+    from the W/U pass (the pick forms them itself) with that pass, and a plain scan with the
+    chunk-parallel output pass (the pick computes the output itself, `fuse_output`)."""
+    modules = {}
+    toggled = dataclasses.replace(picked, form_w_u_in_scan=not picked.form_w_u_in_scan)
+    for module in lower_kda_prefill(spec, heads, toggled, bounded_gates=True):
+        if module.name in ("kda_chunk_scan", "kda_chunk_scan_w_u", "kda_chunk_w_u"):
+            modules[module.name] = module
+    unfused = dataclasses.replace(picked, fuse_output=False, form_w_u_in_scan=False)
+    for module in lower_kda_prefill(spec, heads, unfused, bounded_gates=True):
+        if module.name in ("kda_chunk_scan", "kda_chunk_output"):
+            renamed = module.name.replace("scan", "scan_unfused")
+            modules[renamed] = dataclasses.replace(module, name=renamed)
+    return modules
+
+
+def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS, *,
+                  alternatives: bool = True) -> list[KernelReport]:
     """Compile every kernel for each device in `names`. The KDA prefill kernels (and the
     conv) compile once per distinct `KernelConfig` the runtime picks over `heads`: heads
     are a grid axis, and at another head count with the same config only the row stride
     differs (identical registers and spills; `check_devices` of every head count before
-    the twelfth session)."""
+    the twelfth session). `alternatives`: also the scan's configs the runtime does not
+    pick (W and U from the W/U pass; the output pass after a plain scan)."""
     reports = []
     for name in names:
         spec = KNOWN_DEVICES[name]
@@ -301,19 +320,8 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS) -> lis
                 for bounded in (True, False):
                     for module in lower_kda_prefill(spec, num_heads, bounded_gates=bounded):
                         modules.setdefault(module.name, module)
-                # The scan that forms W and U itself (the runtime's pick) and the one that
-                # reads them from the W/U pass.
-                toggled = dataclasses.replace(
-                    picked, form_w_u_in_scan=not picked.form_w_u_in_scan)
-                for module in lower_kda_prefill(spec, num_heads, toggled, bounded_gates=True):
-                    modules.setdefault(module.name, module)
-                # The runtime's scan computes the output itself (`KernelConfig.fuse_output`);
-                # the alternative, a plain scan and the chunk-parallel output pass, too.
-                unfused = dataclasses.replace(picked, fuse_output=False, form_w_u_in_scan=False)
-                for module in lower_kda_prefill(spec, num_heads, unfused, bounded_gates=True):
-                    if module.name in ("kda_chunk_scan", "kda_chunk_output"):
-                        renamed = module.name.replace("scan", "scan_unfused")
-                        modules[renamed] = dataclasses.replace(module, name=renamed)
+                if alternatives:
+                    modules.update(alternative_modules(spec, num_heads, picked))
                 for module in lower_kda_conv(spec, num_heads):
                     modules.setdefault(module.name, module)
             for rows in DECODE_ROWS:

@@ -16,22 +16,20 @@ from pallas_kernels.tuning import GB10, H200, KernelConfig, estimate_shared_memo
 
 # GB10, the deployment target with no GPU to test on, at both presets' head counts (the
 # prefill kernels compile once per distinct config, the same at 32 and 64 heads; the
-# decode kernels per head count). The H200's kernels are compiled by its `gpu` tests on the
+# decode kernels per head count): the kernels the runtime picks (the scan's alternatives,
+# `aot.alternative_modules`, are the CLI's; the estimate's test below compiles the W/U-pass
+# scan and the output pass). The H200's kernels are compiled by its `gpu` tests on the
 # device and by `python -m pallas_kernels.aot`; CI's 2 cores leave no room for them here.
 def test_every_kernel_compiles_within_limits():
     device, heads = "gb10", aot.HEAD_COUNTS
-    reports = aot.check_devices([device], heads=heads)
+    reports = aot.check_devices([device], heads=heads, alternatives=False)
     prefill = {r.kernel for r in reports if not r.kernel.startswith("kda_decode")}
     assert prefill == {
         "kda_chunk_inverse",
         "kda_chunk_inverse_checked",
         "kda_chunk_prep",
-        "kda_chunk_w_u",
-        "kda_chunk_scan",
         "kda_chunk_scan_w_u",
-        "kda_chunk_scan_unfused",
         "kda_conv",
-        "kda_chunk_output",
         "kda_segment_transition",
         "kda_segment_scan",
         "flash_attention",
@@ -148,3 +146,14 @@ def test_projection_stream_compiles_within_limits(device):
         assert report.compiled, report.error
         assert report.ok, triton_compile.format_table([report])
         assert report.spill_bytes == 0, triton_compile.format_table([report])
+
+
+def test_alternative_scans_are_the_ones_the_runtime_does_not_pick():
+    """The CLI's extra scan modules, lowered (not compiled): the W/U-pass scan with its
+    pass, the plain scan and the output pass, none of them the runtime's pick."""
+    picked = aot.select_config(GB10, num_seqs=1, num_heads=32, head_k=aot.HEAD_DIM,
+                               head_v=aot.HEAD_DIM)
+    assert picked.scan_forms_w_u and picked.fuse_output
+    modules = aot.alternative_modules(GB10, 32, picked)
+    assert set(modules) == {"kda_chunk_scan", "kda_chunk_w_u", "kda_chunk_scan_unfused",
+                            "kda_chunk_output"}

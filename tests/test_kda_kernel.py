@@ -216,13 +216,16 @@ class KdaKernelCases:
 
     @pytest.mark.parametrize("lens", [[1, 63, 64], [65, 0, 200, 3, 129], [300]])
     def test_bounded_gate_path(self, rng, lens):
-        """gate_lower_bound=-5: diagonal blocks on the tensor cores, decays at the bound."""
+        """gate_lower_bound=-5: diagonal blocks on the tensor cores, decays at the bound;
+        bf16 too on the packed case (others have bf16 on this path: `test_key_slices_
+        narrower_than_k`, `test_output_fused_into_the_scan`)."""
         inputs = make_inputs(rng, lens, padding=20, min_decay=-5.0)
         if lens == [300]:
             inputs["g"] = jnp.full_like(inputs["g"], -5.0)
         self.check_against_recurrence(inputs, 1e-5, gate_lower_bound=-5.0)
-        inputs = make_inputs(rng, lens, dtype=jnp.bfloat16)
-        self.check_against_recurrence(inputs, 5e-3, gate_lower_bound=-5.0)
+        if len(lens) > 3:
+            inputs = make_inputs(rng, lens, dtype=jnp.bfloat16)
+            self.check_against_recurrence(inputs, 5e-3, gate_lower_bound=-5.0)
 
     @pytest.mark.parametrize(("segments", "lens", "bound"), [
         (3, [581, 0, 1, 130], None),     # 10 chunks: 4 + 4 + 2; 130: fewer chunks than segments
