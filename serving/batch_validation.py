@@ -176,27 +176,24 @@ class BatchValidator:
         A step of one batch has nothing to cross: its own checks cover both."""
         if prefill is None or decode is None:
             return
-        slots, rows = [], []
-        if prefill is not None:
-            p = {name: np.asarray(value) for name, value in prefill._asdict().items()}
-            real = int(np.count_nonzero(np.diff(p["cu_seqlens"])))
-            slots += [p["state_slots"][:real], p["checkpoint_slots"][p["checkpoint_slots"] != -1]]
-            starts = p["prefix_lens"][:real]
-            ends = starts + np.diff(p["cu_seqlens"])[:real]
-            rows += self._table_rows("prefill", p["block_tables"][:real], starts, ends)
+        p = {name: np.asarray(value) for name, value in prefill._asdict().items()}
+        real = int(np.count_nonzero(np.diff(p["cu_seqlens"])))
+        slots = [p["state_slots"][:real], p["checkpoint_slots"][p["checkpoint_slots"] != -1]]
+        starts = p["prefix_lens"][:real]
+        ends = starts + np.diff(p["cu_seqlens"])[:real]
+        rows = self._table_rows("prefill", p["block_tables"][:real], starts, ends)
         if isinstance(decode, VerifyBatch):
             chain = np.asarray(decode.slot_chain)
             slots.append(chain[chain != -1])
             rows += self._verify_rows({k: np.asarray(v) for k, v in decode._asdict().items()})
-        elif decode is not None:
+        else:
             real = int(np.count_nonzero(np.asarray(decode.state_slots) != -1))
             positions = np.asarray(decode.positions)[:real]
             slots.append(np.asarray(decode.state_slots)[:real])
             rows += self._table_rows(
                 "decode", np.asarray(decode.block_tables)[:real], positions, positions + 1
             )
-        all_slots = np.concatenate(slots) if slots else np.zeros(0, np.int32)
-        values, counts = np.unique(all_slots, return_counts=True)
+        values, counts = np.unique(np.concatenate(slots), return_counts=True)
         if np.any(counts > 1):
             raise ValueError(
                 f"state slot {values[counts > 1][0]} is written by more than one row "
