@@ -28,7 +28,7 @@ embeds is then compiled by the official Triton compiler for that target, and ptx
 registers and spills (`pallas_kernels.triton_compile`). The table shows shared memory against the
 device's per-block limit; the exit status is non-zero when a kernel fails to compile or
 exceeds a limit (register spills are reported, they cost speed, not correctness). The SASS
-column counts the kernel's static instructions (`cuobjdump -sass`): straight-line code too
+column counts the kernel's static instructions (what `cuobjdump -sass` lists): straight-line code too
 large for the instruction cache stalls the warps (docs/KERNEL.md), so it is a speed proxy
 that needs no GPU.
 
