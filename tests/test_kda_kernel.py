@@ -20,6 +20,13 @@ from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 OUTPUT_NAMES = ("o", "final_states", "snapshots")
 
 
+def bucket_rows(rows: int) -> int:
+    """The packed rows of a batch of at least `rows`, as the engine pads its steps to
+    buckets: a multiple of 128 plus 5 (never a whole chunk), so that cases of other
+    lengths share a compiled kernel (lengths and offsets are runtime values)."""
+    return -(-(rows - 5) // 128) * 128 + 5
+
+
 def make_inputs(
     rng,
     lens,
@@ -33,9 +40,10 @@ def make_inputs(
     dtype=jnp.float32,
     offsets=None,
 ):
-    """A packed batch: sequences of `lens` tokens, `padding` spare rows after them."""
+    """A packed batch: sequences of `lens` tokens, at least `padding` spare rows after them
+    (`bucket_rows`)."""
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    num_tokens = int(cu[-1]) + padding
+    num_tokens = bucket_rows(int(cu[-1]) + padding)
 
     def unit(shape):
         x = rng.standard_normal(shape)
@@ -341,7 +349,7 @@ class TestKdaKernelGpu(KdaKernelCases):
         """One long sequence, few heads: the default config splits the scan (checked here
         against the rule), and the result holds at the real head dims."""
         config = select_config(device_spec(), num_seqs=1, num_heads=4, head_k=128,
-                               head_v=128, num_tokens=8192)
+                               head_v=128, num_tokens=bucket_rows(8192))
         assert config.scan_segments > 1
         offsets = boundary_offsets(8192, config.scan_segments)[:1]
         inputs = make_inputs(rng, [8192], heads=4, head_k=128, head_v=128, padding=0,
