@@ -115,10 +115,10 @@ def _ptxas_report(ptx: str, capability: int) -> tuple[int, int]:
 SASS_INSTRUCTION_BYTES = 16
 
 
-def _sass_instructions(cubin: bytes) -> int:
+def sass_instructions(cubin: bytes) -> int:
     """Static instruction count of a cubin: the bytes of its code sections (`.text.<kernel>`
     in the ELF section table) over the instruction size, the count `cuobjdump -sass` lists
-    (checked equal on sm_90 and sm_121) without its ~0.7 s a call."""
+    (tests/test_aot.py checks it) without its ~0.6 s a call."""
     if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
         raise ValueError("not a 64-bit ELF cubin")
     (section_offset,) = struct.unpack_from("<Q", cubin, 0x28)
@@ -154,30 +154,39 @@ def _run_ttir_passes(path: Path, target, options: dict) -> str:
     return str(module)
 
 
-def compile_module(module: TritonModule, spec: DeviceSpec, heads: int, *, kernel: str = "",
-                   shape: str = "") -> KernelReport:
-    """Compile one Triton module for `spec` with the official Triton compiler (reported as
-    `kernel`, by default the module's name)."""
+def compile_triton(module: TritonModule, spec: DeviceSpec):
+    """The Triton `CompiledKernel` of `module` for `spec`'s compute capability (its PTX,
+    cubin and metadata), after Triton's TTIR passes as XLA's pipeline runs them."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    capability = spec.compute_capability[0] * 10 + spec.compute_capability[1]
-    base = dict(kernel=kernel or module.name, device=spec.name, heads=heads,
-                shared_limit=spec.smem_per_block, shape=shape)
-    target = GPUTarget("cuda", capability, 32)
+    target = GPUTarget("cuda", _capability(spec), 32)
     options = dict(num_warps=module.num_warps, num_stages=module.num_stages)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, f"{module.name}.ttir")
         path.write_text(module.ir_text)
-        try:
-            path.write_text(_run_ttir_passes(path, target, options))
-            kernel = triton.compile(str(path), target=target, options=options)
-            registers, spills = _ptxas_report(kernel.asm["ptx"], capability)
-            sass = _sass_instructions(kernel.asm["cubin"])
-        except Exception as error:  # reported in the table; the exit status says it failed
-            return KernelReport(compiled=False, error=f"{type(error).__name__}: {error}"[:300],
-                                **base)
-    return KernelReport(compiled=True, shared_bytes=int(kernel.metadata.shared),
+        path.write_text(_run_ttir_passes(path, target, options))
+        return triton.compile(str(path), target=target, options=options)
+
+
+def _capability(spec: DeviceSpec) -> int:
+    return spec.compute_capability[0] * 10 + spec.compute_capability[1]
+
+
+def compile_module(module: TritonModule, spec: DeviceSpec, heads: int, *, kernel: str = "",
+                   shape: str = "") -> KernelReport:
+    """Compile one Triton module for `spec` with the official Triton compiler (reported as
+    `kernel`, by default the module's name)."""
+    base = dict(kernel=kernel or module.name, device=spec.name, heads=heads,
+                shared_limit=spec.smem_per_block, shape=shape)
+    try:
+        compiled = compile_triton(module, spec)
+        registers, spills = _ptxas_report(compiled.asm["ptx"], _capability(spec))
+        sass = sass_instructions(compiled.asm["cubin"])
+    except Exception as error:  # reported in the table; the exit status says it failed
+        return KernelReport(compiled=False, error=f"{type(error).__name__}: {error}"[:300],
+                            **base)
+    return KernelReport(compiled=True, shared_bytes=int(compiled.metadata.shared),
                         registers=registers, spill_bytes=spills, sass_instructions=sass, **base)
 
 

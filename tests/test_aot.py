@@ -6,6 +6,10 @@ official Triton compiler for each target (see pallas_kernels/aot.py and
 triton_compile.py).
 """
 
+import re
+import subprocess
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("triton", reason="the AOT check needs the triton package (test extra)")
@@ -101,6 +105,25 @@ def test_shared_memory_estimate_bounds_triton(spec, config):
         assert report.compiled, report.error
         assert report.shared_bytes <= bound, module.name
         assert bound <= 2 * report.shared_bytes, f"{module.name}: estimate too loose to steer"
+
+
+@pytest.mark.parametrize("spec", [GB10, H200], ids=["gb10", "h200"])
+def test_sass_count_is_what_cuobjdump_lists(spec, tmp_path):
+    """The SASS column (code section bytes / 16) against `cuobjdump -sass`'s listing, on a
+    small kernel of each target."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    module = aot.lower_kda_conv(spec, 32)[0]
+    cubin = triton_compile.compile_triton(module, spec).asm["cubin"]
+    capability = spec.compute_capability[0] * 10 + spec.compute_capability[1]
+    cuobjdump = Path(get_ptxas(capability).path).with_name("cuobjdump")
+    path = tmp_path / "kernel.cubin"
+    path.write_bytes(cubin)
+    listing = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True,
+                             text=True, check=True).stdout
+    listed = len(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+\S", listing, re.MULTILINE))
+    assert listed > 100
+    assert triton_compile.sass_instructions(cubin) == listed
 
 
 def test_table_marks_failures():

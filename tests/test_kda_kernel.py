@@ -21,8 +21,8 @@ OUTPUT_NAMES = ("o", "final_states", "snapshots")
 
 
 def bucket_rows(rows: int) -> int:
-    """The packed rows of a batch of at least `rows`, as the engine pads its steps to
-    buckets: a multiple of 128 plus 5 (never a whole chunk), so that cases of other
+    """The packed rows of a batch of at least `rows`, padded to a bucket as the engine pads
+    its steps (here a multiple of 128 plus 5: never whole chunks), so that cases of other
     lengths share a compiled kernel (lengths and offsets are runtime values)."""
     return -(-(rows - 5) // 128) * 128 + 5
 
