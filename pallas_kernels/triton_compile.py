@@ -160,7 +160,7 @@ def compile_triton(module: TritonModule, spec: DeviceSpec):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    target = GPUTarget("cuda", _capability(spec), 32)
+    target = GPUTarget("cuda", capability(spec), 32)
     options = dict(num_warps=module.num_warps, num_stages=module.num_stages)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, f"{module.name}.ttir")
@@ -169,7 +169,8 @@ def compile_triton(module: TritonModule, spec: DeviceSpec):
         return triton.compile(str(path), target=target, options=options)
 
 
-def _capability(spec: DeviceSpec) -> int:
+def capability(spec: DeviceSpec) -> int:
+    """The spec's compute capability as Triton numbers it (sm_121: 121)."""
     return spec.compute_capability[0] * 10 + spec.compute_capability[1]
 
 
@@ -181,7 +182,7 @@ def compile_module(module: TritonModule, spec: DeviceSpec, heads: int, *, kernel
                 shared_limit=spec.smem_per_block, shape=shape)
     try:
         compiled = compile_triton(module, spec)
-        registers, spills = _ptxas_report(compiled.asm["ptx"], _capability(spec))
+        registers, spills = _ptxas_report(compiled.asm["ptx"], capability(spec))
         sass = sass_instructions(compiled.asm["cubin"])
     except Exception as error:  # reported in the table; the exit status says it failed
         return KernelReport(compiled=False, error=f"{type(error).__name__}: {error}"[:300],

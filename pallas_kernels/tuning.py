@@ -231,7 +231,9 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
     config that turns it off. The scan also forms W and U itself (`form_w_u_in_scan`): 17%
     fewer bytes (GB10's speed) and on the H100 as fast or faster than the W/U pass at 8K,
     32K and 4 x 8K (1.443 / 5.646 / 6.076 ms against 1.480 / 5.652 / 6.119,
-    bench/results/kda_kernel_*_h100_2026-12-05c.json; the H200 untimed).
+    bench/results/kda_kernel_*_h100_2026-12-05c.json). On the H200 the W/U pass was 4%
+    faster at 8K (1.401 against 1.457 ms, kda_kernel_8K_h200_2026-12-06.json; 32K and
+    4 x 8K untimed there), so the H200's pick may change once those are timed.
     """
     def fits(candidate, pass_name):
         estimate = estimate_shared_memory(candidate, head_k, head_v,

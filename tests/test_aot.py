@@ -115,8 +115,7 @@ def test_sass_count_is_what_cuobjdump_lists(spec, tmp_path):
 
     module = aot.lower_kda_conv(spec, 32)[0]
     cubin = triton_compile.compile_triton(module, spec).asm["cubin"]
-    capability = spec.compute_capability[0] * 10 + spec.compute_capability[1]
-    cuobjdump = Path(get_ptxas(capability).path).with_name("cuobjdump")
+    cuobjdump = Path(get_ptxas(triton_compile.capability(spec)).path).with_name("cuobjdump")
     path = tmp_path / "kernel.cubin"
     path.write_bytes(cubin)
     listing = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True,
