@@ -37,6 +37,14 @@ verify() {
     tests/test_kda_kernel.py tests/test_layers_kda.py tests/test_model.py
 }
 
+# The nineteenth session's decode change on the GPU: the weight stream carrying its input's
+# RMSNorm (kernel, projection, MoE and KDA layers, the model's decode against prefill).
+verify_decode() {
+  run_logged pytest_gpu_decode 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_stream_matmul.py tests/test_projection.py tests/test_layers_moe.py \
+    tests/test_model.py
+}
+
 # Issue 20 / 18 at 8K after the seventeenth session: both gate paths (any decay now on the
 # products), the any-decay worst case (decays x128), W and U formed by the scan, fla beside.
 kda_8k() {
@@ -195,7 +203,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup verify kda_8k kimi_ttft kimi_step decode_b1 engine_host kda_full kda_times pingpong kda_prep conv decode_host decode glm_decode
+STEPS="setup verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 engine_host kda_full kda_times pingpong kda_prep conv decode_host decode glm_decode
 ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then

@@ -18,6 +18,11 @@ an XLA reduction (whose order may change with the rows), so a row's result does 
 on how many rows share the launch. MTP's verify step runs N + 1 rows per sequence where
 plain decoding runs one, and its greedy tokens must be the same.
 
+A launch may carry the RMSNorm of its input (`norm`): it then multiplies the normed rows and
+returns them first, so a decode step's norms are no launches of their own (two XLA fusions
+each, a sum of squares and the scaling, before). `rms_norm` is the norm's one definition;
+`glmjax.layers.norms.RMSNorm` applies it outside the stream.
+
 Implementations behind `stream_matmul`: "pallas" (`stream_matmul_pallas`, Triton lowering;
 interpret mode on the CPU) and "xla" (`stream_matmul_reference`: jnp.dot per weight in fp32
 accumulation, the oracle).
@@ -26,6 +31,7 @@ accumulation, the oracle).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -136,31 +142,59 @@ def out_dtypes_of(x: jax.Array, weights: Sequence[jax.Array], out_dtypes) -> tup
     return dtypes
 
 
-def stream_matmul_reference(x: jax.Array, weights: Sequence[jax.Array], out_dtypes=None
-                            ) -> tuple[jax.Array, ...]:
-    """The oracle: each x @ w_i accumulated in fp32 (HIGHEST precision), in out_dtypes[i]."""
-    return tuple(jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32).astype(dtype)
-                 for w, dtype in zip(weights, out_dtypes_of(x, weights, out_dtypes)))
+class RowNorm(NamedTuple):
+    """An RMSNorm over the rows' last axis: weight [K] (any float dtype), eps."""
+
+    weight: jax.Array
+    eps: float
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """``x / sqrt(mean(x**2, -1) + eps)`` in fp32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+def rms_norm(x: jax.Array, norm: RowNorm) -> jax.Array:
+    """``weight * x / sqrt(mean(x**2) + eps)`` over the last axis; fp32 math, x's dtype out."""
+    return (rms_normalize(x, norm.eps) * norm.weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def stream_matmul_reference(x: jax.Array, weights: Sequence[jax.Array], out_dtypes=None, *,
+                            norm: RowNorm | None = None) -> tuple[jax.Array, ...]:
+    """The oracle: each x @ w_i accumulated in fp32 (HIGHEST precision), in out_dtypes[i];
+    with `norm`, of the normed rows, which come first."""
+    normed = () if norm is None else (rms_norm(x, norm),)
+    rows = normed[0] if normed else x
+    return normed + tuple(
+        jnp.dot(rows, w, precision=jax.lax.Precision.HIGHEST,
+                preferred_element_type=jnp.float32).astype(dtype)
+        for w, dtype in zip(weights, out_dtypes_of(x, weights, out_dtypes)))
 
 
 def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *, out_dtypes=None,
-                  implementation: str = "pallas", interpret: bool | None = None,
-                  config: StreamConfig | None = None) -> tuple[jax.Array, ...]:
+                  norm: RowNorm | None = None, implementation: str = "pallas",
+                  interpret: bool | None = None, config: StreamConfig | None = None
+                  ) -> tuple[jax.Array, ...]:
     """x [M, K] @ each weights[i] [K, N_i] -> tuple of [M, N_i], accumulated in fp32; M in
     1..STREAM_ROWS, K and every N multiples of 16, bf16 or fp32 operands.
 
     out_dtypes: each product's dtype, x.dtype or float32 (None: x.dtype for all);
+    norm: multiply `rms_norm(x, norm)` instead of x, computed in the launch, and return those
+    normed rows [M, K] (x's dtype) before the products;
     implementation: "pallas" (one launch for every weight) or "xla" (the reference);
     interpret: Pallas interpret mode (default: on the CPU); config: tiling override (one
     StreamTiling per weight)."""
     check_operands(x, weights)
     out_dtypes = out_dtypes_of(x, weights, out_dtypes)
+    if norm is not None and norm.weight.shape != (x.shape[1],):
+        raise ValueError(f"norm weight must be [K={x.shape[1]}], got shape "
+                         f"{norm.weight.shape}")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
     if implementation == "xla":
-        return stream_matmul_reference(x, weights, out_dtypes)
+        return stream_matmul_reference(x, weights, out_dtypes, norm=norm)
     shapes = tuple(w.shape for w in weights)
     config = config or select_config(device_spec(), x.shape[0], shapes,
                                      operand_bytes=x.dtype.itemsize)
@@ -169,5 +203,6 @@ def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *, out_dtypes=None
     for (k, n), t in zip(shapes, config.tilings):
         if n % t.block_n or k % (t.splits * t.block_k):
             raise ValueError(f"tiling {t} does not divide weight shape {(k, n)}")
+    norm_args = {} if norm is None else dict(norm_weight=norm.weight, eps=float(norm.eps))
     return stream_matmul_pallas(x, tuple(weights), config=config, out_dtypes=out_dtypes,
-                                interpret=resolve_interpret(interpret))
+                                interpret=resolve_interpret(interpret), **norm_args)

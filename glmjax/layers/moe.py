@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
-from glmjax.layers.projection import on_one_gpu, project_together, projection
+from glmjax.layers.norms import DeferredNorm
+from glmjax.layers.projection import on_one_gpu, project_rows, project_together, projection
 from pallas_kernels.gmm import default_implementation
 from pallas_kernels.moe_experts import routed_experts, swiglu
 from pallas_kernels.moe_routing import route_top_k
@@ -44,8 +45,10 @@ class MLP(nnx.Module):
         self.up_proj = linear(config.hidden_size, intermediate_size)
         self.down_proj = linear(intermediate_size, config.hidden_size)
 
-    def __call__(self, x: jax.Array, *, plan: ShardingPlan | None = None) -> jax.Array:
-        """x [T, D] -> [T, D]; XLA partitions the projections on a mesh (`plan` unused)."""
+    def __call__(self, x: jax.Array | DeferredNorm, *, plan: ShardingPlan | None = None
+                 ) -> jax.Array:
+        """x [T, D] (or its norm still to apply) -> [T, D]; XLA partitions the projections
+        on a mesh (`plan` unused)."""
         del plan
         with jax.named_scope("mlp"):
             return self.down(*project_together(x, (self.gate_proj, self.up_proj)))
@@ -84,9 +87,10 @@ class MoE(nnx.Module):
         return route_top_k(logits, self.e_score_correction_bias[...], top_k=self.top_k,
                            scaling=self.scaling, implementation=implementation)
 
-    def __call__(self, x: jax.Array, *, plan: ShardingPlan | None = None,
+    def __call__(self, x: jax.Array | DeferredNorm, *, plan: ShardingPlan | None = None,
                  layer: jax.Array | int | None = None) -> jax.Array:
-        """x [T, D] -> [T, D]. On a mesh (`plan`) a Pallas or tokamax grouped GEMM runs per
+        """x [T, D] (or its norm still to apply: folded into the shared experts' and the
+        router's launch where it streams) -> [T, D]. On a mesh (`plan`) a Pallas or tokamax grouped GEMM runs per
         device on its slice of the intermediate (shard_map; XLA cannot partition a custom
         kernel and would gather every expert's weights), ragged_dot is left to XLA.
 
@@ -96,8 +100,8 @@ class MoE(nnx.Module):
         with jax.named_scope("moe"):
             shared = self.shared_experts
             with jax.named_scope("shared_experts"):  # with the router: one launch if they stream
-                gate, up, logits = project_together(x, (shared.gate_proj, shared.up_proj,
-                                                        self.router))
+                x, (gate, up, logits) = project_rows(x, (shared.gate_proj, shared.up_proj,
+                                                         self.router))
             with jax.named_scope("router"):
                 weights, experts = self.route(logits)
             with jax.named_scope("routed_experts"):

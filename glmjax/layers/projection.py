@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
+from glmjax.layers.norms import DeferredNorm
 from pallas_kernels.stream_matmul import STREAM_ROWS, stream_matmul
 
 
@@ -66,24 +67,40 @@ class Projection(nnx.Linear):
         return project_together(inputs, (self,))[0]
 
 
-def project_together(inputs: jax.Array, projections: Sequence[Projection]
+def project_together(inputs: jax.Array | DeferredNorm, projections: Sequence[Projection]
                      ) -> tuple[jax.Array, ...]:
     """Every projection of one input [..., d_in] -> a tuple of [..., d_out_i]: those that
-    stream (`Projection.streams`) in one `stream_matmul` launch, the rest as XLA products."""
-    rows = math.prod(inputs.shape[:-1])
+    stream (`Projection.streams`) in one `stream_matmul` launch, the rest as XLA products.
+    `inputs` may still owe its RMSNorm (`project_rows`)."""
+    return project_rows(inputs, projections)[1]
+
+
+def project_rows(inputs: jax.Array | DeferredNorm, projections: Sequence[Projection]
+                 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """`project_together`, and the rows projected: `inputs` itself, or the normed rows of a
+    `DeferredNorm`, whose norm runs inside the stream launch when one streams (it returns
+    the normed rows too) and as XLA ops otherwise."""
+    deferred = inputs if isinstance(inputs, DeferredNorm) else None
+    x = deferred.x if deferred else inputs
+    rows = math.prod(x.shape[:-1])
     streamed = [p for p in projections if p.streams(rows)]
+    dtype = streamed[0].dtype if streamed else None  # one launch, one operand dtype
+    if deferred and x.dtype != dtype:  # the launch's norm would see x cast: not the norm's
+        x, deferred = deferred.value(), None
     outputs = {}
     if streamed:
-        dtype = streamed[0].dtype  # one launch, one operand dtype
         if any(p.dtype != dtype for p in streamed):
             raise ValueError(f"project_together needs one dtype, got "
                              f"{sorted({str(p.dtype) for p in streamed})}")
-        x = inputs.reshape(rows, inputs.shape[-1]).astype(dtype)
-        products = stream_matmul(x, tuple(p.kernel[...].astype(dtype) for p in streamed),
-                                 out_dtypes=tuple(p.out_dtype for p in streamed))
-        outputs = {id(p): y.reshape(*inputs.shape[:-1], y.shape[-1])
+        products = stream_matmul(x.reshape(rows, x.shape[-1]).astype(dtype),
+                                 tuple(p.kernel[...].astype(dtype) for p in streamed),
+                                 out_dtypes=tuple(p.out_dtype for p in streamed),
+                                 norm=deferred.norm if deferred else None)
+        if deferred:
+            x, products = products[0].reshape(x.shape), products[1:]
+        outputs = {id(p): y.reshape(*x.shape[:-1], y.shape[-1])
                    for p, y in zip(streamed, products)}
-    return tuple(outputs[id(p)] if id(p) in outputs else p(inputs) for p in projections)
+    return x, tuple(outputs[id(p)] if id(p) in outputs else p(x) for p in projections)
 
 
 def projection(config: ModelConfig, d_in: int, d_out: int, *, rngs: nnx.Rngs,
