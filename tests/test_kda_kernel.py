@@ -255,15 +255,15 @@ class KdaKernelCases:
     def test_segment_parallel_scan_bf16(self, rng):
         inputs = segment_batch(rng, [650, 3], 3, heads=1, head_k=32, head_v=32, dtype=jnp.bfloat16,
                                min_decay=-0.02)
-        for bound in (None, -5.0):
-            o, _, _ = self.check_against_recurrence(
-                inputs, 5e-3, config=KernelConfig(block_v=32, scan_segments=3),
-                gate_lower_bound=bound)
+        # GLM's bounded gate (TP4's few heads); the any-decay path's segments are checked
+        # in fp32 above.
+        o, _, _ = self.check_against_recurrence(
+            inputs, 5e-3, config=KernelConfig(block_v=32, scan_segments=3),
+            gate_lower_bound=-5.0)
         assert o.dtype == jnp.bfloat16
 
     @pytest.mark.parametrize(("segments", "lens", "bound", "dtype"), [
-        (1, [65, 0, 200, 3, 129], None, "fp32"),
-        (1, [257, 64, 31], -5.0, "bf16"),
+        (1, [257, 64, 31], None, "bf16"),
         (3, [581, 0, 1, 130], -5.0, "fp32"),
     ])
     def test_output_fused_into_the_scan(self, rng, segments, lens, bound, dtype):
