@@ -116,6 +116,22 @@ decode_b1() {
   done
 }
 
+# A decode change against the tree before it, on one GPU of either kind: kimi's 27 layers at
+# 64 routed experts (~25 GB; a batch-1 step reads 8 experts a layer either way), batch 1,
+# the two trees alternately. The caller extracts the tree before into _before_tree
+# (untracked, so it travels: `git archive <sha> glmjax pallas_kernels serving bench | tar
+# -x -C _before_tree`).
+decode_b1_ab() {
+  local i
+  for i in 1 2; do
+    (cd _before_tree && run_logged "decode_b1_before_$i" 200 python3 -m bench.decode \
+      --num-experts 64 --batches 1 --steps 200 --no-profile \
+      --json "$OUT/decode_b1_64E_before_$i.json")
+    run_logged "decode_b1_after_$i" 200 python3 -m bench.decode --num-experts 64 --batches 1 \
+      --steps 200 --no-profile --json "$OUT/decode_b1_64E_after_$i.json"
+  done
+}
+
 # Where the batch-1 step's ~3.6 ms of host time goes (the device needs 3.3): cProfile of the
 # whole benchmark; per call of the jitted steps and of the engine's own functions.
 decode_host() {
@@ -203,7 +219,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 engine_host kda_full kda_times pingpong kda_prep conv decode_host decode glm_decode
+STEPS="setup verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_ab engine_host kda_full kda_times pingpong kda_prep conv decode_host decode glm_decode
 ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then
