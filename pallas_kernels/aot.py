@@ -355,7 +355,7 @@ def check_devices(names: list[str], heads: tuple[int, ...] = HEAD_COUNTS, *,
             for module in lower_top_k(spec, num_keys, k):
                 reports.append(compile_module(module, spec, 0))
         for shape in MOE_SHAPES:
-            for module in lower_route_top_k(spec, shape.experts, shape.top_k):
+            for module in lower_route_top_k(spec, shape.experts, shape.top_k, shape.hidden):
                 reports.append(compile_module(module, spec, 0))
         reports.extend(compile_module(module, spec, 0) for module in lower_sinkhorn(spec))
     return reports

@@ -98,11 +98,15 @@ def lower_kda_decode_fused(spec: DeviceSpec, heads: int, *, rows: int = 1,
             for module in triton_modules(decode, args, spec)]
 
 
-def lower_route_top_k(spec: DeviceSpec, num_experts: int, top_k: int,
+def lower_route_top_k(spec: DeviceSpec, num_experts: int, top_k: int, hidden: int,
                       tokens: int = 64) -> list[TritonModule]:
-    """The Triton module of the router's top-k (`pallas_kernels.moe_routing`); its tiling
-    does not depend on the token count."""
-    args = (jax.ShapeDtypeStruct((tokens, num_experts), jnp.float32),
+    """The Triton module of the router's top-k (`pallas_kernels.moe_routing`) as a decode
+    step runs it: the logits as the weight stream's partial sums (its K splits of the
+    [hidden, num_experts] router on `spec`); its tiling does not depend on the token count.
+    (Prefill passes one partial, the logits: the same kernel with one load.)"""
+    splits = select_stream_config(spec, tokens, ((hidden, num_experts),),
+                                  operand_bytes=2).tilings[0].splits
+    args = (jax.ShapeDtypeStruct((splits, tokens, num_experts), jnp.float32),
             jax.ShapeDtypeStruct((num_experts,), jnp.float32))
 
     def route(logits, bias):

@@ -1,6 +1,8 @@
 """The router's top-k (`pallas_kernels.moe_routing`) as one Pallas kernel lowered through
 Triton: one program per token holds its E scores (padded to a power of two with -inf) and
-takes the maximum k times, each time the lowest id holding it, which it then masks out.
+takes the maximum k times, each time the lowest id holding it, which it then masks out. Its
+logits arrive as S >= 1 fp32 partial sums, added in `ordered_sum`'s order (S = 1: the
+logits themselves).
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gmm_tuning import pow2_at_least_16
+from pallas_kernels.partials import sum_in_order
 from pallas_kernels.tiles import iota
 
 
 def _kernel(logits_ref, bias_ref, weights_ref, ids_ref, *, top_k: int, scaling: float):
     t = pl.program_id(0)
-    num_experts = logits_ref.shape[1]
+    num_experts = logits_ref.shape[2]
     width = pow2_at_least_16(num_experts)
     lanes = iota((width,), 0)
     real = lanes < num_experts
-    logits = plgpu.load(logits_ref.at[t, pl.ds(0, width)], mask=real, other=0.0)
+    logits = sum_in_order(plgpu.load(logits_ref.at[jnp.int32(s), t, pl.ds(0, width)], mask=real,
+                                     other=0.0)
+                          for s in range(logits_ref.shape[0]))
     bias = plgpu.load(bias_ref.at[pl.ds(0, width)], mask=real, other=0.0)
     scores = jax.nn.sigmoid(logits)
     # A NaN ranks below every number (it would make every round's max NaN and match no
@@ -49,9 +54,9 @@ def _kernel(logits_ref, bias_ref, weights_ref, ids_ref, *, top_k: int, scaling: 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "scaling", "interpret"))
 def route_top_k_pallas(logits, bias, *, top_k: int, scaling: float, interpret: bool):
-    """logits fp32 [T, E], bias fp32 [E] (checked by `route_top_k`) -> (weights fp32 [T, k],
-    ids int32 [T, k])."""
-    tokens = logits.shape[0]
+    """logits: fp32 [S, T, E] partial sums (S = 1: the logits), bias fp32 [E] (checked by
+    `route_top_k`) -> (weights fp32 [T, k], ids int32 [T, k])."""
+    tokens = logits.shape[1]
     return pl.pallas_call(
         functools.partial(_kernel, top_k=top_k, scaling=scaling),
         out_shape=(jax.ShapeDtypeStruct((tokens, top_k), jnp.float32),

@@ -30,7 +30,11 @@ def chain(parts) -> jax.Array:
 def ordered_sum(partials: jax.Array, axis: int = 0) -> jax.Array:
     """Sum over `axis` of fp32 partials in the fixed grouped order above."""
     partials = jnp.moveaxis(partials, axis, 0)
-    count = partials.shape[0]
-    groups = [chain(partials[s] for s in range(start, min(start + GROUP, count)))
-              for start in range(0, count, GROUP)]
-    return chain(groups)
+    return sum_in_order([partials[s] for s in range(partials.shape[0])])
+
+
+def sum_in_order(parts) -> jax.Array:
+    """`ordered_sum` of a sequence of same-shape arrays (e.g. the partials a kernel loads one
+    by one: a consumer that adds them itself gets the same bits)."""
+    parts = list(parts)
+    return chain(chain(parts[start:start + GROUP]) for start in range(0, len(parts), GROUP))

@@ -161,27 +161,32 @@ def rms_norm(x: jax.Array, norm: RowNorm) -> jax.Array:
 
 
 def stream_matmul_reference(x: jax.Array, weights: Sequence[jax.Array], out_dtypes=None, *,
-                            norm: RowNorm | None = None) -> tuple[jax.Array, ...]:
+                            norm: RowNorm | None = None, keep_partials: Sequence[int] = ()
+                            ) -> tuple[jax.Array, ...]:
     """The oracle: each x @ w_i accumulated in fp32 (HIGHEST precision), in out_dtypes[i];
-    with `norm`, of the normed rows, which come first."""
+    with `norm`, of the normed rows, which come first. A product of `keep_partials` comes
+    as one partial sum [1, M, N_i] (the whole product)."""
     normed = () if norm is None else (rms_norm(x, norm),)
     rows = normed[0] if normed else x
-    return normed + tuple(
-        jnp.dot(rows, w, precision=jax.lax.Precision.HIGHEST,
-                preferred_element_type=jnp.float32).astype(dtype)
-        for w, dtype in zip(weights, out_dtypes_of(x, weights, out_dtypes)))
+    products = (jnp.dot(rows, w, precision=jax.lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32).astype(dtype)
+                for w, dtype in zip(weights, out_dtypes_of(x, weights, out_dtypes)))
+    return normed + tuple(p[None] if i in keep_partials else p for i, p in enumerate(products))
 
 
 def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *, out_dtypes=None,
-                  norm: RowNorm | None = None, implementation: str = "pallas",
-                  interpret: bool | None = None, config: StreamConfig | None = None
-                  ) -> tuple[jax.Array, ...]:
+                  norm: RowNorm | None = None, keep_partials: Sequence[int] = (),
+                  implementation: str = "pallas", interpret: bool | None = None,
+                  config: StreamConfig | None = None) -> tuple[jax.Array, ...]:
     """x [M, K] @ each weights[i] [K, N_i] -> tuple of [M, N_i], accumulated in fp32; M in
     1..STREAM_ROWS, K and every N multiples of 16, bf16 or fp32 operands.
 
     out_dtypes: each product's dtype, x.dtype or float32 (None: x.dtype for all);
     norm: multiply `rms_norm(x, norm)` instead of x, computed in the launch, and return those
     normed rows [M, K] (x's dtype) before the products;
+    keep_partials: indices of float32 products returned as their fp32 partial sums
+    [S, M, N_i] for the consumer to add (`pallas_kernels.partials.ordered_sum` gives the
+    product bit for bit; S = the weight's K splits, 1 for the reference);
     implementation: "pallas" (one launch for every weight) or "xla" (the reference);
     interpret: Pallas interpret mode (default: on the CPU); config: tiling override (one
     StreamTiling per weight)."""
@@ -190,11 +195,17 @@ def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *, out_dtypes=None
     if norm is not None and norm.weight.shape != (x.shape[1],):
         raise ValueError(f"norm weight must be [K={x.shape[1]}], got shape "
                          f"{norm.weight.shape}")
+    keep_partials = tuple(sorted(set(keep_partials)))
+    for i in keep_partials:
+        if not 0 <= i < len(weights) or out_dtypes[i] != jnp.float32:
+            raise ValueError(f"keep_partials names product {i}: it must be a float32 product "
+                             f"of the {len(weights)}")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
     if implementation == "xla":
-        return stream_matmul_reference(x, weights, out_dtypes, norm=norm)
+        return stream_matmul_reference(x, weights, out_dtypes, norm=norm,
+                                       keep_partials=keep_partials)
     shapes = tuple(w.shape for w in weights)
     config = config or select_config(device_spec(), x.shape[0], shapes,
                                      operand_bytes=x.dtype.itemsize)
@@ -205,4 +216,5 @@ def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *, out_dtypes=None
             raise ValueError(f"tiling {t} does not divide weight shape {(k, n)}")
     norm_args = {} if norm is None else dict(norm_weight=norm.weight, eps=float(norm.eps))
     return stream_matmul_pallas(x, tuple(weights), config=config, out_dtypes=out_dtypes,
+                                keep_partials=keep_partials,
                                 interpret=resolve_interpret(interpret), **norm_args)

@@ -131,15 +131,19 @@ def _kernel(x_ref, *refs, config: StreamConfig, starts: tuple[int, ...],
             plgpu.store(target, acc.astype(out_ref.dtype), mask=valid)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtypes", "eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "out_dtypes", "eps", "keep_partials",
+                                             "interpret"))
 def stream_matmul_pallas(x, weights, *, config: StreamConfig, out_dtypes: tuple | None = None,
-                         norm_weight=None, eps: float = 0.0, interpret: bool):
+                         norm_weight=None, eps: float = 0.0, keep_partials: tuple = (),
+                         interpret: bool):
     """The kernel (operands and tiling already checked by `pallas_kernels.stream_matmul`).
 
     Args: x [M, K]; weights: tuple of [K, N_i] in x's dtype; config: one tiling per weight;
     out_dtypes: each product's dtype (None: x.dtype); norm_weight: [K] (any float dtype) to
-    multiply RMSNorm(x) with that weight and `eps` (None: x itself).
-    Returns a tuple of [M, N_i], after the normed rows [M, K] in x's dtype with a norm.
+    multiply RMSNorm(x) with that weight and `eps` (None: x itself); keep_partials: indices
+    of fp32 products returned as their partial sums [splits, M, N_i], not added.
+    Returns a tuple of [M, N_i] (or partials), after the normed rows [M, K] in x's dtype
+    with a norm.
     """
     out_dtypes = out_dtypes or (x.dtype,) * len(weights)
     rows, k = x.shape
@@ -164,6 +168,8 @@ def stream_matmul_pallas(x, weights, *, config: StreamConfig, out_dtypes: tuple 
         name="stream_matmul",
     )(x, *norm_args, *weights)
     normed, partials = (outputs[:1], outputs[1:]) if norm_block else ((), outputs)
-    return normed + tuple(p if t.splits == 1 else ordered_sum(p).astype(dtype)
-                          for t, p, dtype in zip(config.tilings, partials, out_dtypes))
+    return normed + tuple(
+        (p[None] if t.splits == 1 else p) if i in keep_partials
+        else p if t.splits == 1 else ordered_sum(p).astype(dtype)
+        for i, (t, p, dtype) in enumerate(zip(config.tilings, partials, out_dtypes)))
 

@@ -14,6 +14,7 @@ from test_layers_oracles import f64, moe_oracle, random_module, swiglu_oracle
 
 from glmjax.config import ModelConfig
 from glmjax.layers.moe import MLP, MoE, swiglu
+from glmjax.layers.norms import RMSNorm
 from glmjax.sharding import ShardingPlan, make_mesh
 from pallas_kernels import gmm_tokamax, moe_experts
 
@@ -95,8 +96,17 @@ def test_few_rows_on_the_stream_route(rng, monkeypatch):
     x = (rng.normal(size=(2, config.hidden_size)) * 4).astype(np.float32)
     y = nnx.jit(lambda m, x: m(x))(moe, jnp.asarray(x))
     assert launches[0] == 3  # gate, up and router together; then the shared down
-    assert routing  # the Pallas routing
+    assert routing  # the Pallas routing, of the router's partial sums
     expected = moe_oracle(moe_params(moe), f64(x), top_k=3,
+                          scaling=config.routed_scaling_factor, limit=config.swiglu_limit)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)
+    # The block's decode path: the rows still owe their RMSNorm, which the first launch
+    # applies (and hands the routed experts).
+    norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    norm.weight[...] = jnp.asarray(1 + 0.5 * rng.standard_normal(config.hidden_size),
+                                   jnp.float32)
+    y = nnx.jit(lambda m, n, x: m(n.defer(x)))(moe, norm, jnp.asarray(x))
+    expected = moe_oracle(moe_params(moe), f64(norm(jnp.asarray(x))), top_k=3,
                           scaling=config.routed_scaling_factor, limit=config.swiglu_limit)
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-4)
 

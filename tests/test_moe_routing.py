@@ -1,13 +1,15 @@
 """`pallas_kernels.moe_routing.route_top_k` against a float64 NumPy oracle: the Pallas kernel
 in interpret mode on the CPU and compiled on a GPU (marker `gpu`), and the jax.numpy path,
 on the same cases: both presets' expert counts, counts and k that are not powers of two,
-ties (the lower id first), a bias that decides the choice alone, saturated scores."""
+ties (the lower id first), a bias that decides the choice alone, saturated scores; the
+logits as the weight stream's partial sums."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.moe_routing import route_top_k
+from pallas_kernels.partials import ordered_sum
 
 # name -> (tokens, experts, top_k)
 CASES = {
@@ -71,6 +73,20 @@ class RoutingCases:
         np.testing.assert_array_equal(np.sort(np.asarray(ids), -1), [[5, 20]] * 4)
         self.check(logits, bias, 2)
 
+    @pytest.mark.parametrize("splits", [1, 3, 20], ids=lambda s: f"splits{s}")
+    def test_partial_sums(self, rng, splits):
+        """The logits as fp32 partial sums (20: two of `ordered_sum`'s groups): the choice
+        and weights of their ordered sum, bit for bit."""
+        logits, bias = make(rng, 3, 40)
+        partials = (rng.normal(size=(splits, 3, 40)) * 2.0).astype(np.float32)
+        weights, ids = route_top_k(jnp.asarray(partials), jnp.asarray(bias), top_k=5,
+                                   scaling=2.5, implementation=self.IMPLEMENTATION,
+                                   interpret=self.INTERPRET, partial_sums=True)
+        summed = self.route(np.asarray(ordered_sum(jnp.asarray(partials))), bias, 5)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(summed[1]))
+        np.testing.assert_array_equal(np.asarray(weights), np.asarray(summed[0]))
+        self.check(np.asarray(ordered_sum(jnp.asarray(partials))), bias, 5)
+
     def test_saturated_scores(self, rng):
         # Large logits: sigmoid rounds to 1 for many experts, so the bias breaks the ties.
         self.check(*make(rng, 3, 64, spread=40.0), 8)
@@ -117,6 +133,9 @@ class TestRoutingXla(RoutingCases):
     (dict(top_k=0), "top_k must be in 1..8"),
     (dict(top_k=9), "top_k must be in 1..8"),
     (dict(implementation="sort"), "implementation must be one of"),
+    (dict(partial_sums=True), r"logits must be \[S, T, E\]"),
+    (dict(logits=jnp.zeros((3, 2, 8), jnp.bfloat16), partial_sums=True),
+     "partial sums must be float32"),
 ])
 def test_bad_arguments_name_the_value(change, message):
     args = dict(logits=jnp.zeros((2, 8)), bias=jnp.zeros((8,)), top_k=2, scaling=1.0)

@@ -21,6 +21,7 @@ from glmjax.layers.projection import (
     project_together,
     projection,
 )
+from pallas_kernels.partials import ordered_sum
 from pallas_kernels.stream_matmul import STREAM_ROWS
 
 # The module (glmjax.layers re-exports the `projection` function under its name).
@@ -127,3 +128,22 @@ def test_deferred_norm_in_the_stream(rng, monkeypatch):
 @pytest.mark.parametrize("lead", [(1,), (STREAM_ROWS,)])
 def test_deferred_norm_gpu(rng, lead):
     check_deferred_norm(rng, lead)
+
+
+def test_partials_come_back_unsummed_where_they_stream(rng, monkeypatch):
+    """`partials`: an fp32 projection's partial sums [S, ..., d_out] from the launch, whose
+    ordered sum is the product `project_together` returns; on XLA's route the product."""
+    config = ModelConfig.preset("tiny")
+    rngs = nnx.Rngs(int(rng.integers(1 << 30)))
+    layers = (projection(config, 32, 48, rngs=rngs),
+              projection(config, 32, 16, rngs=rngs, out_dtype=jnp.float32))
+    x = jnp.asarray(rng.standard_normal((2, 3, 32)), config.dtype)
+    _, (plain, logits) = project_rows(x, layers, partials=(layers[1],))
+    assert logits.shape == (2, 3, 16)  # nothing streams on the CPU
+    monkeypatch.setattr(projection_module, "default_implementation",
+                        lambda rows, d_in, d_out: "stream")
+    _, (streamed, partials) = project_rows(x, layers, partials=(layers[1],))
+    whole = project_together(x, layers)
+    assert partials.ndim == 4 and partials.shape[1:] == (2, 3, 16)
+    np.testing.assert_array_equal(np.asarray(ordered_sum(partials)), np.asarray(whole[1]))
+    np.testing.assert_array_equal(np.asarray(streamed), np.asarray(whole[0]))

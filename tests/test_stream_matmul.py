@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.partials import ordered_sum
 from pallas_kernels.stream_matmul import (
     MIN_BLOCK_K,
     MIN_BLOCK_N,
@@ -152,6 +153,29 @@ def test_fp32_outputs_gpu(rng, case):
     check(rng, rows, k, widths, jnp.bfloat16, interpret=False, out_dtypes=out_dtypes)
 
 
+def test_kept_partials_add_up_to_the_products_interpret(rng):
+    """`keep_partials`: fp32 products come back as their partial sums (four splits, two, and
+    one for the reference), whose ordered sum is the product the launch returns."""
+    config = StreamConfig((StreamTiling(block_n=16, block_k=16, splits=4),
+                           StreamTiling(block_n=32, block_k=32, splits=1),
+                           StreamTiling(block_n=16, block_k=16, splits=2)))
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
+    weights = [jnp.asarray(rng.standard_normal((64, n)) / 8, jnp.bfloat16) for n in (48, 32, 16)]
+    out_dtypes = (jnp.float32, jnp.bfloat16, jnp.float32)
+    whole = stream_matmul(x, weights, out_dtypes=out_dtypes, config=config, interpret=True)
+    kept = stream_matmul(x, weights, out_dtypes=out_dtypes, config=config, interpret=True,
+                         keep_partials=(0, 2))
+    assert kept[0].shape == (4, 3, 48) and kept[2].shape == (2, 3, 16)
+    for i in (0, 2):
+        np.testing.assert_array_equal(np.asarray(ordered_sum(kept[i])), np.asarray(whole[i]))
+    np.testing.assert_array_equal(np.asarray(kept[1]), np.asarray(whole[1]))
+    reference = stream_matmul(x, weights, out_dtypes=out_dtypes, implementation="xla",
+                              keep_partials=(0,))
+    assert reference[0].shape == (1, 3, 48)
+    np.testing.assert_allclose(np.asarray(reference[0][0]), np.asarray(whole[0]), rtol=1e-5,
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
 def test_explicit_tiling_interpret(rng, norm):
     """A tiling given by hand: one split per k step, one column tile, two warps; with a
@@ -256,6 +280,11 @@ def test_bad_operands():
     with pytest.raises(ValueError, match=r"norm weight must be \[K=32\]"):
         stream_matmul(x, [jnp.zeros((32, 16), jnp.float32)],
                       norm=RowNorm(jnp.ones((16,), jnp.float32), 1e-6))
+    with pytest.raises(ValueError, match="keep_partials names product 1"):
+        stream_matmul(x, [jnp.zeros((32, 16), jnp.float32)], keep_partials=(1,))
+    with pytest.raises(ValueError, match="keep_partials names product 0"):
+        stream_matmul(x.astype(jnp.bfloat16), [jnp.zeros((32, 16), jnp.bfloat16)],
+                      keep_partials=(0,))
     with pytest.raises(ValueError, match="does not divide"):
         stream_matmul(x, [jnp.zeros((32, 16), jnp.float32)],
                       config=StreamConfig((StreamTiling(16, 16, 3),)))

@@ -80,12 +80,14 @@ class MoE(nnx.Module):
                                   limit=config.swiglu_limit, rngs=rngs)
 
     def route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Router logits fp32 [T, E] -> combine weights fp32 [T, k] and expert ids int32
-        [T, k] (`pallas_kernels.moe_routing`: the Pallas kernel on one GPU, for decode rows
-        and prefill alike, where XLA sorts every row; XLA's top-k on a mesh or a CPU)."""
+        """Router logits fp32 [T, E], or the weight stream's partial sums of them [S, T, E]
+        -> combine weights fp32 [T, k] and expert ids int32 [T, k]
+        (`pallas_kernels.moe_routing`: the Pallas kernel on one GPU, for decode rows and
+        prefill alike, where XLA sorts every row; XLA's top-k on a mesh or a CPU)."""
         implementation = "pallas" if on_one_gpu() else "xla"
         return route_top_k(logits, self.e_score_correction_bias[...], top_k=self.top_k,
-                           scaling=self.scaling, implementation=implementation)
+                           scaling=self.scaling, implementation=implementation,
+                           partial_sums=logits.ndim == 3)
 
     def __call__(self, x: jax.Array | DeferredNorm, *, plan: ShardingPlan | None = None,
                  layer: jax.Array | int | None = None) -> jax.Array:
@@ -100,8 +102,8 @@ class MoE(nnx.Module):
         with jax.named_scope("moe"):
             shared = self.shared_experts
             with jax.named_scope("shared_experts"):  # with the router: one launch if they stream
-                x, (gate, up, logits) = project_rows(x, (shared.gate_proj, shared.up_proj,
-                                                         self.router))
+                x, (gate, up, logits) = project_rows(
+                    x, (shared.gate_proj, shared.up_proj, self.router), partials=(self.router,))
             with jax.named_scope("router"):
                 weights, experts = self.route(logits)
             with jax.named_scope("routed_experts"):

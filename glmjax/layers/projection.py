@@ -75,11 +75,14 @@ def project_together(inputs: jax.Array | DeferredNorm, projections: Sequence[Pro
     return project_rows(inputs, projections)[1]
 
 
-def project_rows(inputs: jax.Array | DeferredNorm, projections: Sequence[Projection]
+def project_rows(inputs: jax.Array | DeferredNorm, projections: Sequence[Projection], *,
+                 partials: Sequence[Projection] = ()
                  ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """`project_together`, and the rows projected: `inputs` itself, or the normed rows of a
     `DeferredNorm`, whose norm runs inside the stream launch when one streams (it returns
-    the normed rows too) and as XLA ops otherwise."""
+    the normed rows too) and as XLA ops otherwise. A projection of `partials` (fp32 output)
+    that streams comes as its fp32 partial sums [S, ..., d_out] for its consumer to add
+    (`pallas_kernels.partials.ordered_sum`: the same bits), one launch fewer."""
     deferred = inputs if isinstance(inputs, DeferredNorm) else None
     x = deferred.x if deferred else inputs
     rows = math.prod(x.shape[:-1])
@@ -92,13 +95,15 @@ def project_rows(inputs: jax.Array | DeferredNorm, projections: Sequence[Project
         if any(p.dtype != dtype for p in streamed):
             raise ValueError(f"project_together needs one dtype, got "
                              f"{sorted({str(p.dtype) for p in streamed})}")
+        kept = tuple(i for i, p in enumerate(streamed) if any(p is q for q in partials))
         products = stream_matmul(x.reshape(rows, x.shape[-1]).astype(dtype),
                                  tuple(p.kernel[...].astype(dtype) for p in streamed),
                                  out_dtypes=tuple(p.out_dtype for p in streamed),
-                                 norm=deferred.norm if deferred else None)
+                                 norm=deferred.norm if deferred else None,
+                                 keep_partials=kept)
         if deferred:
             x, products = products[0].reshape(x.shape), products[1:]
-        outputs = {id(p): y.reshape(*x.shape[:-1], y.shape[-1])
+        outputs = {id(p): y.reshape(*y.shape[:-2], *x.shape[:-1], y.shape[-1])
                    for p, y in zip(streamed, products)}
     return x, tuple(outputs[id(p)] if id(p) in outputs else p(x) for p in projections)
 
