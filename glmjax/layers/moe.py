@@ -98,9 +98,10 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array | DeferredNorm, *, plan: ShardingPlan | None = None,
                  layer: jax.Array | int | None = None) -> jax.Array:
         """x [T, D] (or its norm still to apply: folded into the shared experts' and the
-        router's launch where it streams) -> [T, D]. On a mesh (`plan`) a Pallas or tokamax grouped GEMM runs per
-        device on its slice of the intermediate (shard_map; XLA cannot partition a custom
-        kernel and would gather every expert's weights), ragged_dot is left to XLA.
+        router's launch where it streams) -> [T, D]. On a mesh (`plan`) a Pallas or tokamax
+        grouped GEMM runs per device on its slice of the intermediate (shard_map; XLA cannot
+        partition a custom kernel and would gather every expert's weights), ragged_dot is
+        left to XLA.
 
         `layer`: when the routed experts' weights are stacked over G layers ([G, E, D, I],
         as `glmjax.layer_scan` leaves them), the entry (int32 [] or int) this layer uses;
