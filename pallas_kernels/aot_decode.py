@@ -7,7 +7,6 @@ weight stream, each lowered with the tiling the runtime picks for the device (se
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,6 @@ from pallas_kernels.mla_decode_pallas import mla_decode_pallas
 from pallas_kernels.mla_decode_pallas import select_tiling as select_mla_decode_tiling
 from pallas_kernels.moe_routing_pallas import route_top_k_pallas
 from pallas_kernels.stream_matmul import select_config as select_stream_config
-from pallas_kernels.stream_matmul import swiglu_rows_fit
 from pallas_kernels.stream_matmul_pallas import StreamConfig, stream_matmul_pallas
 from pallas_kernels.triton_compile import (
     KernelReport,
@@ -43,31 +41,12 @@ MLA_DECODE_BLOCKS, MLA_DECODE_BLOCK_SIZE = 17, 512
 # glm5.3-flash, at HEAD_MATMUL_ROWS rows (one full row tile).
 HEAD_MATMUL_SHAPES = ((32, 128, 128), (64, 192, 256))
 HEAD_MATMUL_ROWS = 64
-
-
-class StreamLaunch(NamedTuple):
-    """One weight-stream launch as decode runs it: its weights' shapes, whether it carries
-    its rows' RMSNorm, keeps every product's partial sums, or forms SwiGLU rows from the
-    partial sums of the launch `gated_from` (its split count)."""
-
-    shapes: tuple[tuple[int, int], ...]
-    norm: bool = False
-    keep_partials: bool = False
-    gated_from: tuple[tuple[int, int], ...] | None = None
-
-
 # The decode projections' weight-stream launches (`glmjax.layers.projection`): kimi-linear-48b's
-# KDA input launch (q, k, v, f_a, g_a, beta of one input, with the layer's input RMSNorm), its
-# o projection, the MoE's launch (the shared expert's gate and up and the router, with the
-# norm, the partial sums kept) and the shared expert's down (on the SwiGLU rows it forms from
-# them), at 1 and 64 rows.
-MOE_IN = ((2304, 1024), (2304, 1024), (2304, 256))
-PROJECTION_LAUNCHES = {
-    "kda_in": StreamLaunch(((2304, 4096),) * 3 + ((2304, 128),) * 2 + ((2304, 32),), norm=True),
-    "kda_o": StreamLaunch(((4096, 2304),)),
-    "moe_in": StreamLaunch(MOE_IN, norm=True, keep_partials=True),
-    "shared_down": StreamLaunch(((1024, 2304),), gated_from=MOE_IN),
-}
+# KDA input launch (q, k, v, f_a, g_a, beta of one input, with the layer's input RMSNorm, as
+# decode runs it) and its o projection, at 1 and 64 rows.
+PROJECTION_LAUNCHES = {"kda_in": ((2304, 4096),) * 3 + ((2304, 128),) * 2 + ((2304, 32),),
+                       "kda_o": ((4096, 2304),)}
+NORMED_LAUNCHES = ("kda_in",)
 PROJECTION_ROWS = (1, 64)
 PROJECTION_FP32 = ("kda_o", 1)  # one launch also in fp32 operands (fp32 models), at 1 row
 
@@ -176,44 +155,22 @@ def lower_mla_decode(spec: DeviceSpec, heads: int, kv_lora: int, rope: int, mask
             for module in triton_modules(decode, args, spec)]
 
 
-def lower_stream(spec: DeviceSpec, rows: int, launch: StreamLaunch, dtype=jnp.bfloat16
-                 ) -> tuple[TritonModule, StreamConfig]:
-    """The Triton module of one weight-stream launch for `spec` and the runtime's tiling (a
-    launch on SwiGLU rows runs on plain rows where they do not fit `spec`, as at run
-    time)."""
-    shapes = launch.shapes
+def lower_stream(spec: DeviceSpec, rows: int, shapes: tuple[tuple[int, int], ...],
+                 dtype=jnp.bfloat16, *, norm: bool = False) -> tuple[TritonModule, StreamConfig]:
+    """The Triton module of one weight-stream launch for `spec` and the runtime's tiling;
+    `norm`: with the RMSNorm of its input (fp32 weight)."""
+    config = select_stream_config(spec, rows, shapes, operand_bytes=jnp.dtype(dtype).itemsize)
     k = shapes[0][0]
+    x = jax.ShapeDtypeStruct((rows, k), dtype)
     weights = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in shapes)
-    norm_weight = jax.ShapeDtypeStruct((k,), jnp.float32) if launch.norm else None
-    splits = gated_splits(spec, launch, dtype)
-    config = select_stream_config(spec, rows, shapes, operand_bytes=jnp.dtype(dtype).itemsize,
-                                  gated_splits=splits)
-    if splits:
-        x = (jax.ShapeDtypeStruct((splits, rows, k), jnp.float32),) * 2
-    else:
-        x = jax.ShapeDtypeStruct((rows, k), dtype)
-    kept = tuple(range(len(shapes))) if launch.keep_partials else ()
+    norm_weight = jax.ShapeDtypeStruct((k,), jnp.float32) if norm else None
 
     def call(x, weights, norm_weight):
         return stream_matmul_pallas(x, weights, config=config, norm_weight=norm_weight,
-                                    eps=1e-6, keep_partials=kept, gated=bool(splits),
-                                    interpret=False)
+                                    eps=1e-6, interpret=False)
 
     (module,) = triton_modules(call, (x, weights, norm_weight), spec)
     return module, config
-
-
-def gated_splits(spec: DeviceSpec, launch: StreamLaunch, dtype=jnp.bfloat16) -> int:
-    """The partial sums a launch on SwiGLU rows forms them from on `spec` (the split count
-    of the launch before's first weight, gate), 0 where it runs on plain rows: a plain
-    launch, or one whose SwiGLU rows do not fit `spec` (`swiglu_rows_fit`, as at run
-    time)."""
-    if not launch.gated_from:
-        return 0
-    splits = select_stream_config(spec, 1, launch.gated_from).tilings[0].splits
-    fits = all(swiglu_rows_fit(spec, shape, splits, operand_bytes=jnp.dtype(dtype).itemsize)
-               for shape in launch.shapes)
-    return splits if fits else 0
 
 
 def check_projections(names: list[str]) -> list[KernelReport]:
@@ -226,11 +183,10 @@ def check_projections(names: list[str]) -> list[KernelReport]:
     for name in names:
         spec = KNOWN_DEVICES[name]
         for launch, rows, dtype in cases:
-            stream = PROJECTION_LAUNCHES[launch]
-            module, config = lower_stream(spec, rows, stream, dtype)
-            form = ("norm " if stream.norm else "") + (
-                "swiglu " if gated_splits(spec, stream, dtype) else "")
-            label = (f"{launch} {form}{jnp.dtype(dtype).name} rows={rows} splits "
+            module, config = lower_stream(spec, rows, PROJECTION_LAUNCHES[launch], dtype,
+                                          norm=launch in NORMED_LAUNCHES)
+            label = (f"{launch}{' norm' if launch in NORMED_LAUNCHES else ''} "
+                     f"{jnp.dtype(dtype).name} rows={rows} splits "
                      f"{'/'.join(str(t.splits) for t in config.tilings)} "
                      f"w{config.num_warps} s{config.num_stages}")
             reports.append(compile_module(module, spec, 0, kernel="stream_matmul", shape=label))

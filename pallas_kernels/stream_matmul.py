@@ -18,11 +18,10 @@ an XLA reduction (whose order may change with the rows), so a row's result does 
 on how many rows share the launch. MTP's verify step runs N + 1 rows per sequence where
 plain decoding runs one, and its greedy tokens must be the same.
 
-A launch may form its rows itself (`pallas_kernels.stream_rows`): the RMSNorm of its input
-(`norm`; it then returns the normed rows first), or a SwiGLU MLP's hidden rows from the
-partial sums of gate and up that the launch before kept (`keep_partials`). A decode step's
-norms and SwiGLUs so are no launches of their own (a norm was two XLA fusions, the sum of
-squares and the scaling; the SwiGLU one, with the partials' sums).
+A launch may carry the RMSNorm of its input (`norm`): it then multiplies the normed rows and
+returns them first, so a decode step's norms are no launches of their own (two XLA fusions
+each, a sum of squares and the scaling, before). `rms_norm` is the norm's one definition;
+`glmjax.layers.norms.RMSNorm` applies it outside the stream.
 
 Implementations behind `stream_matmul`: "pallas" (`stream_matmul_pallas`, Triton lowering;
 interpret mode on the CPU) and "xla" (`stream_matmul_reference`: jnp.dot per weight in fp32
@@ -32,6 +31,7 @@ accumulation, the oracle).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,6 @@ from pallas_kernels.stream_matmul_pallas import (
     padded_rows,
     stream_matmul_pallas,
 )
-from pallas_kernels.stream_rows import RowNorm, SwiGLURows, rms_norm, swiglu_rows
 from pallas_kernels.tuning import DeviceSpec, device_spec
 
 STREAM_ROWS = 64  # most rows a stream launch takes (a decode batch bucket)
@@ -94,40 +93,25 @@ def fewest_splits(k_blocks: int, column_tiles: int, target: int, max_splits: int
 
 
 def select_config(spec: DeviceSpec, rows: int, shapes: Sequence[tuple[int, int]], *,
-                  operand_bytes: int = 2, gated_splits: int = 0) -> StreamConfig:
+                  operand_bytes: int = 2) -> StreamConfig:
     """The launch for `rows` rows against weights of `shapes` [(K, N_i)] in operands of
-    `operand_bytes` (2: bf16, 4: fp32), on SwiGLU rows formed from `gated_splits` partial
-    sums of gate and up (0: plain rows): 4 pipeline stages where shared memory allows,
-    fewer where not (sm_12x's 99 KB at 64 rows, fp32, SwiGLU rows)."""
+    `operand_bytes` (2: bf16, 4: fp32): 4 pipeline stages where shared memory allows,
+    fewer where not (sm_12x's 99 KB at 64 rows, or fp32)."""
     tilings = tuple(select_tiling(spec, k, n) for k, n in shapes)
     stages = 4
     while stages > 1 and max(estimate_shared_memory(t, padded_rows(rows), stages,
-                                                    operand_bytes=operand_bytes,
-                                                    gated_splits=gated_splits)
+                                                    operand_bytes=operand_bytes)
                              for t in tilings) > spec.smem_per_block:
         stages -= 1
     return StreamConfig(tilings=tilings, num_stages=stages)
 
 
 def estimate_shared_memory(tiling: StreamTiling, rows: int, stages: int, *,
-                           operand_bytes: int = 2, gated_splits: int = 0) -> int:
-    """Bytes per block: every stage buffers one x tile (SwiGLU rows: the fp32 tiles of
-    every partial sum of gate and up) and one weight tile, plus the [rows, block_n] fp32
-    epilogue layout conversion."""
-    x_bytes = 2 * gated_splits * 4 if gated_splits else operand_bytes
-    per_stage = tiling.block_k * (x_bytes * rows + operand_bytes * tiling.block_n)
+                           operand_bytes: int = 2) -> int:
+    """Bytes per block: every stage buffers one x tile and one weight tile, plus the
+    [rows, block_n] fp32 epilogue layout conversion."""
+    per_stage = operand_bytes * tiling.block_k * (rows + tiling.block_n)
     return stages * per_stage + 4 * rows * tiling.block_n
-
-
-def swiglu_rows_fit(spec: DeviceSpec, shape: tuple[int, int], splits: int, *,
-                    operand_bytes: int = 2) -> bool:
-    """Whether a launch on SwiGLU rows from `splits` partial sums fits `spec`'s shared
-    memory for a [K, N] weight at every row count (at STREAM_ROWS with one stage): the
-    choice then depends on the weight and the device alone, never on the rows (batch
-    invariance)."""
-    tiling = select_tiling(spec, *shape)
-    return estimate_shared_memory(tiling, STREAM_ROWS, 1, operand_bytes=operand_bytes,
-                                  gated_splits=splits) <= spec.smem_per_block
 
 
 def check_operands(x: jax.Array, weights: Sequence[jax.Array]) -> None:
@@ -158,51 +142,64 @@ def out_dtypes_of(x: jax.Array, weights: Sequence[jax.Array], out_dtypes) -> tup
     return dtypes
 
 
-def stream_matmul_reference(x: jax.Array | SwiGLURows, weights: Sequence[jax.Array],
-                            out_dtypes=None, *, norm: RowNorm | None = None,
-                            keep_partials: Sequence[int] = ()) -> tuple[jax.Array, ...]:
+class RowNorm(NamedTuple):
+    """An RMSNorm over the rows' last axis: weight [K] (any float dtype), eps."""
+
+    weight: jax.Array
+    eps: float
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """``x / sqrt(mean(x**2, -1) + eps)`` in fp32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+def rms_norm(x: jax.Array, norm: RowNorm) -> jax.Array:
+    """``weight * x / sqrt(mean(x**2) + eps)`` over the last axis; fp32 math, x's dtype out."""
+    return (rms_normalize(x, norm.eps) * norm.weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def stream_matmul_reference(x: jax.Array, weights: Sequence[jax.Array], out_dtypes=None, *,
+                            norm: RowNorm | None = None, keep_partials: Sequence[int] = ()
+                            ) -> tuple[jax.Array, ...]:
     """The oracle: each x @ w_i accumulated in fp32 (HIGHEST precision), in out_dtypes[i];
     with `norm`, of the normed rows, which come first. A product of `keep_partials` comes
-    as one fp32 partial sum [1, M, N_i] (the whole product)."""
-    x = swiglu_rows(x) if isinstance(x, SwiGLURows) else x
+    as one partial sum [1, M, N_i] (the whole product)."""
     normed = () if norm is None else (rms_norm(x, norm),)
     rows = normed[0] if normed else x
     products = (jnp.dot(rows, w, precision=jax.lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32) for w in weights)
-    return normed + tuple(p[None] if i in keep_partials else p.astype(dtype)
-                          for i, (p, dtype) in enumerate(zip(products, out_dtypes)))
+                        preferred_element_type=jnp.float32).astype(dtype)
+                for w, dtype in zip(weights, out_dtypes_of(x, weights, out_dtypes)))
+    return normed + tuple(p[None] if i in keep_partials else p for i, p in enumerate(products))
 
 
-def stream_matmul(x: jax.Array | SwiGLURows, weights: Sequence[jax.Array], *, out_dtypes=None,
+def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *, out_dtypes=None,
                   norm: RowNorm | None = None, keep_partials: Sequence[int] = (),
                   implementation: str = "pallas", interpret: bool | None = None,
                   config: StreamConfig | None = None) -> tuple[jax.Array, ...]:
     """x [M, K] @ each weights[i] [K, N_i] -> tuple of [M, N_i], accumulated in fp32; M in
     1..STREAM_ROWS, K and every N multiples of 16, bf16 or fp32 operands.
 
-    x: the rows, or `SwiGLURows` that the launch forms from gate's and up's partial sums;
     out_dtypes: each product's dtype, x.dtype or float32 (None: x.dtype for all);
     norm: multiply `rms_norm(x, norm)` instead of x, computed in the launch, and return those
     normed rows [M, K] (x's dtype) before the products;
-    keep_partials: indices of products returned as their fp32 partial sums [S, M, N_i] for
-    the consumer to add (`pallas_kernels.partials.ordered_sum`, then the product's dtype,
-    gives the product bit for bit; S = the weight's K splits, 1 for the reference);
+    keep_partials: indices of float32 products returned as their fp32 partial sums
+    [S, M, N_i] for the consumer to add (`pallas_kernels.partials.ordered_sum` gives the
+    product bit for bit; S = the weight's K splits, 1 for the reference);
     implementation: "pallas" (one launch for every weight) or "xla" (the reference);
     interpret: Pallas interpret mode (default: on the CPU); config: tiling override (one
     StreamTiling per weight)."""
-    gated = isinstance(x, SwiGLURows)
-    if gated:
-        check_swiglu_rows(x, norm)
-    rows = jax.ShapeDtypeStruct(x.shape, x.dtype) if gated else x
-    check_operands(rows, weights)
-    out_dtypes = out_dtypes_of(rows, weights, out_dtypes)
-    if norm is not None and norm.weight.shape != (rows.shape[1],):
-        raise ValueError(f"norm weight must be [K={rows.shape[1]}], got shape "
+    check_operands(x, weights)
+    out_dtypes = out_dtypes_of(x, weights, out_dtypes)
+    if norm is not None and norm.weight.shape != (x.shape[1],):
+        raise ValueError(f"norm weight must be [K={x.shape[1]}], got shape "
                          f"{norm.weight.shape}")
     keep_partials = tuple(sorted(set(keep_partials)))
     for i in keep_partials:
-        if not 0 <= i < len(weights):
-            raise ValueError(f"keep_partials names product {i} of {len(weights)}")
+        if not 0 <= i < len(weights) or out_dtypes[i] != jnp.float32:
+            raise ValueError(f"keep_partials names product {i}: it must be a float32 product "
+                             f"of the {len(weights)}")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
@@ -210,35 +207,14 @@ def stream_matmul(x: jax.Array | SwiGLURows, weights: Sequence[jax.Array], *, ou
         return stream_matmul_reference(x, weights, out_dtypes, norm=norm,
                                        keep_partials=keep_partials)
     shapes = tuple(w.shape for w in weights)
-    operand_bytes = jnp.dtype(rows.dtype).itemsize
-    splits = x.gate.shape[0] if gated else 0
-    if gated and config is None and not all(
-            swiglu_rows_fit(device_spec(), shape, splits, operand_bytes=operand_bytes)
-            for shape in shapes):
-        raise ValueError(f"SwiGLU rows from {splits} partial sums do not fit a launch of "
-                         f"{shapes} on {device_spec().name}: check `swiglu_rows_fit` first")
-    config = config or select_config(device_spec(), rows.shape[0], shapes,
-                                     operand_bytes=operand_bytes, gated_splits=splits)
+    config = config or select_config(device_spec(), x.shape[0], shapes,
+                                     operand_bytes=x.dtype.itemsize)
     if len(config.tilings) != len(weights):
         raise ValueError(f"config has {len(config.tilings)} tilings for {len(weights)} weights")
     for (k, n), t in zip(shapes, config.tilings):
         if n % t.block_n or k % (t.splits * t.block_k):
             raise ValueError(f"tiling {t} does not divide weight shape {(k, n)}")
-    extra = {} if norm is None else dict(norm_weight=norm.weight, eps=float(norm.eps))
-    if gated:
-        extra.update(swiglu_limit=x.limit, gated=True)
-        x = (x.gate, x.up)
+    norm_args = {} if norm is None else dict(norm_weight=norm.weight, eps=float(norm.eps))
     return stream_matmul_pallas(x, tuple(weights), config=config, out_dtypes=out_dtypes,
                                 keep_partials=keep_partials,
-                                interpret=resolve_interpret(interpret), **extra)
-
-
-def check_swiglu_rows(rows: SwiGLURows, norm: RowNorm | None) -> None:
-    if rows.gate.ndim != 3 or rows.up.shape != rows.gate.shape:
-        raise ValueError(f"SwiGLU rows need gate and up partial sums of one shape [S, M, K], "
-                         f"got {rows.gate.shape} and {rows.up.shape}")
-    if rows.gate.dtype != jnp.float32 or rows.up.dtype != jnp.float32:
-        raise ValueError(f"SwiGLU partial sums must be float32, got {rows.gate.dtype}, "
-                         f"{rows.up.dtype}")
-    if norm is not None:
-        raise ValueError("a launch takes a norm or SwiGLU rows, not both")
+                                interpret=resolve_interpret(interpret), **norm_args)

@@ -16,9 +16,6 @@ order in every program, so every program scales a row alike), then normalises ea
 it loads it. The programs of weight 0's first column tile, whose splits cover K once between
 them, also store the normed tiles: the normed rows [M, K] in x's dtype, the launch's first
 output, for the consumers of the same rows that do not stream (the routed experts).
-
-With SwiGLU rows (`gated`) each program forms every x tile it loads from the fp32 partial
-sums of gate and up that an earlier launch kept (`pallas_kernels.stream_rows`).
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gmm_tuning import largest_dividing, pow2_at_least_16
-from pallas_kernels.moe_experts import swiglu
-from pallas_kernels.partials import ordered_sum, sum_in_order
+from pallas_kernels.partials import ordered_sum
 from pallas_kernels.tiles import check_tile_sizes, iota
 
 NORM_BLOCK = 256  # columns per step of a row norm's sum of squares (at most; dividing K)
@@ -89,42 +85,22 @@ def _row_scale(x_ref, tile, valid, *, norm_block: int, eps: float):
     return lax.rsqrt(total / k + eps)
 
 
-def _swiglu_tile(gate_ref, up_ref, tile, ks, valid, *, dtype, limit):
-    """The SwiGLU rows of one [rows, bk] tile from gate's and up's partial sums
-    (`stream_rows.swiglu_rows`' math: each sum rounded to `dtype`, the SwiGLU in fp32)."""
-    def summed(ref):
-        return sum_in_order(plgpu.load(ref.at[jnp.int32(s), tile, ks], mask=valid, other=0.0)
-                            for s in range(ref.shape[0])).astype(dtype).astype(jnp.float32)
-
-    return swiglu(summed(gate_ref), summed(up_ref), limit).astype(dtype)
-
-
-def _kernel(*refs, config: StreamConfig, starts: tuple[int, ...], norm_block: int | None,
-            eps: float, gated: bool, limit: float | None):
+def _kernel(x_ref, *refs, config: StreamConfig, starts: tuple[int, ...],
+            norm_block: int | None, eps: float):
     """Program `pid` of weight i (starts[i] <= pid < starts[i + 1]): one column tile, one
-    K split. The refs: x (gated: gate's and up's partial sums), the norm weight (with a
-    norm), the weights, the normed rows (with a norm), the outputs."""
+    K split. With a row norm the refs are (norm weight, weights..., normed, outputs...)."""
     count = len(config.tilings)
-    refs = list(refs)
-    x_refs = [refs.pop(0) for _ in range(1 + gated)]
-    norm_ref = refs.pop(0) if norm_block else None
-    w_refs, refs = refs[:count], refs[count:]
-    normed_ref = refs.pop(0) if norm_block else None
-    out_refs = refs
-    dtype = w_refs[0].dtype
-    rows = x_refs[0].shape[1] if gated else x_refs[0].shape[0]
+    if norm_block:
+        norm_ref, w_refs, normed_ref, out_refs = (refs[0], refs[1:count + 1],
+                                                  refs[count + 1], refs[count + 2:])
+    else:
+        w_refs, out_refs = refs[:count], refs[count:]
     pid = pl.program_id(0)
-    tile_rows = padded_rows(rows)
+    tile_rows = padded_rows(x_ref.shape[0])
     tile = pl.ds(0, tile_rows)
-    valid = (iota((tile_rows,), 0) < rows)[:, None]
-    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
-    scale = (_row_scale(x_refs[0], tile, valid, norm_block=norm_block, eps=eps) if norm_block
-             else None)
-
-    def load_x(ks):
-        if gated:
-            return _swiglu_tile(*x_refs, tile, ks, valid, dtype=dtype, limit=limit)
-        return plgpu.load(x_refs[0].at[tile, ks], mask=valid, other=0)
+    valid = (iota((tile_rows,), 0) < x_ref.shape[0])[:, None]
+    precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else lax.Precision.DEFAULT
+    scale = _row_scale(x_ref, tile, valid, norm_block=norm_block, eps=eps) if norm_block else None
 
     for i, (tiling, w_ref, out_ref, start, end) in enumerate(
             zip(config.tilings, w_refs, out_refs, starts, starts[1:])):
@@ -138,10 +114,10 @@ def _kernel(*refs, config: StreamConfig, starts: tuple[int, ...], norm_block: in
 
             def body(j, acc):
                 ks = pl.ds((split * steps + j) * bk, bk)
-                x = load_x(ks)
-                if norm_block:  # RMSNorm's fp32 math in rms_norm's order
+                x = plgpu.load(x_ref.at[tile, ks], mask=valid, other=0)
+                if norm_block:  # RMSNorm's fp32 math in rms_norm_reference's order
                     x = (x.astype(jnp.float32) * scale
-                         * norm_ref[ks].astype(jnp.float32)[None, :]).astype(dtype)
+                         * norm_ref[ks].astype(jnp.float32)[None, :]).astype(x_ref.dtype)
                     if i == 0:
                         @pl.when(n == 0)
                         def _():
@@ -156,48 +132,44 @@ def _kernel(*refs, config: StreamConfig, starts: tuple[int, ...], norm_block: in
 
 
 @functools.partial(jax.jit, static_argnames=("config", "out_dtypes", "eps", "keep_partials",
-                                             "gated", "swiglu_limit", "interpret"))
+                                             "interpret"))
 def stream_matmul_pallas(x, weights, *, config: StreamConfig, out_dtypes: tuple | None = None,
                          norm_weight=None, eps: float = 0.0, keep_partials: tuple = (),
-                         gated: bool = False, swiglu_limit: float | None = None,
                          interpret: bool):
     """The kernel (operands and tiling already checked by `pallas_kernels.stream_matmul`).
 
-    Args: x [M, K] in the weights' dtype, or with `gated` a pair (gate, up) of fp32 partial
-    sums [S, M, K] whose SwiGLU (clamped by `swiglu_limit`) are the rows; weights: tuple of
-    [K, N_i]; config: one tiling per weight; out_dtypes: each product's dtype (None: the
-    weights'); norm_weight: [K] (any float dtype) to multiply RMSNorm(x) with that weight
-    and `eps` (None: x itself); keep_partials: indices of products returned as their fp32
-    partial sums [splits, M, N_i], not added.
-    Returns a tuple of [M, N_i] (or partials), after the normed rows [M, K] with a norm.
+    Args: x [M, K]; weights: tuple of [K, N_i] in x's dtype; config: one tiling per weight;
+    out_dtypes: each product's dtype (None: x.dtype); norm_weight: [K] (any float dtype) to
+    multiply RMSNorm(x) with that weight and `eps` (None: x itself); keep_partials: indices
+    of fp32 products returned as their partial sums [splits, M, N_i], not added.
+    Returns a tuple of [M, N_i] (or partials), after the normed rows [M, K] in x's dtype
+    with a norm.
     """
-    x_args = tuple(x) if gated else (x,)
-    dtype = weights[0].dtype
-    out_dtypes = out_dtypes or (dtype,) * len(weights)
-    rows, k = x_args[0].shape[-2:]
+    out_dtypes = out_dtypes or (x.dtype,) * len(weights)
+    rows, k = x.shape
     counts = [t.programs(w.shape[1]) for t, w in zip(config.tilings, weights)]
     starts = tuple(itertools.accumulate(counts, initial=0))
-    out_shape = tuple(
-        jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32 if i in keep_partials else dtype_i)
-        if t.splits == 1 else jax.ShapeDtypeStruct((t.splits, rows, w.shape[1]), jnp.float32)
-        for i, (t, w, dtype_i) in enumerate(zip(config.tilings, weights, out_dtypes)))
+    out_shape = tuple(jax.ShapeDtypeStruct((rows, w.shape[1]), dtype) if t.splits == 1
+                      else jax.ShapeDtypeStruct((t.splits, rows, w.shape[1]), jnp.float32)
+                      for t, w, dtype in zip(config.tilings, weights, out_dtypes))
     norm_block, norm_args = None, ()
     if norm_weight is not None:
         norm_block = largest_dividing(NORM_BLOCK, k)
         norm_args = (norm_weight,)
-        out_shape = (jax.ShapeDtypeStruct((rows, k), dtype), *out_shape)
+        out_shape = (jax.ShapeDtypeStruct((rows, k), x.dtype), *out_shape)
     outputs = pl.pallas_call(
         functools.partial(_kernel, config=config, starts=starts, norm_block=norm_block,
-                          eps=eps, gated=gated, limit=swiglu_limit),
+                          eps=eps),
         out_shape=out_shape,
         grid=(starts[-1],),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="stream_matmul",
-    )(*x_args, *norm_args, *weights)
+    )(x, *norm_args, *weights)
     normed, partials = (outputs[:1], outputs[1:]) if norm_block else ((), outputs)
     return normed + tuple(
         (p[None] if t.splits == 1 else p) if i in keep_partials
-        else p if t.splits == 1 else ordered_sum(p).astype(dtype_i)
-        for i, (t, p, dtype_i) in enumerate(zip(config.tilings, partials, out_dtypes)))
+        else p if t.splits == 1 else ordered_sum(p).astype(dtype)
+        for i, (t, p, dtype) in enumerate(zip(config.tilings, partials, out_dtypes)))
+

@@ -1,6 +1,5 @@
 """`pallas_kernels.stream_matmul`: several weights of one few-row input in one launch, split
-along K, with or without the RMSNorm of its input, or on SwiGLU rows it forms from partial
-sums, against a float64 NumPy oracle; in
+along K, with or without the RMSNorm of its input, against a float64 NumPy oracle; in
 interpret mode on the CPU and compiled on a GPU (marker `gpu`, the same cases plus the real
 decode launches); the tiling rule; bad input."""
 
@@ -15,16 +14,16 @@ from pallas_kernels.stream_matmul import (
     PARTIAL_SHARE,
     PROGRAMS_PER_SM,
     STREAM_ROWS,
+    RowNorm,
     estimate_shared_memory,
     max_stream_splits,
     padded_rows,
+    rms_norm,
     select_config,
     select_tiling,
     stream_matmul,
-    swiglu_rows_fit,
 )
 from pallas_kernels.stream_matmul_pallas import StreamConfig, StreamTiling
-from pallas_kernels.stream_rows import RowNorm, SwiGLURows, rms_norm, swiglu_rows
 from pallas_kernels.tuning import GB10, H200
 
 # name -> (rows, K, the N of each weight): one row, rows that are not a power of two, one
@@ -155,9 +154,8 @@ def test_fp32_outputs_gpu(rng, case):
 
 
 def test_kept_partials_add_up_to_the_products_interpret(rng):
-    """`keep_partials`: products come back as their fp32 partial sums (four splits, one, two,
-    and one for the reference), whose ordered sum in the product's dtype is the product the
-    launch returns."""
+    """`keep_partials`: fp32 products come back as their partial sums (four splits, two, and
+    one for the reference), whose ordered sum is the product the launch returns."""
     config = StreamConfig((StreamTiling(block_n=16, block_k=16, splits=4),
                            StreamTiling(block_n=32, block_k=32, splits=1),
                            StreamTiling(block_n=16, block_k=16, splits=2)))
@@ -166,63 +164,16 @@ def test_kept_partials_add_up_to_the_products_interpret(rng):
     out_dtypes = (jnp.float32, jnp.bfloat16, jnp.float32)
     whole = stream_matmul(x, weights, out_dtypes=out_dtypes, config=config, interpret=True)
     kept = stream_matmul(x, weights, out_dtypes=out_dtypes, config=config, interpret=True,
-                         keep_partials=(0, 1, 2))
-    assert [p.shape for p in kept] == [(4, 3, 48), (1, 3, 32), (2, 3, 16)]
-    for p, product in zip(kept, whole):
-        assert p.dtype == jnp.float32
-        np.testing.assert_array_equal(np.asarray(ordered_sum(p).astype(product.dtype)),
-                                      np.asarray(product))
+                         keep_partials=(0, 2))
+    assert kept[0].shape == (4, 3, 48) and kept[2].shape == (2, 3, 16)
+    for i in (0, 2):
+        np.testing.assert_array_equal(np.asarray(ordered_sum(kept[i])), np.asarray(whole[i]))
+    np.testing.assert_array_equal(np.asarray(kept[1]), np.asarray(whole[1]))
     reference = stream_matmul(x, weights, out_dtypes=out_dtypes, implementation="xla",
                               keep_partials=(0,))
     assert reference[0].shape == (1, 3, 48)
     np.testing.assert_allclose(np.asarray(reference[0][0]), np.asarray(whole[0]), rtol=1e-5,
                                atol=1e-5)
-
-
-def check_swiglu_rows(rng, rows, k, widths, dtype, interpret, limit, splits, config=None):
-    """SwiGLU rows from `splits` partial sums of gate and up: the products against float64
-    products of the rows `swiglu_rows` forms, which are checked against a float64 SwiGLU of
-    the rounded sums."""
-    gate, up = (jnp.asarray(rng.standard_normal((splits, rows, k)) * 2, jnp.float32)
-                for _ in range(2))
-    weights = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype) for n in widths]
-    source = SwiGLURows(gate, up, limit, dtype)
-    formed = np.asarray(swiglu_rows(source), np.float64)
-    g, u = (np.asarray(ordered_sum(p).astype(dtype), np.float64) for p in (gate, up))
-    if limit is not None:
-        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
-    ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -20
-    np.testing.assert_allclose(formed, g / (1 + np.exp(-g)) * u, rtol=ulp, atol=1e-6)
-    outs = stream_matmul(source, weights, interpret=interpret, config=config)
-    for out, w in zip(outs, weights):
-        assert out.shape == (rows, w.shape[1]) and out.dtype == dtype
-        expected = formed @ np.asarray(w, np.float64)
-        tol = 1e-5 if dtype == jnp.float32 else 2e-2
-        np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tol,
-                                   atol=tol * np.abs(expected).max())
-
-
-# SwiGLU rows: the shared expert's clamp and none, one partial and several, bf16 and fp32.
-SWIGLU_CASES = {"bf16-clamp-3": (jnp.bfloat16, 10.0, 3), "fp32-plain-1": (jnp.float32, None, 1)}
-
-
-@pytest.mark.parametrize("case", sorted(SWIGLU_CASES))
-def test_swiglu_rows_interpret(rng, case):
-    """bf16 on four and two K splits of the weights: each split forms its own tiles."""
-    dtype, limit, splits = SWIGLU_CASES[case]
-    config = (StreamConfig((StreamTiling(block_n=16, block_k=16, splits=4),
-                            StreamTiling(block_n=16, block_k=16, splits=2)))
-              if dtype == jnp.bfloat16 else None)
-    check_swiglu_rows(rng, 5, 64, (48, 32), dtype, interpret=True, limit=limit, splits=splits,
-                      config=config)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, STREAM_ROWS])
-def test_swiglu_rows_real_launch_gpu(rng, rows):
-    """kimi's shared-expert down launch, from the four partial sums of its gate and up."""
-    check_swiglu_rows(rng, rows, *REAL["kimi-shared-down"], jnp.bfloat16, interpret=False,
-                      limit=None, splits=4)
 
 
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
@@ -259,20 +210,6 @@ def test_tiling_rule(spec, shape):
             assert config.tilings == (tiling,)
             assert estimate_shared_memory(tiling, padded_rows(rows), config.num_stages,
                                           operand_bytes=operand_bytes) <= spec.smem_per_block
-
-
-def test_swiglu_rows_fit_by_the_weight_and_the_device():
-    """SwiGLU rows (two fp32 tiles a partial sum in every stage) for kimi's shared-expert
-    down launch from its gate's four partial sums: they fit the H200 at every row count
-    (fewer stages at more rows), not sm_121's 99 KB, whatever the rows."""
-    shape, splits = (1024, 2304), 4
-    assert swiglu_rows_fit(H200, shape, splits) and not swiglu_rows_fit(GB10, shape, splits)
-    for rows in (1, 5, 16, STREAM_ROWS):
-        config = select_config(H200, rows, [shape], gated_splits=splits)
-        assert estimate_shared_memory(config.tilings[0], padded_rows(rows), config.num_stages,
-                                      gated_splits=splits) <= H200.smem_per_block
-    assert select_config(H200, STREAM_ROWS, [shape], gated_splits=splits).num_stages == 1
-    assert select_config(H200, 1, [shape], gated_splits=splits).num_stages == 4
 
 
 def check_rows_invariant(rng, k, widths, dtype, interpret, config=None, norm=False):
@@ -343,19 +280,11 @@ def test_bad_operands():
     with pytest.raises(ValueError, match=r"norm weight must be \[K=32\]"):
         stream_matmul(x, [jnp.zeros((32, 16), jnp.float32)],
                       norm=RowNorm(jnp.ones((16,), jnp.float32), 1e-6))
-    with pytest.raises(ValueError, match="keep_partials names product 1 of 1"):
+    with pytest.raises(ValueError, match="keep_partials names product 1"):
         stream_matmul(x, [jnp.zeros((32, 16), jnp.float32)], keep_partials=(1,))
-    partials = jnp.zeros((2, 2, 32), jnp.float32)
-    with pytest.raises(ValueError, match="one shape"):
-        stream_matmul(SwiGLURows(partials, partials[:1], None, jnp.float32),
-                      [jnp.zeros((32, 16), jnp.float32)])
-    with pytest.raises(ValueError, match="must be float32"):
-        stream_matmul(SwiGLURows(partials.astype(jnp.bfloat16), partials, None, jnp.float32),
-                      [jnp.zeros((32, 16), jnp.float32)])
-    with pytest.raises(ValueError, match="not both"):
-        stream_matmul(SwiGLURows(partials, partials, None, jnp.float32),
-                      [jnp.zeros((32, 16), jnp.float32)],
-                      norm=RowNorm(jnp.ones((32,), jnp.float32), 1e-6))
+    with pytest.raises(ValueError, match="keep_partials names product 0"):
+        stream_matmul(x.astype(jnp.bfloat16), [jnp.zeros((32, 16), jnp.bfloat16)],
+                      keep_partials=(0,))
     with pytest.raises(ValueError, match="does not divide"):
         stream_matmul(x, [jnp.zeros((32, 16), jnp.float32)],
                       config=StreamConfig((StreamTiling(16, 16, 3),)))

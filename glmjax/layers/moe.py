@@ -27,7 +27,6 @@ from glmjax.layers.projection import on_one_gpu, project_rows, project_together,
 from pallas_kernels.gmm import default_implementation
 from pallas_kernels.moe_experts import routed_experts, swiglu
 from pallas_kernels.moe_routing import route_top_k
-from pallas_kernels.stream_rows import SwiGLURows
 
 if TYPE_CHECKING:
     from glmjax.sharding import ShardingPlan
@@ -52,15 +51,10 @@ class MLP(nnx.Module):
         on a mesh (`plan` unused)."""
         del plan
         with jax.named_scope("mlp"):
-            pair = (self.gate_proj, self.up_proj)
-            return self.down(*project_rows(x, pair, partials=pair)[1])
+            return self.down(*project_together(x, (self.gate_proj, self.up_proj)))
 
     def down(self, gate: jax.Array, up: jax.Array) -> jax.Array:
-        """The down projection of swiglu(gate, up): gate and up [T, I], or where they
-        streamed their fp32 partial sums [S, T, I], whose SwiGLU the down launch forms."""
-        if gate.ndim == 3:
-            rows = SwiGLURows(gate, up, self.limit, self.down_proj.dtype)
-            return project_together(rows, (self.down_proj,))[0]
+        """The down projection of swiglu(gate, up) (gate and up already projected)."""
         return self.down_proj(swiglu(gate, up, self.limit))
 
 
@@ -109,8 +103,8 @@ class MoE(nnx.Module):
         with jax.named_scope("moe"):
             shared = self.shared_experts
             with jax.named_scope("shared_experts"):  # with the router: one launch if they stream
-                projections = (shared.gate_proj, shared.up_proj, self.router)
-                x, (gate, up, logits) = project_rows(x, projections, partials=projections)
+                x, (gate, up, logits) = project_rows(
+                    x, (shared.gate_proj, shared.up_proj, self.router), partials=(self.router,))
             with jax.named_scope("router"):
                 weights, experts = self.route(logits)
             with jax.named_scope("routed_experts"):

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.kda_conv import l2_normalize as l2_normalize  # the one L2 norm
-from pallas_kernels.stream_rows import RowNorm, rms_norm
-from pallas_kernels.stream_rows import rms_normalize as rms_normalize  # the one RMSNorm
+from pallas_kernels.stream_matmul import RowNorm, rms_norm
+from pallas_kernels.stream_matmul import rms_normalize as rms_normalize  # the one RMSNorm
 
 GateActivation = Literal["sigmoid", "silu"]
 

@@ -27,9 +27,7 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.layers.norms import DeferredNorm
-from pallas_kernels.stream_matmul import STREAM_ROWS, stream_matmul, swiglu_rows_fit
-from pallas_kernels.stream_rows import SwiGLURows, swiglu_rows
-from pallas_kernels.tuning import device_spec
+from pallas_kernels.stream_matmul import STREAM_ROWS, stream_matmul
 
 
 def on_one_gpu() -> bool:
@@ -69,60 +67,45 @@ class Projection(nnx.Linear):
         return project_together(inputs, (self,))[0]
 
 
-Rows = jax.Array | DeferredNorm | SwiGLURows
-
-
-def project_together(inputs: Rows, projections: Sequence[Projection]) -> tuple[jax.Array, ...]:
+def project_together(inputs: jax.Array | DeferredNorm, projections: Sequence[Projection]
+                     ) -> tuple[jax.Array, ...]:
     """Every projection of one input [..., d_in] -> a tuple of [..., d_out_i]: those that
     stream (`Projection.streams`) in one `stream_matmul` launch, the rest as XLA products.
-    `inputs` may still owe its RMSNorm or its SwiGLU (`project_rows`)."""
+    `inputs` may still owe its RMSNorm (`project_rows`)."""
     return project_rows(inputs, projections)[1]
 
 
-def project_rows(inputs: Rows, projections: Sequence[Projection], *,
+def project_rows(inputs: jax.Array | DeferredNorm, projections: Sequence[Projection], *,
                  partials: Sequence[Projection] = ()
                  ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """`project_together`, and the rows projected: `inputs` itself, the normed rows of a
-    `DeferredNorm`, or the SwiGLU rows [T, d_in] of `SwiGLURows` (gate's and up's partial
-    sums), which a stream launch forms itself (returning the normed rows, not the SwiGLU
-    rows: None then) and XLA ops otherwise. A projection of `partials` that streams comes
-    as its fp32 partial sums [S, ..., d_out] for its consumer to add (`ordered_sum`, then
-    its dtype: the same bits), one launch fewer."""
-    deferred = inputs if isinstance(inputs, DeferredNorm | SwiGLURows) else None
-    x = deferred.x if isinstance(deferred, DeferredNorm) else inputs
+    """`project_together`, and the rows projected: `inputs` itself, or the normed rows of a
+    `DeferredNorm`, whose norm runs inside the stream launch when one streams (it returns
+    the normed rows too) and as XLA ops otherwise. A projection of `partials` (fp32 output)
+    that streams comes as its fp32 partial sums [S, ..., d_out] for its consumer to add
+    (`pallas_kernels.partials.ordered_sum`: the same bits), one launch fewer."""
+    deferred = inputs if isinstance(inputs, DeferredNorm) else None
+    x = deferred.x if deferred else inputs
     rows = math.prod(x.shape[:-1])
     streamed = [p for p in projections if p.streams(rows)]
     dtype = streamed[0].dtype if streamed else None  # one launch, one operand dtype
-    gated = isinstance(deferred, SwiGLURows)
-    if deferred is not None and (
-            jnp.dtype(x.dtype) != dtype or gated and (
-                len(streamed) < len(projections) or not all(
-                    swiglu_rows_fit(device_spec(), p.kernel.shape, deferred.gate.shape[0],
-                                    operand_bytes=jnp.dtype(dtype).itemsize)
-                    for p in streamed))):
-        # The launch would form the rows in another dtype than the XLA ops, XLA's products
-        # need the SwiGLU rows too, or their partial sums would not fit the launch's shared
-        # memory (a choice by the weight and the device alone): form them here.
-        x = swiglu_rows(deferred) if gated else deferred.value()
-        deferred, gated = None, False
+    if deferred and x.dtype != dtype:  # the launch's norm would see x cast: not the norm's
+        x, deferred = deferred.value(), None
     outputs = {}
     if streamed:
         if any(p.dtype != dtype for p in streamed):
             raise ValueError(f"project_together needs one dtype, got "
                              f"{sorted({str(p.dtype) for p in streamed})}")
         kept = tuple(i for i, p in enumerate(streamed) if any(p is q for q in partials))
-        norm = deferred.norm if isinstance(deferred, DeferredNorm) else None
-        products = stream_matmul(deferred if gated
-                                 else x.reshape(rows, x.shape[-1]).astype(dtype),
+        products = stream_matmul(x.reshape(rows, x.shape[-1]).astype(dtype),
                                  tuple(p.kernel[...].astype(dtype) for p in streamed),
                                  out_dtypes=tuple(p.out_dtype for p in streamed),
-                                 norm=norm, keep_partials=kept)
-        if norm is not None:
+                                 norm=deferred.norm if deferred else None,
+                                 keep_partials=kept)
+        if deferred:
             x, products = products[0].reshape(x.shape), products[1:]
         outputs = {id(p): y.reshape(*y.shape[:-2], *x.shape[:-1], y.shape[-1])
                    for p, y in zip(streamed, products)}
-    return (None if gated else x,
-            tuple(outputs[id(p)] if id(p) in outputs else p(x) for p in projections))
+    return x, tuple(outputs[id(p)] if id(p) in outputs else p(x) for p in projections)
 
 
 def projection(config: ModelConfig, d_in: int, d_out: int, *, rngs: nnx.Rngs,
