@@ -163,13 +163,14 @@ def lower_stream(spec: DeviceSpec, rows: int, shapes: tuple[tuple[int, int], ...
     k = shapes[0][0]
     x = jax.ShapeDtypeStruct((rows, k), dtype)
     weights = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in shapes)
-    norm_weight = jax.ShapeDtypeStruct((k,), jnp.float32) if norm else None
+    norm = ((jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((k,), jnp.float32))
+            if norm else (None, None))
 
-    def call(x, weights, norm_weight):
-        return stream_matmul_pallas(x, weights, config=config, norm_weight=norm_weight,
-                                    eps=1e-6, interpret=False)
+    def call(x, weights, norm):
+        return stream_matmul_pallas(x, weights, config=config, norm_sum_squares=norm[0],
+                                    norm_weight=norm[1], eps=1e-6, interpret=False)
 
-    (module,) = triton_modules(call, (x, weights, norm_weight), spec)
+    (module,) = triton_modules(call, (x, weights, norm), spec)
     return module, config
 
 

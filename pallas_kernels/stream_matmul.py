@@ -18,10 +18,11 @@ an XLA reduction (whose order may change with the rows), so a row's result does 
 on how many rows share the launch. MTP's verify step runs N + 1 rows per sequence where
 plain decoding runs one, and its greedy tokens must be the same.
 
-A launch may carry the RMSNorm of its input (`norm`): it then multiplies the normed rows and
-returns them first, so a decode step's norms are no launches of their own (two XLA fusions
-each, a sum of squares and the scaling, before). `rms_norm` is the norm's one definition;
-`glmjax.layers.norms.RMSNorm` applies it outside the stream.
+A launch may carry the RMSNorm of its input (`norm`): XLA sums each row's squares (one
+fusion, which also takes the residual add before it), the launch scales each x tile as it
+loads it and returns the normed rows first, so a decode step's norms cost one launch where
+they cost two. `rms_norm` is the norm's one definition; `glmjax.layers.norms.RMSNorm`
+applies it outside the stream.
 
 Implementations behind `stream_matmul`: "pallas" (`stream_matmul_pallas`, Triton lowering;
 interpret mode on the CPU) and "xla" (`stream_matmul_reference`: jnp.dot per weight in fp32
@@ -149,10 +150,15 @@ class RowNorm(NamedTuple):
     eps: float
 
 
-def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """``x / sqrt(mean(x**2, -1) + eps)`` in fp32."""
+def sum_squares(x: jax.Array) -> jax.Array:
+    """``sum(x**2, -1)`` in fp32, [..., 1]."""
     x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+    return jnp.sum(jnp.square(x), axis=-1, keepdims=True)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """``x / sqrt(mean(x**2, -1) + eps)`` in fp32 (the mean as sum / K)."""
+    return x.astype(jnp.float32) * jax.lax.rsqrt(sum_squares(x) / x.shape[-1] + eps)
 
 
 def rms_norm(x: jax.Array, norm: RowNorm) -> jax.Array:
@@ -182,8 +188,9 @@ def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *, out_dtypes=None
     1..STREAM_ROWS, K and every N multiples of 16, bf16 or fp32 operands.
 
     out_dtypes: each product's dtype, x.dtype or float32 (None: x.dtype for all);
-    norm: multiply `rms_norm(x, norm)` instead of x, computed in the launch, and return those
-    normed rows [M, K] (x's dtype) before the products;
+    norm: multiply `rms_norm(x, norm)` instead of x, and return those normed rows [M, K]
+    (x's dtype) before the products (XLA sums each row's squares, the launch scales the
+    rows);
     keep_partials: indices of float32 products returned as their fp32 partial sums
     [S, M, N_i] for the consumer to add (`pallas_kernels.partials.ordered_sum` gives the
     product bit for bit; S = the weight's K splits, 1 for the reference);
@@ -214,7 +221,8 @@ def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *, out_dtypes=None
     for (k, n), t in zip(shapes, config.tilings):
         if n % t.block_n or k % (t.splits * t.block_k):
             raise ValueError(f"tiling {t} does not divide weight shape {(k, n)}")
-    norm_args = {} if norm is None else dict(norm_weight=norm.weight, eps=float(norm.eps))
+    norm_args = {} if norm is None else dict(norm_sum_squares=sum_squares(x)[:, 0],
+                                             norm_weight=norm.weight, eps=float(norm.eps))
     return stream_matmul_pallas(x, tuple(weights), config=config, out_dtypes=out_dtypes,
                                 keep_partials=keep_partials,
                                 interpret=resolve_interpret(interpret), **norm_args)

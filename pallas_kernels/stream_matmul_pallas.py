@@ -10,12 +10,14 @@ weight of one split stores its [rows, N_i] result in that dtype directly. The ti
 power of two of at least 16 rows (the tensor cores' minimum): x's rows beyond its real ones
 are masked on load (read as zeros) and on store, so no padded copy of x is made.
 
-With a row norm (`norm_block` set) the launch multiplies RMSNorm(x) instead of x: every
-program first sums the squares of its rows over all of K in `norm_block` steps (the same
-order in every program, so every program scales a row alike), then normalises each x tile as
-it loads it. The programs of weight 0's first column tile, whose splits cover K once between
-them, also store the normed tiles: the normed rows [M, K] in x's dtype, the launch's first
-output, for the consumers of the same rows that do not stream (the routed experts).
+With a row norm (`norm_sum_squares` and `norm_weight` given) the launch multiplies the normed
+rows x / sqrt(mean(x**2) + eps) * weight instead of x (each row's sum of squares computed
+before, by XLA): each program scales every x tile as it loads it. The programs of weight 0's first
+column tile, whose splits cover K once between them, also store the normed tiles: the normed
+rows [M, K] in x's dtype, the launch's first output, for the consumers of the same rows that
+do not stream (the routed experts). (A first version summed each row's squares in every
+program before its k loop: ~9 us more a launch on an H100, more than the two XLA launches
+it saved.)
 """
 
 from __future__ import annotations
@@ -30,11 +32,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gmm_tuning import largest_dividing, pow2_at_least_16
+from pallas_kernels.gmm_tuning import pow2_at_least_16
 from pallas_kernels.partials import ordered_sum
 from pallas_kernels.tiles import check_tile_sizes, iota
-
-NORM_BLOCK = 256  # columns per step of a row norm's sum of squares (at most; dividing K)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,28 +71,15 @@ def padded_rows(rows: int) -> int:
     return pow2_at_least_16(rows)
 
 
-def _row_scale(x_ref, tile, valid, *, norm_block: int, eps: float):
-    """1 / sqrt(mean(x**2) + eps) of each row, fp32 [rows, 1], summed in norm_block steps."""
-    k = x_ref.shape[1]
-
-    def body(j, total):
-        x = plgpu.load(x_ref.at[tile, pl.ds(j * norm_block, norm_block)], mask=valid,
-                       other=0).astype(jnp.float32)
-        return total + jnp.sum(x * x, axis=1, keepdims=True)
-
-    total = lax.fori_loop(0, k // norm_block, body,
-                          jnp.zeros((valid.shape[0], 1), jnp.float32))
-    return lax.rsqrt(total / k + eps)
-
-
-def _kernel(x_ref, *refs, config: StreamConfig, starts: tuple[int, ...],
-            norm_block: int | None, eps: float):
+def _kernel(x_ref, *refs, config: StreamConfig, starts: tuple[int, ...], normed: bool,
+            eps: float):
     """Program `pid` of weight i (starts[i] <= pid < starts[i + 1]): one column tile, one
-    K split. With a row norm the refs are (norm weight, weights..., normed, outputs...)."""
+    K split. With a row norm the refs are (sum of squares, norm weight, weights..., normed
+    rows, outputs...)."""
     count = len(config.tilings)
-    if norm_block:
-        norm_ref, w_refs, normed_ref, out_refs = (refs[0], refs[1:count + 1],
-                                                  refs[count + 1], refs[count + 2:])
+    if normed:
+        squares_ref, norm_ref, w_refs, normed_ref, out_refs = (
+            refs[0], refs[1], refs[2:count + 2], refs[count + 2], refs[count + 3:])
     else:
         w_refs, out_refs = refs[:count], refs[count:]
     pid = pl.program_id(0)
@@ -100,7 +87,10 @@ def _kernel(x_ref, *refs, config: StreamConfig, starts: tuple[int, ...],
     tile = pl.ds(0, tile_rows)
     valid = (iota((tile_rows,), 0) < x_ref.shape[0])[:, None]
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else lax.Precision.DEFAULT
-    scale = _row_scale(x_ref, tile, valid, norm_block=norm_block, eps=eps) if norm_block else None
+    scale = None
+    if normed:  # `rms_scale`'s math: rsqrt(sum / K + eps)
+        squares = plgpu.load(squares_ref.at[tile], mask=valid[:, 0], other=0.0)[:, None]
+        scale = lax.rsqrt(squares / x_ref.shape[1] + eps)
 
     for i, (tiling, w_ref, out_ref, start, end) in enumerate(
             zip(config.tilings, w_refs, out_refs, starts, starts[1:])):
@@ -115,7 +105,7 @@ def _kernel(x_ref, *refs, config: StreamConfig, starts: tuple[int, ...],
             def body(j, acc):
                 ks = pl.ds((split * steps + j) * bk, bk)
                 x = plgpu.load(x_ref.at[tile, ks], mask=valid, other=0)
-                if norm_block:  # RMSNorm's fp32 math in rms_norm_reference's order
+                if normed:  # RMSNorm's fp32 math in rms_norm's order
                     x = (x.astype(jnp.float32) * scale
                          * norm_ref[ks].astype(jnp.float32)[None, :]).astype(x_ref.dtype)
                     if i == 0:
@@ -134,13 +124,15 @@ def _kernel(x_ref, *refs, config: StreamConfig, starts: tuple[int, ...],
 @functools.partial(jax.jit, static_argnames=("config", "out_dtypes", "eps", "keep_partials",
                                              "interpret"))
 def stream_matmul_pallas(x, weights, *, config: StreamConfig, out_dtypes: tuple | None = None,
-                         norm_weight=None, eps: float = 0.0, keep_partials: tuple = (),
-                         interpret: bool):
+                         norm_sum_squares=None, norm_weight=None, eps: float = 0.0,
+                         keep_partials: tuple = (), interpret: bool):
     """The kernel (operands and tiling already checked by `pallas_kernels.stream_matmul`).
 
     Args: x [M, K]; weights: tuple of [K, N_i] in x's dtype; config: one tiling per weight;
-    out_dtypes: each product's dtype (None: x.dtype); norm_weight: [K] (any float dtype) to
-    multiply RMSNorm(x) with that weight and `eps` (None: x itself); keep_partials: indices
+    out_dtypes: each product's dtype (None: x.dtype); norm_sum_squares fp32 [M] (each row's
+    sum of x**2), norm_weight [K] (any float dtype) and eps: multiply the normed rows
+    x / sqrt(sum / K + eps) * weight (None: x itself);
+    keep_partials: indices
     of fp32 products returned as their partial sums [splits, M, N_i], not added.
     Returns a tuple of [M, N_i] (or partials), after the normed rows [M, K] in x's dtype
     with a norm.
@@ -152,14 +144,12 @@ def stream_matmul_pallas(x, weights, *, config: StreamConfig, out_dtypes: tuple 
     out_shape = tuple(jax.ShapeDtypeStruct((rows, w.shape[1]), dtype) if t.splits == 1
                       else jax.ShapeDtypeStruct((t.splits, rows, w.shape[1]), jnp.float32)
                       for t, w, dtype in zip(config.tilings, weights, out_dtypes))
-    norm_block, norm_args = None, ()
-    if norm_weight is not None:
-        norm_block = largest_dividing(NORM_BLOCK, k)
-        norm_args = (norm_weight,)
+    normed = norm_weight is not None
+    norm_args = (norm_sum_squares, norm_weight) if normed else ()
+    if normed:
         out_shape = (jax.ShapeDtypeStruct((rows, k), x.dtype), *out_shape)
     outputs = pl.pallas_call(
-        functools.partial(_kernel, config=config, starts=starts, norm_block=norm_block,
-                          eps=eps),
+        functools.partial(_kernel, config=config, starts=starts, normed=normed, eps=eps),
         out_shape=out_shape,
         grid=(starts[-1],),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
@@ -167,8 +157,8 @@ def stream_matmul_pallas(x, weights, *, config: StreamConfig, out_dtypes: tuple 
         interpret=interpret,
         name="stream_matmul",
     )(x, *norm_args, *weights)
-    normed, partials = (outputs[:1], outputs[1:]) if norm_block else ((), outputs)
-    return normed + tuple(
+    rows_out, partials = (outputs[:1], outputs[1:]) if normed else ((), outputs)
+    return rows_out + tuple(
         (p[None] if t.splits == 1 else p) if i in keep_partials
         else p if t.splits == 1 else ordered_sum(p).astype(dtype)
         for i, (t, p, dtype) in enumerate(zip(config.tilings, partials, out_dtypes)))
