@@ -42,11 +42,10 @@ MLA_DECODE_BLOCKS, MLA_DECODE_BLOCK_SIZE = 17, 512
 HEAD_MATMUL_SHAPES = ((32, 128, 128), (64, 192, 256))
 HEAD_MATMUL_ROWS = 64
 # The decode projections' weight-stream launches (`glmjax.layers.projection`): kimi-linear-48b's
-# KDA input launch (q, k, v, f_a, g_a, beta of one input, with the layer's input RMSNorm, as
-# decode runs it) and its o projection, at 1 and 64 rows.
+# KDA input launch (q, k, v, f_a, g_a, beta of one input) and its o projection, at 1 and 64
+# rows.
 PROJECTION_LAUNCHES = {"kda_in": ((2304, 4096),) * 3 + ((2304, 128),) * 2 + ((2304, 32),),
                        "kda_o": ((4096, 2304),)}
-NORMED_LAUNCHES = ("kda_in",)
 PROJECTION_ROWS = (1, 64)
 PROJECTION_FP32 = ("kda_o", 1)  # one launch also in fp32 operands (fp32 models), at 1 row
 
@@ -156,21 +155,16 @@ def lower_mla_decode(spec: DeviceSpec, heads: int, kv_lora: int, rope: int, mask
 
 
 def lower_stream(spec: DeviceSpec, rows: int, shapes: tuple[tuple[int, int], ...],
-                 dtype=jnp.bfloat16, *, norm: bool = False) -> tuple[TritonModule, StreamConfig]:
-    """The Triton module of one weight-stream launch for `spec` and the runtime's tiling;
-    `norm`: with the RMSNorm of its input (fp32 weight)."""
+                 dtype=jnp.bfloat16) -> tuple[TritonModule, StreamConfig]:
+    """The Triton module of one weight-stream launch for `spec` and the runtime's tiling."""
     config = select_stream_config(spec, rows, shapes, operand_bytes=jnp.dtype(dtype).itemsize)
-    k = shapes[0][0]
-    x = jax.ShapeDtypeStruct((rows, k), dtype)
+    x = jax.ShapeDtypeStruct((rows, shapes[0][0]), dtype)
     weights = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in shapes)
-    norm = ((jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((k,), jnp.float32))
-            if norm else (None, None))
 
-    def call(x, weights, norm):
-        return stream_matmul_pallas(x, weights, config=config, norm_sum_squares=norm[0],
-                                    norm_weight=norm[1], eps=1e-6, interpret=False)
+    def call(x, weights):
+        return stream_matmul_pallas(x, weights, config=config, interpret=False)
 
-    (module,) = triton_modules(call, (x, weights, norm), spec)
+    (module,) = triton_modules(call, (x, weights), spec)
     return module, config
 
 
@@ -184,10 +178,8 @@ def check_projections(names: list[str]) -> list[KernelReport]:
     for name in names:
         spec = KNOWN_DEVICES[name]
         for launch, rows, dtype in cases:
-            module, config = lower_stream(spec, rows, PROJECTION_LAUNCHES[launch], dtype,
-                                          norm=launch in NORMED_LAUNCHES)
-            label = (f"{launch}{' norm' if launch in NORMED_LAUNCHES else ''} "
-                     f"{jnp.dtype(dtype).name} rows={rows} splits "
+            module, config = lower_stream(spec, rows, PROJECTION_LAUNCHES[launch], dtype)
+            label = (f"{launch} {jnp.dtype(dtype).name} rows={rows} splits "
                      f"{'/'.join(str(t.splits) for t in config.tilings)} "
                      f"w{config.num_warps} s{config.num_stages}")
             reports.append(compile_module(module, spec, 0, kernel="stream_matmul", shape=label))

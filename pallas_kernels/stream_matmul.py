@@ -18,12 +18,6 @@ an XLA reduction (whose order may change with the rows), so a row's result does 
 on how many rows share the launch. MTP's verify step runs N + 1 rows per sequence where
 plain decoding runs one, and its greedy tokens must be the same.
 
-A launch may carry the RMSNorm of its input (`norm`): XLA sums each row's squares (one
-fusion, which also takes the residual add before it), the launch scales each x tile as it
-loads it and returns the normed rows first, so a decode step's norms cost one launch where
-they cost two. `rms_norm` is the norm's one definition; `glmjax.layers.norms.RMSNorm`
-applies it outside the stream.
-
 Implementations behind `stream_matmul`: "pallas" (`stream_matmul_pallas`, Triton lowering;
 interpret mode on the CPU) and "xla" (`stream_matmul_reference`: jnp.dot per weight in fp32
 accumulation, the oracle).
@@ -32,7 +26,6 @@ accumulation, the oracle).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -143,54 +136,24 @@ def out_dtypes_of(x: jax.Array, weights: Sequence[jax.Array], out_dtypes) -> tup
     return dtypes
 
 
-class RowNorm(NamedTuple):
-    """An RMSNorm over the rows' last axis: weight [K] (any float dtype), eps."""
-
-    weight: jax.Array
-    eps: float
-
-
-def sum_squares(x: jax.Array) -> jax.Array:
-    """``sum(x**2, -1)`` in fp32, [..., 1]."""
-    x = x.astype(jnp.float32)
-    return jnp.sum(jnp.square(x), axis=-1, keepdims=True)
-
-
-def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """``x / sqrt(mean(x**2, -1) + eps)`` in fp32 (the mean as sum / K)."""
-    return x.astype(jnp.float32) * jax.lax.rsqrt(sum_squares(x) / x.shape[-1] + eps)
-
-
-def rms_norm(x: jax.Array, norm: RowNorm) -> jax.Array:
-    """``weight * x / sqrt(mean(x**2) + eps)`` over the last axis; fp32 math, x's dtype out."""
-    return (rms_normalize(x, norm.eps) * norm.weight.astype(jnp.float32)).astype(x.dtype)
-
-
 def stream_matmul_reference(x: jax.Array, weights: Sequence[jax.Array], out_dtypes=None, *,
-                            norm: RowNorm | None = None, keep_partials: Sequence[int] = ()
-                            ) -> tuple[jax.Array, ...]:
-    """The oracle: each x @ w_i accumulated in fp32 (HIGHEST precision), in out_dtypes[i];
-    with `norm`, of the normed rows, which come first. A product of `keep_partials` comes
-    as one partial sum [1, M, N_i] (the whole product)."""
-    normed = () if norm is None else (rms_norm(x, norm),)
-    rows = normed[0] if normed else x
-    products = (jnp.dot(rows, w, precision=jax.lax.Precision.HIGHEST,
+                            keep_partials: Sequence[int] = ()) -> tuple[jax.Array, ...]:
+    """The oracle: each x @ w_i accumulated in fp32 (HIGHEST precision), in out_dtypes[i]. A
+    product of `keep_partials` comes as one partial sum [1, M, N_i] (the whole product)."""
+    products = (jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST,
                         preferred_element_type=jnp.float32).astype(dtype)
                 for w, dtype in zip(weights, out_dtypes_of(x, weights, out_dtypes)))
-    return normed + tuple(p[None] if i in keep_partials else p for i, p in enumerate(products))
+    return tuple(p[None] if i in keep_partials else p for i, p in enumerate(products))
 
 
 def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *, out_dtypes=None,
-                  norm: RowNorm | None = None, keep_partials: Sequence[int] = (),
-                  implementation: str = "pallas", interpret: bool | None = None,
-                  config: StreamConfig | None = None) -> tuple[jax.Array, ...]:
+                  keep_partials: Sequence[int] = (), implementation: str = "pallas",
+                  interpret: bool | None = None, config: StreamConfig | None = None
+                  ) -> tuple[jax.Array, ...]:
     """x [M, K] @ each weights[i] [K, N_i] -> tuple of [M, N_i], accumulated in fp32; M in
     1..STREAM_ROWS, K and every N multiples of 16, bf16 or fp32 operands.
 
     out_dtypes: each product's dtype, x.dtype or float32 (None: x.dtype for all);
-    norm: multiply `rms_norm(x, norm)` instead of x, and return those normed rows [M, K]
-    (x's dtype) before the products (XLA sums each row's squares, the launch scales the
-    rows);
     keep_partials: indices of float32 products returned as their fp32 partial sums
     [S, M, N_i] for the consumer to add (`pallas_kernels.partials.ordered_sum` gives the
     product bit for bit; S = the weight's K splits, 1 for the reference);
@@ -199,9 +162,6 @@ def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *, out_dtypes=None
     StreamTiling per weight)."""
     check_operands(x, weights)
     out_dtypes = out_dtypes_of(x, weights, out_dtypes)
-    if norm is not None and norm.weight.shape != (x.shape[1],):
-        raise ValueError(f"norm weight must be [K={x.shape[1]}], got shape "
-                         f"{norm.weight.shape}")
     keep_partials = tuple(sorted(set(keep_partials)))
     for i in keep_partials:
         if not 0 <= i < len(weights) or out_dtypes[i] != jnp.float32:
@@ -211,8 +171,7 @@ def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *, out_dtypes=None
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
     if implementation == "xla":
-        return stream_matmul_reference(x, weights, out_dtypes, norm=norm,
-                                       keep_partials=keep_partials)
+        return stream_matmul_reference(x, weights, out_dtypes, keep_partials=keep_partials)
     shapes = tuple(w.shape for w in weights)
     config = config or select_config(device_spec(), x.shape[0], shapes,
                                      operand_bytes=x.dtype.itemsize)
@@ -221,8 +180,6 @@ def stream_matmul(x: jax.Array, weights: Sequence[jax.Array], *, out_dtypes=None
     for (k, n), t in zip(shapes, config.tilings):
         if n % t.block_n or k % (t.splits * t.block_k):
             raise ValueError(f"tiling {t} does not divide weight shape {(k, n)}")
-    norm_args = {} if norm is None else dict(norm_sum_squares=sum_squares(x)[:, 0],
-                                             norm_weight=norm.weight, eps=float(norm.eps))
     return stream_matmul_pallas(x, tuple(weights), config=config, out_dtypes=out_dtypes,
                                 keep_partials=keep_partials,
-                                interpret=resolve_interpret(interpret), **norm_args)
+                                interpret=resolve_interpret(interpret))

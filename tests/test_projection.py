@@ -13,11 +13,9 @@ import pytest
 from flax import nnx
 
 from glmjax.config import ModelConfig
-from glmjax.layers.norms import RMSNorm
 from glmjax.layers.projection import (
     Projection,
     default_implementation,
-    project_rows,
     project_together,
     projection,
 )
@@ -85,64 +83,19 @@ def test_project_together_gpu(rng, lead):
     check_together(rng, lead)
 
 
-def check_deferred_norm(rng, lead):
-    """A `DeferredNorm` input: the rows returned are the norm's (within one rounding where
-    the launch computes it), the projections those rows' products."""
-    config = ModelConfig.preset("tiny")
-    rngs = nnx.Rngs(int(rng.integers(1 << 30)))
-    layers = (projection(config, 32, 48, rngs=rngs),
-              projection(config, 32, 16, rngs=rngs, out_dtype=jnp.float32))
-    norm = RMSNorm(32, eps=config.rms_norm_eps)
-    norm.weight[...] = jnp.asarray(1 + 0.5 * rng.standard_normal(32), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((*lead, 32)), config.dtype)
-    rows, outs = project_rows(norm.defer(x), layers)
-    expected_rows = norm(x)
-    assert rows.shape == x.shape and rows.dtype == x.dtype
-    np.testing.assert_allclose(np.asarray(rows), np.asarray(expected_rows), rtol=2e-6, atol=0)
-    for out, layer in zip(outs, layers):
-        expected = np.asarray(rows, np.float64) @ np.asarray(layer.kernel[...], np.float64)
-        tol = 1e-5 if jax.default_backend() == "cpu" else 2e-3  # TF32 products on a GPU
-        np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tol, atol=tol)
-    return rows, expected_rows
-
-
-def test_deferred_norm_without_the_stream(rng):
-    """Nothing streams (the CPU): the norm runs as XLA ops, exactly RMSNorm's."""
-    rows, expected = check_deferred_norm(rng, (2, 3))
-    np.testing.assert_array_equal(np.asarray(rows), np.asarray(expected))
-
-
-def test_deferred_norm_in_the_stream(rng, monkeypatch):
-    """The CPU forced onto the stream route: the norm rides in the one launch."""
-    monkeypatch.setattr(projection_module, "default_implementation",
-                        lambda rows, d_in, d_out: "stream")
-    norms, real = [], projection_module.stream_matmul
-    monkeypatch.setattr(projection_module, "stream_matmul",
-                        lambda x, weights, **kw: norms.append(kw["norm"]) or real(x, weights,
-                                                                                   **kw))
-    check_deferred_norm(rng, (3,))
-    assert len(norms) == 1 and norms[0] is not None
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("lead", [(1,), (STREAM_ROWS,)])
-def test_deferred_norm_gpu(rng, lead):
-    check_deferred_norm(rng, lead)
-
-
 def test_partials_come_back_unsummed_where_they_stream(rng, monkeypatch):
     """`partials`: an fp32 projection's partial sums [S, ..., d_out] from the launch, whose
-    ordered sum is the product `project_together` returns; on XLA's route the product."""
+    ordered sum is the product without `partials`; on XLA's route the product."""
     config = ModelConfig.preset("tiny")
     rngs = nnx.Rngs(int(rng.integers(1 << 30)))
     layers = (projection(config, 32, 48, rngs=rngs),
               projection(config, 32, 16, rngs=rngs, out_dtype=jnp.float32))
     x = jnp.asarray(rng.standard_normal((2, 3, 32)), config.dtype)
-    _, (plain, logits) = project_rows(x, layers, partials=(layers[1],))
+    _, logits = project_together(x, layers, partials=(layers[1],))
     assert logits.shape == (2, 3, 16)  # nothing streams on the CPU
     monkeypatch.setattr(projection_module, "default_implementation",
                         lambda rows, d_in, d_out: "stream")
-    _, (streamed, partials) = project_rows(x, layers, partials=(layers[1],))
+    streamed, partials = project_together(x, layers, partials=(layers[1],))
     whole = project_together(x, layers)
     assert partials.ndim == 4 and partials.shape[1:] == (2, 3, 16)
     np.testing.assert_array_equal(np.asarray(ordered_sum(partials)), np.asarray(whole[1]))

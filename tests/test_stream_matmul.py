@@ -1,7 +1,6 @@
 """`pallas_kernels.stream_matmul`: several weights of one few-row input in one launch, split
-along K, with or without the RMSNorm of its input, against a float64 NumPy oracle; in
-interpret mode on the CPU and compiled on a GPU (marker `gpu`, the same cases plus the real
-decode launches); the tiling rule; bad input."""
+along K, against a float64 NumPy oracle; in interpret mode on the CPU and compiled on a GPU
+(marker `gpu`, the same cases plus the real decode launches); the tiling rule; bad input."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,11 +13,9 @@ from pallas_kernels.stream_matmul import (
     PARTIAL_SHARE,
     PROGRAMS_PER_SM,
     STREAM_ROWS,
-    RowNorm,
     estimate_shared_memory,
     max_stream_splits,
     padded_rows,
-    rms_norm,
     select_config,
     select_tiling,
     stream_matmul,
@@ -46,35 +43,10 @@ REAL = {
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 
-def random_norm(rng, k):
-    """An RMSNorm over k columns: fp32 weights around 1, the models' eps."""
-    return RowNorm(jnp.asarray(1 + 0.5 * rng.standard_normal(k), jnp.float32), 1e-6)
-
-
-def check_normed(normed, x, norm):
-    """The launch's normed rows: RMSNorm of x in float64, rounded once to x's dtype (within
-    one rounding of `rms_norm`, whose fp32 sum of squares runs in another order)."""
-    assert normed.shape == x.shape and normed.dtype == x.dtype
-    x64 = np.asarray(x, np.float64)
-    exact = (x64 / np.sqrt(np.mean(x64 ** 2, axis=1, keepdims=True) + norm.eps)
-             * np.asarray(norm.weight, np.float64))
-    ulp = 2.0 ** -7 if x.dtype == jnp.bfloat16 else 2.0 ** -22
-    np.testing.assert_allclose(np.asarray(normed, np.float64), exact, rtol=ulp, atol=0)
-    np.testing.assert_allclose(np.asarray(normed, np.float64),
-                               np.asarray(rms_norm(x, norm), np.float64), rtol=ulp, atol=0)
-
-
-def check(rng, rows, k, widths, dtype, interpret, config=None, out_dtypes=None, norm=False):
-    """With `norm`, the launch carries a random RMSNorm: its normed rows are checked, and
-    the products are checked against those rows."""
+def check(rng, rows, k, widths, dtype, interpret, config=None, out_dtypes=None):
     x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
     weights = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype) for n in widths]
-    row_norm = random_norm(rng, k) if norm else None
-    outs = stream_matmul(x, weights, interpret=interpret, config=config, out_dtypes=out_dtypes,
-                         norm=row_norm)
-    if norm:
-        check_normed(outs[0], x, row_norm)
-        x, outs = outs[0], outs[1:]
+    outs = stream_matmul(x, weights, interpret=interpret, config=config, out_dtypes=out_dtypes)
     assert len(outs) == len(weights)
     for out, w, out_dtype in zip(outs, weights, out_dtypes or (dtype,) * len(weights)):
         assert out.shape == (rows, w.shape[1]) and out.dtype == out_dtype
@@ -105,31 +77,6 @@ def test_stream_gpu(rng, case, dtype):
 @pytest.mark.parametrize("launch", sorted(REAL))
 def test_stream_real_launches_gpu(rng, launch, rows):
     check(rng, rows, *REAL[launch], jnp.bfloat16, interpret=False)
-
-
-# The row norm: awkward K (48 and 96 are no multiple of the norm's 256-column step), several
-# weights, rows off the tile; fp32 and bf16.
-NORM_CASES = {"rows-3-three-weights": jnp.bfloat16, "rows-40": jnp.float32,
-              "one-row": jnp.bfloat16}
-
-
-@pytest.mark.parametrize("case", sorted(NORM_CASES))
-def test_row_norm_interpret(rng, case):
-    check(rng, *CASES[case], NORM_CASES[case], interpret=True, norm=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", sorted(NORM_CASES))
-def test_row_norm_gpu(rng, case):
-    check(rng, *CASES[case], NORM_CASES[case], interpret=False, norm=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 5, STREAM_ROWS])
-@pytest.mark.parametrize("launch", ["kimi-kda-in", "kimi-shared-gate-up"])
-def test_row_norm_real_launches_gpu(rng, launch, rows):
-    """The decode launches that carry a norm (a KDA layer's input, the MoE's)."""
-    check(rng, rows, *REAL[launch], jnp.bfloat16, interpret=False, norm=True)
 
 
 # bf16 operands, some products kept in fp32 (the MoE router's logits beside the shared
@@ -176,14 +123,12 @@ def test_kept_partials_add_up_to_the_products_interpret(rng):
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
-def test_explicit_tiling_interpret(rng, norm):
-    """A tiling given by hand: one split per k step, one column tile, two warps; with a
-    norm, weight 0's four splits each store their quarter of the normed rows."""
+def test_explicit_tiling_interpret(rng):
+    """A tiling given by hand: one split per k step, one column tile, two warps."""
     config = StreamConfig((StreamTiling(block_n=16, block_k=16, splits=4),
                            StreamTiling(block_n=32, block_k=32, splits=1)), num_warps=2,
                           num_stages=2)
-    check(rng, 2, 64, (48, 64), jnp.float32, interpret=True, config=config, norm=norm)
+    check(rng, 2, 64, (48, 64), jnp.float32, interpret=True, config=config)
 
 
 @pytest.mark.parametrize("spec", [H200, GB10], ids=["h200", "gb10"])
@@ -212,17 +157,14 @@ def test_tiling_rule(spec, shape):
                                           operand_bytes=operand_bytes) <= spec.smem_per_block
 
 
-def check_rows_invariant(rng, k, widths, dtype, interpret, config=None, norm=False):
+def check_rows_invariant(rng, k, widths, dtype, interpret, config=None):
     """Each row of a launch of STREAM_ROWS rows equals, bit for bit, the same row launched
-    with fewer rows beside it (within one row tile and across tiles of 16, 32 and 64); its
-    normed row too, with a norm."""
+    with fewer rows beside it (within one row tile and across tiles of 16, 32 and 64)."""
     x = jnp.asarray(rng.standard_normal((STREAM_ROWS, k)), dtype)
     weights = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype) for n in widths]
-    row_norm = random_norm(rng, k) if norm else None
-    full = stream_matmul(x, weights, interpret=interpret, config=config, norm=row_norm)
+    full = stream_matmul(x, weights, interpret=interpret, config=config)
     for rows in (1, 3, 16, 17, 33):
-        part = stream_matmul(x[:rows], weights, interpret=interpret, config=config,
-                             norm=row_norm)
+        part = stream_matmul(x[:rows], weights, interpret=interpret, config=config)
         for a, b in zip(part, full):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[:rows])
 
@@ -236,15 +178,13 @@ def test_a_row_does_not_depend_on_the_rows_beside_it_interpret(rng, dtype):
     does, at the default tiling."""
     config = StreamConfig((StreamTiling(block_n=16, block_k=64, splits=4),
                            StreamTiling(block_n=16, block_k=16, splits=16)))
-    check_rows_invariant(rng, 1024, (64, 48), DTYPES[dtype], interpret=True, config=config,
-                         norm=dtype == "bf16")
+    check_rows_invariant(rng, 1024, (64, 48), DTYPES[dtype], interpret=True, config=config)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
 @pytest.mark.parametrize("launch", sorted(REAL))
-def test_a_row_does_not_depend_on_the_rows_beside_it_gpu(rng, launch, norm):
-    check_rows_invariant(rng, *REAL[launch], jnp.bfloat16, interpret=False, norm=norm)
+def test_a_row_does_not_depend_on_the_rows_beside_it_gpu(rng, launch):
+    check_rows_invariant(rng, *REAL[launch], jnp.bfloat16, interpret=False)
 
 
 @pytest.mark.parametrize("rows, k, widths, message", [
@@ -277,9 +217,6 @@ def test_bad_operands():
                       out_dtypes=(jnp.float32, jnp.float32))
     with pytest.raises(ValueError, match=r"out_dtypes\[0\] must be x's dtype or float32"):
         stream_matmul(x, [jnp.zeros((32, 16), jnp.float32)], out_dtypes=(jnp.int32,))
-    with pytest.raises(ValueError, match=r"norm weight must be \[K=32\]"):
-        stream_matmul(x, [jnp.zeros((32, 16), jnp.float32)],
-                      norm=RowNorm(jnp.ones((16,), jnp.float32), 1e-6))
     with pytest.raises(ValueError, match="keep_partials names product 1"):
         stream_matmul(x, [jnp.zeros((32, 16), jnp.float32)], keep_partials=(1,))
     with pytest.raises(ValueError, match="keep_partials names product 0"):
@@ -296,10 +233,4 @@ def test_xla_implementation_is_the_reference(rng):
     (out,) = stream_matmul(x, [w], implementation="xla")
     np.testing.assert_allclose(np.asarray(out, np.float64),
                                np.asarray(x, np.float64) @ np.asarray(w, np.float64),
-                               rtol=1e-5, atol=1e-5)
-    norm = random_norm(rng, 32)
-    normed, out = stream_matmul(x, [w], implementation="xla", norm=norm)
-    np.testing.assert_array_equal(np.asarray(normed), np.asarray(rms_norm(x, norm)))
-    np.testing.assert_allclose(np.asarray(out, np.float64),
-                               np.asarray(normed, np.float64) @ np.asarray(w, np.float64),
                                rtol=1e-5, atol=1e-5)

@@ -81,23 +81,20 @@ class DecoderBlock(nnx.Module):
         """
         return self.with_mixer(
             residual, lambda x: self._mix(x, batch, cache, decode, plan), plan=plan,
-            layer=layer, defer_norm=decode and isinstance(self.mixer, KDA))
+            layer=layer)
 
     def with_mixer(self, residual: jax.Array, mix: Callable, *,
-                   plan: ShardingPlan | None = None, layer: jax.Array | int | None = None,
-                   defer_norm: bool = False):
+                   plan: ShardingPlan | None = None, layer: jax.Array | int | None = None):
         """The block with ``mix`` (the normed rows [T, D] -> y [T, D] and whatever else
         it returns) in the mixer's place: returns the new residual and mix's extras.
         (``glmjax.mixed`` runs prefill and decode rows through their own mixer paths.)
-        `layer`: as `__call__`'s. `defer_norm`: mix takes the rows as a `DeferredNorm`
-        (its projections' launch applies the norm); the MLP always does."""
+        `layer`: as `__call__`'s."""
         with jax.named_scope("decoder_block"):
             x, mixing = self.mixer_residual.read(residual)
-            norm = self.input_layernorm
-            y, *extras = mix(norm.defer(x) if defer_norm else norm(x))
+            y, *extras = mix(self.input_layernorm(x))
             residual = self.mixer_residual.write(residual, y, mixing)
             x, mixing = self.mlp_residual.read(residual)
-            x = self.post_attention_layernorm.defer(x)
+            x = self.post_attention_layernorm(x)
             y = self.mlp(x, plan=plan) if layer is None else self.mlp(x, plan=plan, layer=layer)
             return self.mlp_residual.write(residual, y, mixing), *extras
 

@@ -19,7 +19,7 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.layers.conv import ShortConvolution
-from glmjax.layers.norms import DeferredNorm, GatedRMSNorm, l2_normalize
+from glmjax.layers.norms import GatedRMSNorm, l2_normalize
 from glmjax.layers.projection import on_one_gpu, project_together, projection
 from pallas_kernels import kda_decode, kda_prefill
 from pallas_kernels.kda import MIN_GATE_LOWER_BOUND
@@ -86,10 +86,10 @@ class KDA(nnx.Module):
                                    param_dtype=config.param_dtype)
         self.o_proj = linear(heads * dim, hidden)
 
-    def project(self, x: jax.Array | DeferredNorm) -> tuple[jax.Array, ...]:
+    def project(self, x: jax.Array) -> tuple[jax.Array, ...]:
         """x [T, D] -> (q, k, v) each [T, H K] (the conv's input channels in that order),
         f_a and g_a [T, K], beta fp32 [T, H]: the projections of the layer's input, in one
-        weight-stream launch where they stream (decode; with x's norm if it is deferred)."""
+        weight-stream launch where they stream (decode)."""
         q, k, v, f_a, g_a, b = project_together(
             x, (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj,
                 self.b_proj))
@@ -146,13 +146,12 @@ class KDA(nnx.Module):
             return KDAResult(y, KDAState(final, conv_history),
                              KDAState(snapshots, conv_snapshots))
 
-    def decode(self, x: jax.Array | DeferredNorm, pool: KDAState, state_slots: jax.Array, *,
+    def decode(self, x: jax.Array, pool: KDAState, state_slots: jax.Array, *,
                plan: ShardingPlan | None = None) -> tuple[jax.Array, KDAState]:
         """One token per row, on the layer's state pool.
 
-        Args: x [N, D] (or its norm still to apply: `project`); pool: every slot's state
-        (recurrent fp32 [S, H, K, V], conv [S, 3 H K, W - 1]), donated by the caller's
-        jit: row n's slot is updated in place;
+        Args: x [N, D]; pool: every slot's state (recurrent fp32 [S, H, K, V], conv
+        [S, 3 H K, W - 1]), donated by the caller's jit: row n's slot is updated in place;
         state_slots int32 [N], checked by the caller (`glmjax.state_pool.decode_slots`):
         -1 marks a padding row, which reads zeros and writes nothing.
         state_slots may also be a chain int32 [J, R] with N = J R (speculative
@@ -194,7 +193,7 @@ class KDA(nnx.Module):
             o = jnp.concatenate(outputs) if len(outputs) > 1 else outputs[0]
             if not fused:
                 gate = self.g_b_proj(g_a).reshape(o.shape)
-                o = self.o_norm(o, gate).reshape(chain.size, -1)
+                o = self.o_norm(o, gate).reshape(x.shape[0], -1)
             return self.o_proj(o), pool
 
     def _fused_step(self, inputs, part, pool, slots, *, beta):

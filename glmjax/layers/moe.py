@@ -22,8 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
-from glmjax.layers.norms import DeferredNorm
-from glmjax.layers.projection import on_one_gpu, project_rows, project_together, projection
+from glmjax.layers.projection import on_one_gpu, project_together, projection
 from pallas_kernels.gmm import default_implementation
 from pallas_kernels.moe_experts import routed_experts, swiglu
 from pallas_kernels.moe_routing import route_top_k
@@ -45,10 +44,8 @@ class MLP(nnx.Module):
         self.up_proj = linear(config.hidden_size, intermediate_size)
         self.down_proj = linear(intermediate_size, config.hidden_size)
 
-    def __call__(self, x: jax.Array | DeferredNorm, *, plan: ShardingPlan | None = None
-                 ) -> jax.Array:
-        """x [T, D] (or its norm still to apply) -> [T, D]; XLA partitions the projections
-        on a mesh (`plan` unused)."""
+    def __call__(self, x: jax.Array, *, plan: ShardingPlan | None = None) -> jax.Array:
+        """x [T, D] -> [T, D]; XLA partitions the projections on a mesh (`plan` unused)."""
         del plan
         with jax.named_scope("mlp"):
             return self.down(*project_together(x, (self.gate_proj, self.up_proj)))
@@ -89,13 +86,11 @@ class MoE(nnx.Module):
                            scaling=self.scaling, implementation=implementation,
                            partial_sums=logits.ndim == 3)
 
-    def __call__(self, x: jax.Array | DeferredNorm, *, plan: ShardingPlan | None = None,
+    def __call__(self, x: jax.Array, *, plan: ShardingPlan | None = None,
                  layer: jax.Array | int | None = None) -> jax.Array:
-        """x [T, D] (or its norm still to apply: folded into the shared experts' and the
-        router's launch where it streams) -> [T, D]. On a mesh (`plan`) a Pallas or tokamax
-        grouped GEMM runs per device on its slice of the intermediate (shard_map; XLA cannot
-        partition a custom kernel and would gather every expert's weights), ragged_dot is
-        left to XLA.
+        """x [T, D] -> [T, D]. On a mesh (`plan`) a Pallas or tokamax grouped GEMM runs per
+        device on its slice of the intermediate (shard_map; XLA cannot partition a custom
+        kernel and would gather every expert's weights), ragged_dot is left to XLA.
 
         `layer`: when the routed experts' weights are stacked over G layers ([G, E, D, I],
         as `glmjax.layer_scan` leaves them), the entry (int32 [] or int) this layer uses;
@@ -103,7 +98,7 @@ class MoE(nnx.Module):
         with jax.named_scope("moe"):
             shared = self.shared_experts
             with jax.named_scope("shared_experts"):  # with the router: one launch if they stream
-                x, (gate, up, logits) = project_rows(
+                gate, up, logits = project_together(
                     x, (shared.gate_proj, shared.up_proj, self.router), partials=(self.router,))
             with jax.named_scope("router"):
                 weights, experts = self.route(logits)

@@ -2,30 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.kda_conv import l2_normalize as l2_normalize  # the one L2 norm
-from pallas_kernels.stream_matmul import RowNorm, rms_norm
-from pallas_kernels.stream_matmul import rms_normalize as rms_normalize  # the one RMSNorm
 
 GateActivation = Literal["sigmoid", "silu"]
 
 
-class DeferredNorm(NamedTuple):
-    """Rows x [T, D] whose RMSNorm is still to apply: a consumer whose products stream folds
-    the norm into that launch (`glmjax.layers.projection.project_rows`), any other takes
-    `value()`. A decode step's norms so cost no launches of their own."""
-
-    x: jax.Array
-    norm: RowNorm
-
-    def value(self) -> jax.Array:
-        """The normed rows [T, D] in x's dtype."""
-        return rms_norm(self.x, self.norm)
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """``x / sqrt(mean(x**2, -1) + eps)`` in fp32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
 
 
 class RMSNorm(nnx.Module):
@@ -36,11 +27,8 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.defer(x).value()
-
-    def defer(self, x: jax.Array) -> DeferredNorm:
-        """x with this norm still to apply."""
-        return DeferredNorm(x, RowNorm(self.weight[...], self.eps))
+        return (rms_normalize(x, self.eps) * self.weight[...].astype(jnp.float32)
+                ).astype(x.dtype)
 
 
 class GatedRMSNorm(nnx.Module):

@@ -26,7 +26,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
-from glmjax.layers.norms import DeferredNorm
 from pallas_kernels.stream_matmul import STREAM_ROWS, stream_matmul
 
 
@@ -67,45 +66,29 @@ class Projection(nnx.Linear):
         return project_together(inputs, (self,))[0]
 
 
-def project_together(inputs: jax.Array | DeferredNorm, projections: Sequence[Projection]
-                     ) -> tuple[jax.Array, ...]:
+def project_together(inputs: jax.Array, projections: Sequence[Projection], *,
+                     partials: Sequence[Projection] = ()) -> tuple[jax.Array, ...]:
     """Every projection of one input [..., d_in] -> a tuple of [..., d_out_i]: those that
     stream (`Projection.streams`) in one `stream_matmul` launch, the rest as XLA products.
-    `inputs` may still owe its RMSNorm (`project_rows`)."""
-    return project_rows(inputs, projections)[1]
-
-
-def project_rows(inputs: jax.Array | DeferredNorm, projections: Sequence[Projection], *,
-                 partials: Sequence[Projection] = ()
-                 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """`project_together`, and the rows projected: `inputs` itself, or the normed rows of a
-    `DeferredNorm`, whose norm runs inside the stream launch when one streams (it returns
-    the normed rows too) and as XLA ops otherwise. A projection of `partials` (fp32 output)
-    that streams comes as its fp32 partial sums [S, ..., d_out] for its consumer to add
-    (`pallas_kernels.partials.ordered_sum`: the same bits), one launch fewer."""
-    deferred = inputs if isinstance(inputs, DeferredNorm) else None
-    x = deferred.x if deferred else inputs
-    rows = math.prod(x.shape[:-1])
+    A projection of `partials` (fp32 output) that streams comes as its fp32 partial sums
+    [S, ..., d_out] for its consumer to add (`pallas_kernels.partials.ordered_sum`: the
+    same bits), one launch fewer."""
+    rows = math.prod(inputs.shape[:-1])
     streamed = [p for p in projections if p.streams(rows)]
-    dtype = streamed[0].dtype if streamed else None  # one launch, one operand dtype
-    if deferred and x.dtype != dtype:  # the launch's norm would see x cast: not the norm's
-        x, deferred = deferred.value(), None
     outputs = {}
     if streamed:
+        dtype = streamed[0].dtype  # one launch, one operand dtype
         if any(p.dtype != dtype for p in streamed):
             raise ValueError(f"project_together needs one dtype, got "
                              f"{sorted({str(p.dtype) for p in streamed})}")
+        x = inputs.reshape(rows, inputs.shape[-1]).astype(dtype)
         kept = tuple(i for i, p in enumerate(streamed) if any(p is q for q in partials))
-        products = stream_matmul(x.reshape(rows, x.shape[-1]).astype(dtype),
-                                 tuple(p.kernel[...].astype(dtype) for p in streamed),
+        products = stream_matmul(x, tuple(p.kernel[...].astype(dtype) for p in streamed),
                                  out_dtypes=tuple(p.out_dtype for p in streamed),
-                                 norm=deferred.norm if deferred else None,
                                  keep_partials=kept)
-        if deferred:
-            x, products = products[0].reshape(x.shape), products[1:]
-        outputs = {id(p): y.reshape(*y.shape[:-2], *x.shape[:-1], y.shape[-1])
+        outputs = {id(p): y.reshape(*y.shape[:-2], *inputs.shape[:-1], y.shape[-1])
                    for p, y in zip(streamed, products)}
-    return x, tuple(outputs[id(p)] if id(p) in outputs else p(x) for p in projections)
+    return tuple(outputs[id(p)] if id(p) in outputs else p(inputs) for p in projections)
 
 
 def projection(config: ModelConfig, d_in: int, d_out: int, *, rngs: nnx.Rngs,
