@@ -37,12 +37,13 @@ verify() {
     tests/test_kda_kernel.py tests/test_layers_kda.py tests/test_model.py
 }
 
-# The nineteenth session's decode change on the GPU: the weight stream carrying its input's
-# RMSNorm (kernel, projection, MoE and KDA layers, the model's decode against prefill).
+# The decode path's weight stream and routing on the GPU (the nineteenth session's change:
+# the router's logits as the stream's partial sums, which the routing kernel adds): the
+# kernels, projection, MoE layer and the model's decode against prefill.
 verify_decode() {
   run_logged pytest_gpu_decode 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_stream_matmul.py tests/test_projection.py tests/test_layers_moe.py \
-    tests/test_model.py
+    tests/test_stream_matmul.py tests/test_moe_routing.py tests/test_projection.py \
+    tests/test_layers_moe.py tests/test_model.py
 }
 
 # Issue 20 / 18 at 8K after the seventeenth session: both gate paths (any decay now on the

@@ -25,6 +25,8 @@ def _kernel(logits_ref, bias_ref, weights_ref, ids_ref, *, top_k: int, scaling: 
     width = pow2_at_least_16(num_experts)
     lanes = iota((width,), 0)
     real = lanes < num_experts
+    # (the partial's index as an int32: a Python int beside the program id fails in
+    # interpret mode)
     logits = sum_in_order(plgpu.load(logits_ref.at[jnp.int32(s), t, pl.ds(0, width)], mask=real,
                                      other=0.0)
                           for s in range(logits_ref.shape[0]))
