@@ -120,20 +120,21 @@ decode_b1() {
 # The batch-1 step's host time by XLA's command-buffer mode, alternately on one machine:
 # the default (every call re-sets the CUDA graph's commands whose buffers moved) against
 # SKIP_TEMP (temporaries at a fixed virtual address, XLA's VMM allocator); then the
-# updates each mode makes per call, counted from XLA's log over 20 steps.
+# updates each mode makes per call, counted from XLA's log over 20 steps. On an H100:
+# DECODE_ARGS="--num-experts 64" (a batch-1 step reads 8 experts a layer either way).
 decode_b1_modes() {
   local i mode
   for i in 1 2; do
-    run_logged "decode_b1_default_$i" 150 python3 -m bench.decode --batches 1 --steps 200 \
+    run_logged "decode_b1_default_$i" 150 python3 -m bench.decode ${DECODE_ARGS:-} --batches 1 --steps 200 \
       --no-profile --json "$OUT/decode_b1_default_$i.json"
     XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP run_logged \
-      "decode_b1_skip_temp_$i" 150 python3 -m bench.decode --batches 1 --steps 200 \
+      "decode_b1_skip_temp_$i" 150 python3 -m bench.decode ${DECODE_ARGS:-} --batches 1 --steps 200 \
       --no-profile --json "$OUT/decode_b1_skip_temp_$i.json"
   done
   for mode in DEFAULT SKIP_TEMP; do
     XLA_FLAGS=$([ $mode = SKIP_TEMP ] && echo --xla_gpu_command_buffer_update_mode=SKIP_TEMP) \
       TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 \
-      run_logged "decode_b1_updates_$mode" 150 python3 -m bench.decode --batches 1 \
+      run_logged "decode_b1_updates_$mode" 150 python3 -m bench.decode ${DECODE_ARGS:-} --batches 1 \
       --steps 20 --no-profile --json "$OUT/decode_b1_updates_$mode.json"
     grep -o "Updated [0-9]* commands" "$OUT/decode_b1_updates_$mode.log" | sort | uniq -c \
       | sort -rn | head -n 12
