@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 
 from glmjax.batch import DecodeBatch, PrefillBatch
+from glmjax.model import DecodeBuffers
 from serving.batch_builder import BatchBuckets, BatchBuilder
 from serving.block_allocator import BlockAllocator
 from serving.engine import Engine, EngineConfig
@@ -83,18 +84,28 @@ class DryRun:
 
 
 def step_functions(engine: Engine) -> dict[str, Callable]:
-    """The jitted prefill and decode steps `engine` calls."""
-    return {"prefill": engine.steps.prefill, "decode": engine.steps.decode}
+    """Per step kind, ``lower(model_state, caches, device batch)`` of the jitted prefill and
+    decode programs `engine` calls (on one device its decode writes into pinned buffers,
+    `serving.pinned`)."""
+    steps, decode = engine.steps, engine.steps.decode.lower
+    if engine.pinned_decode:
+        vocab = engine.model_config.vocab_size
+
+        def decode(model_state, caches, batch):
+            buffers = jax.device_put(DecodeBuffers.zeros(batch.token_ids.shape[0], vocab))
+            return steps.decode_pinned.lower(model_state, caches, batch, buffers)
+    return {"prefill": steps.prefill.lower, "decode": decode}
 
 
 def precompile(steps: dict, batches: dict, model_state, caches, workers: int) -> list[dict]:
-    """Compiles every bucket ahead of its first call; seconds and memory of each. Abstract
-    weights suffice: the jitted step finds the executable again for the real ones."""
+    """Compiles every bucket ahead of its first call (``steps`` from `step_functions`);
+    seconds and memory of each. Abstract weights suffice: the jitted step finds the
+    executable again for the real ones."""
 
     def compile_bucket(item):
         key, batch = item
         start = time.perf_counter()
-        compiled = steps[key[0]].lower(model_state, caches, jax.device_put(batch)).compile()
+        compiled = steps[key[0]](model_state, caches, jax.device_put(batch)).compile()
         seconds = time.perf_counter() - start
         memory = compiled.memory_analysis()
         log(f"compiled {key} in {seconds:.1f} s")

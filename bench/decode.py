@@ -67,7 +67,7 @@ from bench.profile import (
     traceable,
 )
 from glmjax import compile_cache
-from glmjax.model import HybridModel, decode, decode_in_turn, decode_step
+from glmjax.model import HybridModel, decode_into, decode_step
 from glmjax.random_weights import random_model
 from glmjax.sharding import ModelSteps, single_device_steps
 from serving.compiles import CompileLog
@@ -204,7 +204,10 @@ def profile_step(session: Session, args, batch: int, rng, config, device_kind, s
     case = Case(session, args, batch, rng, config.vocab_size, name="profile")
     trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="decode_trace_"))
     try:
-        engine.steps = timed._replace(decode=traceable(decode_step, donate_argnums=1))
+        engine.steps = timed._replace(
+            decode=traceable(decode_step, donate_argnums=1),
+            decode_pinned=timed.decode_pinned and traceable(decode_into, donate_argnums=(1, 3),
+                                                            keep_unused=True))
         case.step()
         summary = profile_call(lambda: (case.step(), engine.caches)[1], trace_dir / "twin",
                                flops=None, device_kind=device_kind, step_s=step_s)
@@ -248,7 +251,7 @@ def run_benchmark(args) -> dict:
     log(f"{config.name}: drawing the weights while compiling")
     with CompileLog() as compile_log, concurrent.futures.ThreadPoolExecutor(1) as host:
         weights = host.submit(lambda: (random_model(config, args.seed), time.perf_counter()))
-        steps = model_steps(config, args.decode_executables)
+        steps = model_steps(config, args.unpinned)
         probe = Engine(config, abstract, engine_config(args), steps=steps)
         batches = dry_run_buckets(args, probe.builder.buckets, config)
         log(f"dry run: {len(batches)} buckets {sorted(batches)}")
@@ -319,13 +322,11 @@ def print_table(result: dict) -> None:
           + ("n/a" if peak is None else f"{peak / 2**30:.1f} GiB"))
 
 
-def model_steps(config, executables: int | None) -> ModelSteps | None:
-    """The engine's steps with its decode as one executable (`model.decode`) or two called
-    in turn (`model.decode_in_turn`); None (`executables` None) leaves the engine's pick."""
-    if executables is None:
-        return None
-    return single_device_steps(config)._replace(
-        decode=decode if executables == 1 else decode_in_turn)
+def model_steps(config, unpinned: bool) -> ModelSteps | None:
+    """With ``unpinned``, the engine's one-device steps without pinned decode buffers (each
+    step's batch, logits and status in new buffers, `serving.pinned`); else None, the
+    engine's own."""
+    return single_device_steps(config)._replace(decode_pinned=None) if unpinned else None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -354,9 +355,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
              "step (default: on a GPU, off with --quick)")
     add("--profile-batch", type=int, help="the batch traced (the largest of --batches)")
     add("--trace-dir", type=Path, help="where the trace goes (a new temp dir)")
-    add("--decode-executables", type=int, choices=(1, 2),
-        help="decode through one executable or two called in turn (default: the engine's "
-             "pick, one), to time what the alternation saves")
+    add("--unpinned", action="store_true",
+        help="decode without the pinned buffers (serving.pinned): the batch, logits and "
+             "status of each step in new buffers, as before 2026-12-06, to time what pinning "
+             "saves")
     add("--seed", type=int, default=0)
     add("--json", type=Path, help="output (bench/results/decode_<preset>.json)")
     compile_cache.add_arguments(parser)

@@ -117,27 +117,31 @@ decode_b1() {
   done
 }
 
-# The batch-1 step's host time by XLA's command-buffer mode, alternately on one machine:
-# the default (every call re-sets the CUDA graph's commands whose buffers moved) against
-# SKIP_TEMP (temporaries at a fixed virtual address, XLA's VMM allocator); then the
-# updates each mode makes per call, counted from XLA's log over 20 steps. On an H100:
-# DECODE_ARGS="--num-experts 64" (a batch-1 step reads 8 experts a layer either way).
-decode_b1_modes() {
+# The batch-1 step with the decode program's buffers pinned (serving.pinned, the engine's
+# default on one GPU) against --unpinned (each step's batch, logits and status in new
+# buffers), alternately on one machine; then XLA's log over 20 pinned steps: how many
+# allocations moved before each CUDA-graph launch and how many commands it re-set, under
+# the default allocator and under SKIP_TEMP. On an H100: DECODE_ARGS="--num-experts 64"
+# (a batch-1 step reads 8 experts a layer either way).
+decode_b1_pinned() {
   local i mode
   for i in 1 2; do
-    run_logged "decode_b1_default_$i" 150 python3 -m bench.decode ${DECODE_ARGS:-} --batches 1 --steps 200 \
-      --no-profile --json "$OUT/decode_b1_default_$i.json"
-    XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP run_logged \
-      "decode_b1_skip_temp_$i" 150 python3 -m bench.decode ${DECODE_ARGS:-} --batches 1 --steps 200 \
-      --no-profile --json "$OUT/decode_b1_skip_temp_$i.json"
+    run_logged "decode_b1_unpinned_$i" 150 python3 -m bench.decode ${DECODE_ARGS:-} --batches 1 \
+      --steps 200 --no-profile --unpinned --json "$OUT/decode_b1_unpinned_$i.json"
+    run_logged "decode_b1_pinned_$i" 150 python3 -m bench.decode ${DECODE_ARGS:-} --batches 1 \
+      --steps 200 --no-profile --json "$OUT/decode_b1_pinned_$i.json"
+    rm -f "$OUT/decode_b1_unpinned_$i.log" "$OUT/decode_b1_pinned_$i.log"  # tails printed
   done
   for mode in DEFAULT SKIP_TEMP; do
     XLA_FLAGS=$([ $mode = SKIP_TEMP ] && echo --xla_gpu_command_buffer_update_mode=SKIP_TEMP) \
       TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 \
-      run_logged "decode_b1_updates_$mode" 150 python3 -m bench.decode ${DECODE_ARGS:-} --batches 1 \
-      --steps 20 --no-profile --json "$OUT/decode_b1_updates_$mode.json"
+      run_logged "decode_b1_updates_$mode" 150 python3 -m bench.decode ${DECODE_ARGS:-} \
+      --batches 1 --steps 20 --no-profile --json "$OUT/decode_b1_updates_$mode.json"
+    grep -o "num_commands=[0-9]*; updated_allocs=[0-9]*" "$OUT/decode_b1_updates_$mode.log" \
+      | sort | uniq -c | sort -rn | head -n 8
     grep -o "Updated [0-9]* commands" "$OUT/decode_b1_updates_$mode.log" | sort | uniq -c \
-      | sort -rn | head -n 12
+      | sort -rn | head -n 8
+    rm -f "$OUT/decode_b1_updates_$mode.json"
   done
 }
 
@@ -244,7 +248,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_modes decode_b1_ab engine_host kda_full kda_times pingpong kda_prep conv decode_host decode glm_decode
+STEPS="setup verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_times pingpong kda_prep conv decode_host decode glm_decode
 ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then

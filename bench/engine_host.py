@@ -59,7 +59,7 @@ def kimi_tree_config() -> ModelConfig:
 def stub_steps(config: ModelConfig):
     """`single_device_steps` with prefill and decode as jitted stubs: same arguments (every
     leaf kept), caches donated and returned untouched, zero logits, status OK."""
-    def decode(model_state, caches, batch):
+    def decode(model_state, caches, batch, buffers=None):
         rows = batch.token_ids.shape[0]
         return DecodeOutput(jnp.zeros((rows, config.vocab_size), jnp.float32), caches,
                             jnp.int32(0))
@@ -72,6 +72,7 @@ def stub_steps(config: ModelConfig):
     options = dict(donate_argnums=1, keep_unused=True)
     return single_device_steps(config)._replace(
         decode=jax.jit(decode, **options),
+        decode_pinned=jax.jit(decode, **options | dict(donate_argnums=(1, 3))),
         prefill=jax.jit(prefill, static_argnames="return_logprobs", **options))
 
 
@@ -102,7 +103,8 @@ def timed_engine(config: ModelConfig, context: int, room: int) -> tuple[Engine, 
     model = HybridModel(config, nnx.Rngs(0))
     engine = Engine(config, model, engine_config, steps=stub_steps(config))
     timer = PhaseTimer()
-    engine.steps = engine.steps._replace(decode=timer.wrap("model call", engine.steps.decode))
+    engine.steps = engine.steps._replace(
+        decode_pinned=timer.wrap("model call", engine.steps.decode_pinned))
     validator = engine.builder.validator
     for obj, name, phase in ((engine.builder, "build", "batch"),
                              (validator, "validate_decode", "validation"),

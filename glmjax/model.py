@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from glmjax.alternating import Alternating
 from glmjax.batch import DecodeBatch, PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
@@ -247,6 +247,18 @@ class DecodeOutput(NamedTuple):
     status: jax.Array  # int32 [], a PoolStatus; caches untouched unless OK
 
 
+class DecodeBuffers(NamedTuple):
+    """Where `decode_pinned` writes a step's logits and status (donated each call)."""
+
+    logits: jax.Array  # fp32 [N, vocab]
+    status: jax.Array  # int32 []
+
+    @classmethod
+    def zeros(cls, num_rows: int, vocab_size: int) -> DecodeBuffers:
+        """Host zeros of the buffers' shapes (``jax.device_put`` them: no compile)."""
+        return cls(np.zeros((num_rows, vocab_size), np.float32), np.zeros((), np.int32))
+
+
 def _next_token_logprobs(model: HybridModel, hidden, token_ids, cu_seqlens):
     """log p(token_ids[t + 1]) at every row t whose next row is in the same span: fp32 [T].
 
@@ -323,10 +335,18 @@ def decode_step(model_state: ModelState, caches: Caches, batch: DecodeBatch, *,
     return DecodeOutput(logits, caches._replace(kda=kda, mla=tuple(out.mla_caches)), status)
 
 
+def decode_into(model_state: ModelState, caches: Caches, batch: DecodeBatch,
+                buffers: DecodeBuffers) -> DecodeOutput:
+    """`decode_step` with its logits and status written into `buffers` (donated, as the
+    caches are): every output of the program keeps its device address from call to call,
+    so XLA launches its CUDA graphs as recorded (`serving.pinned`)."""
+    del buffers  # donated and unread: XLA aliases each to the output of its shape
+    return decode_step(model_state, caches, batch)
+
+
 # One device; the mesh versions are `glmjax.sharding.ShardingPlan.steps()`.
 prefill = jax.jit(prefill_step, donate_argnums=1, static_argnames="return_logprobs",
                   compiler_options=STEP_OPTIONS)
 decode = jax.jit(decode_step, donate_argnums=1, compiler_options=STEP_OPTIONS)
-# Two executables called in turn (`glmjax.alternating`), for `bench.decode
-# --decode-executables 2`: through the engine they saved nothing (docs/PERFORMANCE.md).
-decode_in_turn = Alternating(decode_step, donate_argnums=1, compiler_options=STEP_OPTIONS)
+decode_pinned = jax.jit(decode_into, donate_argnums=(1, 3), keep_unused=True,
+                        compiler_options=STEP_OPTIONS)

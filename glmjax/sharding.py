@@ -44,6 +44,7 @@ from glmjax.model import (
     ModelState,
     PrefillOutput,
     decode,
+    decode_pinned,
     decode_step,
     prefill,
     prefill_step,
@@ -147,6 +148,10 @@ class ModelSteps(NamedTuple):
     # (model_state, caches, prefill batch, decode batch) -> MixedOutput: both in one forward
     # (`glmjax.mixed`); None where there is none (a mesh, for now).
     mixed: Callable | None = None
+    # (model_state, caches, batch, DecodeBuffers) -> DecodeOutput: decode writing its
+    # outputs into donated buffers (`glmjax.model.decode_pinned`, `serving.pinned`); None
+    # where the engine calls `decode` (a mesh, for now).
+    decode_pinned: Callable | None = None
 
     @property
     def dcp(self) -> int | None:
@@ -155,13 +160,11 @@ class ModelSteps(NamedTuple):
 
 
 def single_device_steps(config: ModelConfig) -> ModelSteps:
-    """The steps of `glmjax.model` on JAX's default device. Decode is one executable:
-    two called in turn (`decode_in_turn`) saved nothing through the engine on the H200
-    (batch 1, whole kimi: 3.53-3.85 ms a step against 3.55-3.63; docs/PERFORMANCE.md),
-    at a second compile."""
+    """The steps of `glmjax.model` on JAX's default device; the engine's decode steps call
+    `decode_pinned` (`serving.pinned`)."""
     return ModelSteps(prefill, decode, copy_state_slots, copy_kv_blocks,
                       lambda slots, blocks: Caches.init(config, slots, blocks),
-                      pure_state, None, DCPLayout(), mixed)
+                      pure_state, None, DCPLayout(), mixed, decode_pinned)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

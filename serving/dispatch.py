@@ -108,14 +108,20 @@ def feed_tokens(token_ids: jax.Array, sources: jax.Array, prefill_tokens: jax.Ar
 
 class StepDispatch:
     """The device side of ``serving.engine.Engine`` (a mixin: it reads the engine's
-    ``config``, ``steps``, ``builder``, ``caches``, ``_model_state``, ``_rows`` and
-    ``_counts``, and keeps ``caches`` on the live buffers after every call, as each donates
-    them)."""
+    ``config``, ``steps``, ``builder``, ``caches``, ``_model_state``, ``_rows``,
+    ``_pinned`` (a ``serving.pinned.PinnedDecode``), ``_speculative`` and ``_counts``, and
+    keeps ``caches`` on the live buffers after every call, as each donates them)."""
 
     @property
     def sampler_rows(self) -> int:
         """Rows of every sampler call and cache copy (the largest sequence bucket)."""
         return self._rows
+
+    @property
+    def pinned_decode(self) -> bool:
+        """Whether decode steps go through pinned buffers (``serving.pinned``): on one
+        device (``steps.decode_pinned``), without speculation (its own steps)."""
+        return self.steps.decode_pinned is not None and self._speculative is None
 
     @property
     def sampler(self):
@@ -151,8 +157,15 @@ class StepDispatch:
             statuses.append(("resume copies", self._copy_slots(step.resume_state_copies)))
         # The batches go to the steps as host arrays: jit's own dispatch copies them to the
         # device (~8 us for a decode batch on a CPU host) where jax.device_put took ~100.
+        # A decode step on one device goes through its bucket's pinned buffers instead.
+        pinned = self._pinned if self.pinned_decode and not mixed else None
         if decode_batch is not None:
-            decode_batch = self._fed(step, decode_batch, previous)
+            sources, tokens = self._sources(step, decode_batch.token_ids.shape, previous)
+            if pinned is not None:
+                decode_batch = pinned.stage(decode_batch, sources, tokens)
+            elif tokens is not None:
+                decode_batch = decode_batch._replace(
+                    token_ids=feed_tokens(decode_batch.token_ids, sources, *tokens))
         prefill_logits = decode_logits = None
         if mixed:
             out = self.steps.mixed(self._model_state, self.caches, prefill_batch, decode_batch)
@@ -165,7 +178,9 @@ class StepDispatch:
                 self.caches, prefill_logits = out.caches, out.logits
                 statuses.append(("prefill", out.status))
             if decode_batch is not None:
-                out = self.steps.decode(self._model_state, self.caches, decode_batch)
+                args = self._model_state, self.caches, decode_batch
+                out = (self.steps.decode(*args) if pinned is None
+                       else pinned.decode(self.steps.decode_pinned, *args))
                 self.caches, decode_logits = out.caches, out.logits
                 statuses.append(("decode", out.status))
         if step.retain_state_copies:
@@ -230,21 +245,23 @@ class StepDispatch:
         self._counts["device_wait_seconds"] += time.perf_counter() - start
         return values
 
-    def _fed(self, step: ScheduledStep, batch, previous: InFlight | None):
-        """The decode batch with its placeholder tokens taken from ``previous``'s samples
-        on the device (the batch unchanged when it has none)."""
+    @staticmethod
+    def _sources(step: ScheduledStep, shape: tuple[int], previous: InFlight | None):
+        """(sources int32 ``shape``, tokens) of the decode batch's placeholder tokens: per row -1
+        or the row of ``concat(tokens)`` holding its token, and ``previous``'s sampled
+        (prefill, decode) tokens, either standing for the other where absent; tokens None
+        when no row is a placeholder."""
+        sources = np.full(shape, -1, np.int32)
         fed = [i for i, d in enumerate(step.decodes) if d.token_id == PLACEHOLDER]
         if not fed:
-            return batch
+            return sources, None
         if previous is None:
             raise ValueError(f"step {step.step_id} decodes a placeholder with no step in flight")
-        sources = np.full(batch.token_ids.shape, -1, np.int32)
         for i in fed:
             sources[i] = previous.sources[step.decodes[i].request_id]
         first, second = previous.tokens
-        tokens = feed_tokens(batch.token_ids, sources, first if first is not None else second,
-                             second if second is not None else first)
-        return batch._replace(token_ids=tokens)
+        return sources, (first if first is not None else second,
+                         second if second is not None else first)
 
     def _pairs(self, copies) -> tuple[np.ndarray, np.ndarray]:
         """(sources, destinations) padded with -1 to the fixed row count: one compile."""

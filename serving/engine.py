@@ -52,6 +52,7 @@ from serving.block_allocator import BlockAllocator
 from serving.dispatch import InFlight, StepDispatch, StepRefusedError
 from serving.engine_config import EngineConfig
 from serving.outputs import EngineMetrics, FinishReason, RequestOutput, TrackedRequest
+from serving.pinned import PinnedDecode
 from serving.prefix_cache import PrefixCache
 from serving.request import SamplingParams
 from serving.sampling import SEED_LIMIT
@@ -133,6 +134,7 @@ class Engine(StepDispatch, StepFailures):
             buckets=buckets,
         )
         self._rows = buckets.seqs[-1]  # copies and sampled rows per step are at most this
+        self._pinned = PinnedDecode(self._rows, config.vocab_size)
         self._seeds = np.random.default_rng(engine_config.seed)
         self._tracked: dict[str, TrackedRequest] = {}
         self._aborted: list[RequestOutput] = []

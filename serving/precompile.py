@@ -7,7 +7,9 @@ copies and the sampler have one shape each (the sampler one program per
 ``serving.sampling.SamplerVariant``), the gather of the sampled rows one per
 sequence bucket, with asynchronous scheduling the feed of placeholder decode tokens one per
 sequence bucket, and with mixed steps the one forward over both kinds of rows one per
-(T, N, M). ``reachable_programs``
+(T, N, M). On one device a decode step writes its batch into the bucket's pinned buffers
+(``serving.pinned``: one staging program per (N, M), which feeds the placeholders too, and
+one copy of the status). ``reachable_programs``
 lists them all for an engine's buckets, and ``precompile`` compiles them on a thread pool
 (XLA compiles outside the GIL), with a progress bar. A later call of the same jitted step
 finds the executable in JAX's compilation cache, so it does not compile again; with the
@@ -32,9 +34,11 @@ import numpy as np
 from tqdm import tqdm
 
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
+from glmjax.model import DecodeBuffers
 from serving import speculative
 from serving.batch_builder import BatchBuckets
 from serving.dispatch import feed_tokens
+from serving.pinned import keep_status, stage_decode
 from serving.sampling import SAMPLER_VARIANTS, SamplerVariant, SamplingTensors
 
 SPECULATIVE_KINDS = ("spec_prefill", "verify", "draft_prefill", "draft_verify")
@@ -51,17 +55,19 @@ class Program:
     """One program an engine calls: its kind and static shape."""
 
     kind: str  # "prefill", "decode", "mixed", "copy_kv_blocks", "copy_state_slots",
-    #            "gather_rows", "sample", "feed", or one of SPECULATIVE_KINDS
-    shape: tuple[int, ...]  # prefill, mixed (T, N, M), decode (N, M), gather_rows, feed (N,),
-    #                         sample a SamplerVariant, others ()
+    #            "gather_rows", "sample", "feed", "stage", "keep_status", or one of
+    #            SPECULATIVE_KINDS
+    shape: tuple[int, ...]  # prefill, mixed (T, N, M), decode and stage (N, M), gather_rows
+    #                         and feed (N,), sample a SamplerVariant, others ()
 
 
 def reachable_programs(buckets: BatchBuckets, *, feed: bool = False, mixed: bool = False,
-                       speculative_tokens: int = 0) -> list[Program]:
+                       speculative_tokens: int = 0, pinned: bool = False) -> list[Program]:
     """Every program an engine padding to ``buckets`` can call, cheapest first (``feed``:
     the engine schedules asynchronously; ``mixed``: it runs mixed steps; with
     ``speculative_tokens``, those of ``serving.speculative`` instead of prefill and decode,
-    which needs neither of the other two).
+    which needs neither of the other two; ``pinned``: its decode steps go through
+    ``serving.pinned``, whose staging feeds their placeholders).
 
     Raises:
       ValueError: ``speculative_tokens`` with ``feed`` or ``mixed``.
@@ -78,9 +84,12 @@ def reachable_programs(buckets: BatchBuckets, *, feed: bool = False, mixed: bool
     ]
     decode = [Program("decode", (n, m)) for n in buckets.seqs for m in buckets.block_table_widths]
     gathers = [Program("gather_rows", (n,)) for n in buckets.seqs]
-    fed = [Program("feed", (n,)) for n in buckets.seqs] if feed else []
+    # A pinned engine feeds the placeholders of its mixed steps' decode rows alone.
+    fed = [Program("feed", (n,)) for n in buckets.seqs] if feed and (mixed or not pinned) else []
+    staged = [Program("stage", p.shape) for p in decode] if pinned else []
     small = [Program("copy_kv_blocks", ()), Program("copy_state_slots", ()),
-             *(Program("sample", variant) for variant in SAMPLER_VARIANTS)]
+             *(Program("sample", variant) for variant in SAMPLER_VARIANTS),
+             *([Program("keep_status", ())] if pinned else [])]
     both = [Program("mixed", (t, n, m)) for t in buckets.tokens for n in buckets.seqs
             for m in buckets.block_table_widths] if mixed else []
     if speculative_tokens:
@@ -94,7 +103,7 @@ def reachable_programs(buckets: BatchBuckets, *, feed: bool = False, mixed: bool
         shapes = [p.shape for p in prefill]
         return small + gathers + [Program(kind, shape) for kind, shape in
                                   speculative.programs(buckets, shapes)]
-    return small + gathers + fed + decode + prefill + both
+    return small + gathers + fed + staged + decode + prefill + both
 
 
 def padding_prefill(t: int, n: int, m: int) -> PrefillBatch:
@@ -138,8 +147,17 @@ def _lower(engine, program: Program, shardings: dict | None = None):
     if program.kind == "prefill":
         batch = jax.device_put(padding_prefill(*program.shape))
         return steps.prefill.lower(engine.model_state, engine.caches, batch)
+    if program.kind == "stage":
+        host = padding_decode(*program.shape)
+        sampled = jax.device_put(np.zeros(rows, np.int32), shardings.get("tokens"))
+        return stage_decode.lower(jax.device_put(host), host, host.token_ids, sampled, sampled)
+    if program.kind == "keep_status":
+        return keep_status.lower(jax.device_put(np.int32(0)))
     if program.kind == "decode":
         batch = jax.device_put(padding_decode(*program.shape))
+        if engine.pinned_decode:
+            buffers = jax.device_put(DecodeBuffers.zeros(program.shape[0], vocab))
+            return steps.decode_pinned.lower(engine.model_state, engine.caches, batch, buffers)
         return steps.decode.lower(engine.model_state, engine.caches, batch)
     if program.kind == "mixed":
         t, n, m = program.shape
@@ -176,7 +194,8 @@ def precompile(engine, *, workers: int | None = None, progress: bool = True,
     config = engine.config
     programs = reachable_programs(engine.builder.buckets, feed=config.async_scheduling,
                                   mixed=config.mixed_steps,
-                                  speculative_tokens=config.speculative_tokens)
+                                  speculative_tokens=config.speculative_tokens,
+                                  pinned=engine.pinned_decode)
     workers = workers or os.cpu_count() or 1
     start = time.perf_counter()
 

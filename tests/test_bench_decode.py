@@ -11,7 +11,7 @@ import pytest
 from bench.decode import main, model_steps, parse_args
 from bench.decode_floor import decode_sizes, decode_step_bytes, expected_experts, floor_seconds
 from glmjax.config import ModelConfig
-from glmjax.model import decode, decode_in_turn
+from glmjax.model import decode
 
 
 def test_expected_experts_matches_a_simulated_router(rng):
@@ -110,11 +110,11 @@ def test_quick_run_times_each_batch_against_its_floor(tmp_path):
         assert result["compiles"].get(f"jit({kind}_step)", {"count": 0})["count"] <= buckets
 
 
-def test_decode_executables_pick_the_engine_decode():
-    """--decode-executables 1 / 2 give the engine one decode executable or two in turn;
-    without it the engine picks (None)."""
+def test_unpinned_takes_the_pinned_decode_away():
+    """--unpinned gives the engine steps without `decode_pinned`; without it the engine's
+    own (None)."""
     config = ModelConfig.preset("tiny")
-    assert parse_args(["--quick"]).decode_executables is None
-    assert model_steps(config, None) is None
-    assert model_steps(config, 1).decode is decode
-    assert model_steps(config, 2).decode is decode_in_turn
+    assert not parse_args(["--quick"]).unpinned
+    assert model_steps(config, False) is None
+    steps = model_steps(config, True)
+    assert steps.decode_pinned is None and steps.decode is decode

@@ -41,8 +41,9 @@ def test_quick_cold_then_warm_start(tmp_path):
     cold, warm = result["runs"]["cold"], result["runs"]["warm"]
     assert result["device"] == "cpu" and result["server_args"][:2] == ["--preset", "tiny"]
     # --single-bucket: prefill, decode, the row gather, the sampler's 6 variants, the two
-    # copies and the feed of placeholder tokens (asynchronous scheduling).
-    assert cold["precompiled_programs"] == warm["precompiled_programs"] == 12
+    # copies, the staging of the decode batch in its pinned buffers (which feeds the
+    # placeholder tokens) and the copy of the decode's status (serving.pinned).
+    assert cold["precompiled_programs"] == warm["precompiled_programs"] == 13
     assert 0 < cold["server_ready_after_s"] < cold["ready_s"]
     # The warm start reads the executables the cold one wrote (cold: ~40 s, warm: ~6 s).
     assert warm["precompile_s"] < 0.5 * cold["precompile_s"]

@@ -463,6 +463,32 @@ def test_abort_with_a_step_in_flight_emits_no_placeholder(model_state):
     assert (metrics.kv_blocks_used, metrics.state_slots_used, metrics.generated_tokens) == (0, 0, 7)
 
 
+def test_decode_steps_keep_every_buffer_in_place_and_match_unpinned_ones(model_state):
+    """On one device a decode step's batch, logits and status live in pinned buffers
+    (`serving.pinned`) and its caches are donated: from one decode step to the next no
+    buffer of the decode program moves (so XLA launches its CUDA graphs as recorded). The
+    tokens and logprobs are the unpinned engine's (`decode`, new buffers each step)."""
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    outputs, addresses = {}, []
+    for name, steps in (("pinned", None),
+                        ("unpinned", single_device_steps(CONFIG)._replace(decode_pinned=None))):
+        engine = Engine(CONFIG, model_state, EngineConfig(**ENGINE), steps=steps)
+        engine.add_request("r", BASE[:70], sampling)
+        final = {}
+        while engine.has_unfinished():
+            final |= {o.request_id: o for o in engine.step()}
+            pinned = engine._pinned
+            if name == "pinned" and pinned._outputs:
+                leaves = jax.tree.leaves((pinned._batches, pinned._outputs, engine.caches))
+                addresses.append([leaf.unsafe_buffer_pointer() for leaf in leaves])
+        outputs[name] = engine.metrics(), final
+    assert len(addresses) >= 6 and all(a == addresses[0] for a in addresses), addresses
+    (metrics, pinned), (_, unpinned) = outputs["pinned"], outputs["unpinned"]
+    assert metrics.engine_resets == 0
+    assert pinned["r"].output_token_ids == unpinned["r"].output_token_ids
+    np.testing.assert_array_equal(pinned["r"].logprobs, unpinned["r"].logprobs)
+
+
 def test_mixed_steps_run_one_forward_and_agree_with_two(model_state):
     """A prompt prefilling beside a decoding request: with ``mixed_steps`` those steps run
     one forward (``glmjax.mixed``); the tokens are the two forwards' ones."""

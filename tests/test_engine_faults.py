@@ -49,8 +49,9 @@ def raise_once(fn, *, after_call=False):
 
 def arm(engine, stage: str, monkeypatch):
     """Arms a one-shot fault at ``stage``; returns the list that records it fired."""
-    if stage in ("copy_state_slots", "prefill", "decode", "prefill_donated"):
+    if stage in ("copy_state_slots", "prefill", "decode", "prefill_donated", "decode_donated"):
         name = stage.removesuffix("_donated")
+        name = {"decode": "decode_pinned"}.get(name, name)  # the one-device engine's decode
         fault = raise_once(getattr(engine.steps, name), after_call=stage.endswith("_donated"))
         engine.steps = engine.steps._replace(**{name: fault})
     elif stage == "build":
@@ -88,7 +89,7 @@ def assert_idle(engine):
 
 
 STAGES = ("build", "copy_state_slots", "prefill", "decode", "sample", "update", "detokenize",
-          "prefill_donated")
+          "prefill_donated", "decode_donated")
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -107,7 +108,7 @@ def test_a_fault_fails_only_its_step_and_the_engine_serves_on(model_state, clean
     assert metrics.requests_failed == len(failed)
     # A request whose output fails after the step is done fails alone; the step stands.
     assert metrics.step_failures == int(stage != "detokenize")
-    assert metrics.engine_resets == int(stage == "prefill_donated")
+    assert metrics.engine_resets == int(stage.endswith("_donated"))
     assert_idle(engine)
     # The pools and caches serve on: the failed requests again, then a prefix hit on them.
     again = run(engine, [(i, p) for i, p in (SECOND, THIRD) if i in failed])

@@ -10,7 +10,6 @@ import pytest
 from flax import nnx
 
 import serving.dispatch
-from glmjax.alternating import Alternating
 from glmjax.config import ModelConfig
 from glmjax.model import DecodeOutput, HybridModel, PrefillOutput
 from glmjax.sharding import single_device_steps
@@ -34,12 +33,14 @@ from serving.step import SchedulerConfig
 )
 @pytest.mark.parametrize("single", [False, True], ids=["buckets", "single-bucket"])
 @pytest.mark.parametrize("feed", [False, True], ids=["sync", "async"])
-def test_every_reachable_shape_is_listed_and_nothing_else(config, single, feed):
+@pytest.mark.parametrize("pinned", [False, True], ids=["unpinned", "pinned"])
+def test_every_reachable_shape_is_listed_and_nothing_else(config, single, feed, pinned):
     buckets = BatchBuckets.for_config(config)
     if single:
         buckets = buckets.largest_only()
-    listed = {(p.kind, p.shape) for p in reachable_programs(buckets, feed=feed)}
-    mixed = {(p.kind, p.shape) for p in reachable_programs(buckets, feed=feed, mixed=True)}
+    listed = {(p.kind, p.shape) for p in reachable_programs(buckets, feed=feed, pinned=pinned)}
+    mixed = {(p.kind, p.shape)
+             for p in reachable_programs(buckets, feed=feed, mixed=True, pinned=pinned)}
     widths = buckets.block_table_widths
     reached = set()
     for tokens in range(1, config.budget + 1):  # k spans of at least one token each
@@ -50,12 +51,17 @@ def test_every_reachable_shape_is_listed_and_nothing_else(config, single, feed):
     for seqs in range(1, config.max_num_seqs + 1):
         n = bucket_for(buckets.seqs, seqs, "sequences")
         reached |= {("decode", (n, m)) for m in widths} | {("gather_rows", (n,))}
-        if feed:  # placeholder tokens of a decode batch fed from the step in flight
+        if pinned:  # the batch written into the bucket's buffers (placeholders fed there)
+            reached |= {("stage", (n, m)) for m in widths}
+        elif feed:  # placeholder tokens of a decode batch fed from the step in flight
             reached.add(("feed", (n,)))
     reached |= {("copy_kv_blocks", ()), ("copy_state_slots", ())}
+    reached |= {("keep_status", ())} if pinned else set()
     reached |= {("sample", variant) for variant in SAMPLER_VARIANTS}
     assert listed == reached
-    assert {kind for kind, _ in mixed - listed} == {"mixed"}
+    # Mixed steps' decode rows are fed as the unpinned engine feeds them.
+    assert {kind for kind, _ in mixed - listed} == {"mixed"} | ({"feed"} if pinned and feed
+                                                                else set())
     if config.budget * config.max_num_seqs > 1024:
         return  # the brute force below is for small configs
     # Mixed steps: k spans of p tokens beside d decode rows, one bucket (N, M) for both.
@@ -66,20 +72,21 @@ def test_every_reachable_shape_is_listed_and_nothing_else(config, single, feed):
                 t = bucket_for(buckets.tokens, p, "tokens")
                 n = bucket_for(buckets.seqs, max(k, d), "sequences")
                 both |= {("mixed", (t, n, m)) for m in widths}
-    assert both == mixed - listed
+    assert both == {(kind, shape) for kind, shape in mixed - listed if kind == "mixed"}
 
 
 class FakeStep:
     """A model step's stand-in: logits one-hot at each row's last token, caches passed
     through, status OK. Jitted per bucket as the real step is, with the same ``lower``
-    (the sampler's and the copies' compiles do not depend on the model); ``in_turn``: two
-    executables called in turn (`glmjax.alternating`, `bench.decode --decode-executables 2`)."""
+    (the sampler's and the copies' compiles do not depend on the model); ``pinned``: the
+    decode writing into donated buffers (`glmjax.model.decode_pinned`)."""
 
-    def __init__(self, kind: str, vocab_size: int, *, in_turn: bool = False):
+    def __init__(self, kind: str, vocab_size: int, *, pinned: bool = False):
         self.kind, self.vocab_size, self.rows_seen = kind, vocab_size, set()
-        self.jitted = (Alternating if in_turn else jax.jit)(self._step)
+        self.jitted = jax.jit(self._step, donate_argnums=(2,) if pinned else (),
+                              keep_unused=pinned)
 
-    def _step(self, caches, batch):
+    def _step(self, caches, batch, buffers=None):
         if self.kind == "prefill":
             last = jnp.clip(batch.cu_seqlens[1:] - 1, 0, batch.token_ids.shape[0] - 1)
             logits = jax.nn.one_hot(batch.token_ids[last] % self.vocab_size, self.vocab_size)
@@ -87,20 +94,22 @@ class FakeStep:
         logits = jax.nn.one_hot(batch.token_ids % self.vocab_size, self.vocab_size)
         return DecodeOutput(logits, caches, jnp.int32(0))
 
-    def __call__(self, model_state, caches, batch):
+    def __call__(self, model_state, caches, batch, *buffers):
         self.rows_seen.add(batch.block_tables.shape[0])
-        return self.jitted(caches, batch)
+        return self.jitted(caches, batch, *buffers)
 
-    def lower(self, model_state, caches, batch):
-        return self.jitted.lower(caches, batch)
+    def lower(self, model_state, caches, batch, *buffers):
+        return self.jitted.lower(caches, batch, *buffers)
 
 
-def fake_engine(*, in_turn: bool = False, **config) -> Engine:
-    """An engine of the tiny preset's shapes on `FakeStep`s."""
+def fake_engine(*, pinned: bool = True, **config) -> Engine:
+    """An engine of the tiny preset's shapes on `FakeStep`s (its decode steps through
+    `serving.pinned` or not)."""
     model_config = dataclasses.replace(ModelConfig.preset("tiny"), kv_block_size=16)
     vocab = model_config.vocab_size
     steps = single_device_steps(model_config)._replace(
-        prefill=FakeStep("prefill", vocab), decode=FakeStep("decode", vocab, in_turn=in_turn))
+        prefill=FakeStep("prefill", vocab), decode=FakeStep("decode", vocab),
+        decode_pinned=FakeStep("decode", vocab, pinned=True) if pinned else None)
     model = nnx.state(nnx.eval_shape(lambda: HybridModel(model_config, nnx.Rngs(0))))
     return Engine(model_config, model, EngineConfig(block_size=16, **config), steps=steps)
 
@@ -131,19 +140,20 @@ def test_the_sampler_compiles_once_per_variant_across_sequence_buckets(rng):
         mixed_workload(engine, rng)
     compiles = log.by_function()
 
-    rows_seen = engine.steps.prefill.rows_seen | engine.steps.decode.rows_seen
+    steps = engine.steps
+    rows_seen = steps.prefill.rows_seen | steps.decode.rows_seen | steps.decode_pinned.rows_seen
     assert len(rows_seen) >= 3  # several sequence buckets were sampled from
     assert compiles["jit(sample)"]["count"] == 2
     assert compiles["jit(gather_rows)"]["count"] == len(rows_seen)
 
 
-@pytest.mark.parametrize("in_turn", [False, True], ids=["one-decode", "decode-in-turn"])
-def test_after_precompile_a_mixed_workload_compiles_nothing(rng, in_turn):
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "unpinned"])
+def test_after_precompile_a_mixed_workload_compiles_nothing(rng, pinned):
     """Every program the engine calls while serving requests of any shape within its
-    limits (prefix hits and their copies included) was compiled by `precompile`; both
-    executables of a decode step called in turn too."""
+    limits (prefix hits and their copies included) was compiled by `precompile`, with
+    its decode steps through pinned buffers (`serving.pinned`) or not."""
     engine = fake_engine(max_model_len=64, budget=32, max_num_seqs=4, num_kv_blocks=24,
-                         num_state_slots=12, in_turn=in_turn)
+                         num_state_slots=12, pinned=pinned)
     precompile(engine, workers=2, progress=False)
     with CompileLog() as log:
         mixed_workload(engine, rng, requests=16)
