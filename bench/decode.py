@@ -41,6 +41,7 @@ import argparse
 import collections
 import concurrent.futures
 import dataclasses
+import os
 import platform
 import statistics
 import tempfile
@@ -66,7 +67,7 @@ from bench.profile import (
     summarize,
     traceable,
 )
-from glmjax import compile_cache
+from glmjax import compile_cache, xla_options
 from glmjax.model import HybridModel, decode_into, decode_step
 from glmjax.random_weights import random_model
 from glmjax.sharding import ModelSteps, single_device_steps
@@ -241,7 +242,8 @@ def run_benchmark(args) -> dict:
     abstract = nnx.split(nnx.eval_shape(lambda: HybridModel(config, nnx.Rngs(0))))
     result = dict(
         device=jax.devices()[0].device_kind, platform=platform.platform(), jax=jax.__version__,
-        commit=git_commit(), args=vars(args), complete=False,
+        commit=git_commit(), args=vars(args), xla_flags=os.environ.get("XLA_FLAGS", ""),
+        complete=False,
         model=dict(name=config.name, num_layers=config.num_layers,
                    num_experts=config.num_experts,
                    experts_per_token=config.num_experts_per_token,
@@ -361,6 +363,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
              "saves")
     add("--seed", type=int, default=0)
     add("--json", type=Path, help="output (bench/results/decode_<preset>.json)")
+    add("--pin-temporaries", action=argparse.BooleanOptionalAction, default=True,
+        help="as the server's flag: XLA_FLAGS SKIP_TEMP before JAX starts (not with --quick, "
+             "which runs where JAX may have started already)")
     compile_cache.add_arguments(parser)
     args = parser.parse_args(argv)
     fill_defaults(args, QUICK, FULL)
@@ -376,6 +381,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.pin_temporaries and not args.quick:
+        xla_options.pin_temporaries()
     compile_cache.enable_from_args(args)
     result = run_benchmark(args)
     print_table(result)

@@ -117,31 +117,36 @@ decode_b1() {
   done
 }
 
-# The batch-1 step with the decode program's buffers pinned (serving.pinned, the engine's
-# default on one GPU) against --unpinned (each step's batch, logits and status in new
-# buffers), alternately on one machine; then XLA's log over 20 pinned steps: how many
-# allocations moved before each CUDA-graph launch and how many commands it re-set, under
-# the default allocator and under SKIP_TEMP. On an H100: DECODE_ARGS="--num-experts 64"
-# (a batch-1 step reads 8 experts a layer either way).
+# The batch-1 step as the server now runs it on one GPU (the decode program's buffers
+# pinned, serving.pinned, and its temporaries under SKIP_TEMP) against the tree before
+# (--unpinned --no-pin-temporaries: each step's batch, logits and status in new buffers,
+# XLA's default allocator), alternately on one machine; then XLA's log over 20 steps of
+# each: the allocations that moved before each CUDA-graph launch and the commands re-set.
+# On an H100: DECODE_ARGS="--num-experts 64" (a batch-1 step reads 8 experts a layer
+# either way).
 decode_b1_pinned() {
   local i mode
-  for i in 1 2; do
-    run_logged "decode_b1_unpinned_$i" 150 python3 -m bench.decode ${DECODE_ARGS:-} --batches 1 \
-      --steps 200 --no-profile --unpinned --json "$OUT/decode_b1_unpinned_$i.json"
+  for i in 1 2 3; do
+    run_logged "decode_b1_before_$i" 150 python3 -m bench.decode ${DECODE_ARGS:-} --batches 1 \
+      --steps 200 --no-profile --unpinned --no-pin-temporaries \
+      --json "$OUT/decode_b1_before_$i.json"
     run_logged "decode_b1_pinned_$i" 150 python3 -m bench.decode ${DECODE_ARGS:-} --batches 1 \
       --steps 200 --no-profile --json "$OUT/decode_b1_pinned_$i.json"
-    rm -f "$OUT/decode_b1_unpinned_$i.log" "$OUT/decode_b1_pinned_$i.log"  # tails printed
+    rm -f "$OUT/decode_b1_before_$i.log" "$OUT/decode_b1_pinned_$i.log"  # tails printed
   done
-  for mode in DEFAULT SKIP_TEMP; do
-    XLA_FLAGS=$([ $mode = SKIP_TEMP ] && echo --xla_gpu_command_buffer_update_mode=SKIP_TEMP) \
-      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 \
-      run_logged "decode_b1_updates_$mode" 150 python3 -m bench.decode ${DECODE_ARGS:-} \
-      --batches 1 --steps 20 --no-profile --json "$OUT/decode_b1_updates_$mode.json"
+  export TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1
+  run_logged decode_b1_updates_before 150 python3 -m bench.decode ${DECODE_ARGS:-} \
+    --batches 1 --steps 20 --no-profile --unpinned --no-pin-temporaries --json /tmp/u.json
+  run_logged decode_b1_updates_pinned 150 python3 -m bench.decode ${DECODE_ARGS:-} \
+    --batches 1 --steps 20 --no-profile --json /tmp/u.json
+  unset TF_CPP_MIN_LOG_LEVEL TF_CPP_VMODULE
+  for mode in before pinned; do
+    echo "-- $mode: CUDA-graph updates (allocations moved; commands re-set), 20 steps"
     grep -o "num_commands=[0-9]*; updated_allocs=[0-9]*" "$OUT/decode_b1_updates_$mode.log" \
       | sort | uniq -c | sort -rn | head -n 8
     grep -o "Updated [0-9]* commands" "$OUT/decode_b1_updates_$mode.log" | sort | uniq -c \
       | sort -rn | head -n 8
-    rm -f "$OUT/decode_b1_updates_$mode.json"
+    rm -f "$OUT/decode_b1_updates_$mode.log"
   done
 }
 

@@ -13,7 +13,35 @@ options: other backends accept and ignore them.
 
 from __future__ import annotations
 
+import os
+
+from jax._src import xla_bridge
+
 STEP_OPTIONS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
     "xla_gpu_graph_min_graph_size": 1,
 }
+
+# XLA re-sets every command of a CUDA graph from the host when any buffer it uses moved
+# since its last launch. A step program's temporaries move between calls under XLA's
+# default allocator; this mode keeps them at one virtual address (XLA's VMM allocator),
+# which with the decode program's other buffers pinned (`serving.pinned`) leaves nothing
+# to re-set. Process-wide, read once, when JAX starts its first backend.
+PIN_TEMPORARIES = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+
+
+def pin_temporaries() -> bool:
+    """Adds `PIN_TEMPORARIES` to ``XLA_FLAGS`` unless it names a command-buffer update mode
+    already (the user's choice stands). Whether SKIP_TEMP is then asked for.
+
+    Raises:
+      RuntimeError: JAX has started a backend, so XLA would not read the flag.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_command_buffer_update_mode" in flags:
+        return "SKIP_TEMP" in flags
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("pin_temporaries: JAX has started its backends; XLA_FLAGS is read "
+                           "before that")
+    os.environ["XLA_FLAGS"] = f"{flags} {PIN_TEMPORARIES}".strip()
+    return True

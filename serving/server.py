@@ -43,7 +43,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from flax import nnx
 from starlette.exceptions import HTTPException
 
-from glmjax import compile_cache, distributed
+from glmjax import compile_cache, distributed, xla_options
 from glmjax.config import ModelConfig
 from glmjax.random_weights import random_model
 from glmjax.sharding import ShardingPlan, make_mesh, request_cpu_devices
@@ -312,6 +312,8 @@ def warm_up(engine: Engine, precompile_all: bool) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.pin_temporaries:
+        xla_options.pin_temporaries()
     if args.tp > 1:
         request_cpu_devices(args.tp)
     logging.basicConfig(

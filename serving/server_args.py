@@ -182,6 +182,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         "restarts fast); none: compile each shape on first use (fast start, the first "
         "requests of each shape stall for the compile)",
     )
+    p.add_argument(
+        "--pin-temporaries",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep each XLA program's temporaries at one address (XLA_FLAGS "
+        "--xla_gpu_command_buffer_update_mode=SKIP_TEMP, XLA's VMM allocator), so a decode "
+        "step on one GPU launches its CUDA graph as recorded instead of re-setting every "
+        "command from the host each step (~1-5 ms of host time a step, which sets the "
+        "pace at small batches). Process-wide; an update mode in XLA_FLAGS wins; no effect "
+        "on a CPU. --no-pin-temporaries keeps XLA's default allocator (its memory "
+        "statistics, which the VMM allocator does not report)",
+    )
     compile_cache.add_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="random weights and request seeds")
     p.add_argument("--log-level", default="info", help="debug, info, warning or error")

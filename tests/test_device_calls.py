@@ -17,8 +17,10 @@ SCRIPT = ROOT / "bench" / "device_calls.sh"
 
 
 def script_lines() -> list[str]:
-    """The script's commands, continuation lines joined, $OUT as /out."""
-    return SCRIPT.read_text().replace("\\\n", " ").replace("$OUT", "/out").splitlines()
+    """The script's commands, continuation lines joined, $OUT as /out, ${NAME:-default}
+    as its default (a caller's extra arguments, such as DECODE_ARGS, are not known here)."""
+    text = SCRIPT.read_text().replace("\\\n", " ").replace("$OUT", "/out")
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", text).splitlines()
 
 
 def bench_runs() -> list[tuple[str, list[str]]]:
