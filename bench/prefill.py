@@ -51,6 +51,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import math
+import os
 import platform
 import tempfile
 import time
@@ -66,7 +67,7 @@ from bench.buckets import DryRun, log, precompile, step_functions
 from bench.common import fill_defaults, git_commit, write_json
 from bench.prefill_cases import CASES, MODES, Run, Session, compare_greedy, profile_case
 from bench.profile import print_profile
-from glmjax import compile_cache
+from glmjax import compile_cache, xla_options
 from glmjax.config import ModelConfig
 from glmjax.model import HybridModel
 from glmjax.random_weights import random_model
@@ -154,7 +155,8 @@ def run_benchmark(args) -> dict:
     leaves = jax.tree.leaves(abstract[1])
     result = dict(
         device=jax.devices()[0].device_kind, platform=platform.platform(), jax=jax.__version__,
-        commit=git_commit(), args=vars(args), complete=False,
+        commit=git_commit(), args=vars(args), xla_flags=os.environ.get("XLA_FLAGS", ""),
+        complete=False,
         model=dict(name=config.name, layer_types=list(config.layer_types),
                    num_layers=config.num_layers, num_experts=config.num_experts,
                    experts_per_token=config.num_experts_per_token,
@@ -369,6 +371,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
              "schedules' greedy tokens part")
     add("--seed", type=int, default=0)
     add("--json", type=Path, help="output (bench/results/prefill_<preset>.json)")
+    add("--pin-temporaries", action=argparse.BooleanOptionalAction, default=True,
+        help="as the server's flag: XLA_FLAGS SKIP_TEMP before JAX starts (not with --quick, "
+             "which runs where JAX may have started already)")
     compile_cache.add_arguments(parser)
     args = parser.parse_args(argv)
     fill_defaults(args, QUICK, FULL)
@@ -379,6 +384,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.pin_temporaries and not args.quick:  # as the server runs its steps
+        xla_options.pin_temporaries()
     request_cpu_devices(args.tp)  # a mesh on a CPU: before JAX starts its backends
     compile_cache.enable_from_args(args)
     result = run_benchmark(args)
