@@ -121,12 +121,13 @@ decode_b1() {
 # pinned, serving.pinned, and its temporaries under SKIP_TEMP) against the tree before
 # (--unpinned --no-pin-temporaries: each step's batch, logits and status in new buffers,
 # XLA's default allocator), alternately on one machine; then XLA's log over 20 steps of
-# each: the allocations that moved before each CUDA-graph launch and the commands re-set.
+# the pinned steps (of the steps before too with UPDATES_BEFORE=1): the allocations that
+# moved before each CUDA-graph launch and the commands re-set.
 # On an H100: DECODE_ARGS="--num-experts 64" (a batch-1 step reads 8 experts a layer
 # either way).
 decode_b1_pinned() {
   local i mode
-  for i in 1 2 3; do
+  for i in 1 2; do
     run_logged "decode_b1_before_$i" 150 python3 -m bench.decode ${DECODE_ARGS:-} --batches 1 \
       --steps 200 --no-profile --unpinned --no-pin-temporaries \
       --json "$OUT/decode_b1_before_$i.json"
@@ -135,12 +136,14 @@ decode_b1_pinned() {
     rm -f "$OUT/decode_b1_before_$i.log" "$OUT/decode_b1_pinned_$i.log"  # tails printed
   done
   export TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1
-  run_logged decode_b1_updates_before 150 python3 -m bench.decode ${DECODE_ARGS:-} \
-    --batches 1 --steps 20 --no-profile --unpinned --no-pin-temporaries --json /tmp/u.json
+  [ -n "${UPDATES_BEFORE:-}" ] && run_logged decode_b1_updates_before 150 python3 -m \
+    bench.decode ${DECODE_ARGS:-} --batches 1 --steps 20 --no-profile --unpinned \
+    --no-pin-temporaries --json /tmp/u.json
   run_logged decode_b1_updates_pinned 150 python3 -m bench.decode ${DECODE_ARGS:-} \
     --batches 1 --steps 20 --no-profile --json /tmp/u.json
   unset TF_CPP_MIN_LOG_LEVEL TF_CPP_VMODULE
   for mode in before pinned; do
+    [ -f "$OUT/decode_b1_updates_$mode.log" ] || continue
     echo "-- $mode: CUDA-graph updates (allocations moved; commands re-set), 20 steps"
     grep -o "num_commands=[0-9]*; updated_allocs=[0-9]*" "$OUT/decode_b1_updates_$mode.log" \
       | sort | uniq -c | sort -rn | head -n 8
