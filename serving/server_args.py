@@ -66,7 +66,7 @@ def _default_programs(parser: argparse.ArgumentParser) -> int:
                              max_num_seqs=default("max_num_seqs"))
     return len(reachable_programs(BatchBuckets.for_config(config),
                                   feed=not default("no_async_scheduling"),
-                                  mixed=default("mixed_steps")))
+                                  mixed=default("mixed_steps"), pinned=default("tp") == 1))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
