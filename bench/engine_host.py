@@ -8,14 +8,16 @@ replaced by jitted stubs that take the same arguments and do no work (every para
 and cache leaf kept, `keep_unused=True`; the caches donated and returned; zero logits),
 so a step's wall time is the host's: scheduling, batch building and its validation, the
 sampler's host tensors, each jitted call's dispatch with its real arguments, the step's
-one fetch. The feed, row gather and sampler programs are the engine's own (over the
-model's vocabulary of 1,024 here, so they cost little). The model is kimi-linear-48b's
+one fetch. The staging of the decode batch into its pinned buffers, the status copy, the
+row gather and the sampler are the engine's own programs (over the model's vocabulary of
+1,024 here, so they cost little). The model is kimi-linear-48b's
 structure (27 layers: 563 parameter leaves, 47 cache leaves) at tiny widths; the engine
 is configured as `bench.decode`'s (64 sequences, 512-token blocks, an 8K prompt).
 
 Not measured: the model's device time, the GPU runtime's share of a call (the CUDA
 graph's update and launch), transfers over PCIe. The phases are timers around the
-engine's own methods, inclusive: `model call` is the stubbed decode's dispatch, `batch`
+engine's own methods, inclusive: `model call` is the stubbed pinned decode's dispatch
+(since 2026-12-06 the batch's transfer is the staging program's, outside it), `batch`
 the builder (packing and validation), `validation` its checks alone, `fetch` the one
 blocking transfer and the draws, `schedule` and `update` the scheduler's two calls.
 """

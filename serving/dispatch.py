@@ -6,7 +6,10 @@ a step with prefill spans and decode rows runs them in one forward (``glmjax.mix
 Between the two the device runs on its own, so the engine can schedule and dispatch the
 next step meanwhile (asynchronous scheduling, ``serving.scheduler``). That step's decode
 rows whose input token the step in flight samples (``PLACEHOLDER`` tokens) take it from
-that step's sampled tokens on the device (``feed_tokens``): no transfer between the steps.
+that step's sampled tokens on the device: no transfer between the steps. On one device a
+decode step's batch goes into its bucket's pinned buffers, whose staging program feeds
+them (``serving.pinned``); a mixed step's and a mesh's decode rows are fed by
+``feed_tokens``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 
 from glmjax.state_pool import PoolStatus
 from glmjax.xla_options import STEP_OPTIONS
+from serving.pinned import keep_status
 from serving.request import PLACEHOLDER
 from serving.sampling import Sampled, SamplerVariant, SamplingTensors, sample
 from serving.step import ScheduledStep
@@ -182,7 +186,8 @@ class StepDispatch:
                 out = (self.steps.decode(*args) if pinned is None
                        else pinned.decode(self.steps.decode_pinned, *args))
                 self.caches, decode_logits = out.caches, out.logits
-                statuses.append(("decode", out.status))
+                statuses.append(("decode", out.status if pinned is None
+                                 else keep_status(out.status)))
         if step.retain_state_copies:
             statuses.append(("retain copies", self._copy_slots(step.retain_state_copies)))
         parts = [

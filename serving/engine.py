@@ -123,7 +123,6 @@ class Engine(StepDispatch, StepFailures):
         if engine_config.speculative_tokens:
             self._speculative = SpeculativeRunner(config, engine_config.speculative_tokens,
                                                   on_mesh=steps.mesh is not None)
-        self._make_pools()
         buckets = BatchBuckets.for_config(sched_config)
         if engine_config.single_bucket:
             buckets = buckets.largest_only()
@@ -134,7 +133,7 @@ class Engine(StepDispatch, StepFailures):
             buckets=buckets,
         )
         self._rows = buckets.seqs[-1]  # copies and sampled rows per step are at most this
-        self._pinned = PinnedDecode(self._rows, config.vocab_size)
+        self._make_pools()
         self._seeds = np.random.default_rng(engine_config.seed)
         self._tracked: dict[str, TrackedRequest] = {}
         self._aborted: list[RequestOutput] = []
@@ -156,7 +155,8 @@ class Engine(StepDispatch, StepFailures):
         ) | dict.fromkeys(SPECULATIVE_COUNTERS, 0)
 
     def _make_pools(self) -> None:
-        """Empty caches, allocators, prefix cache and scheduler (at start and on a reset)."""
+        """Empty caches, allocators, prefix cache and scheduler, fresh pinned decode buffers
+        (at start and on a reset)."""
         config = self.config
         self.prefix_cache = PrefixCache(
             BlockAllocator(config.num_kv_blocks, block_size=config.block_size, dcp=config.dcp),
@@ -166,6 +166,7 @@ class Engine(StepDispatch, StepFailures):
         init_caches = self.steps.init_caches if self._speculative is None else (
             self._speculative.init_caches)
         self.caches = init_caches(config.num_state_slots, config.num_kv_blocks)
+        self._pinned = PinnedDecode(self._rows, self.model_config.vocab_size)
         self._in_flight: collections.deque = collections.deque()  # InFlight, oldest first
 
     @property

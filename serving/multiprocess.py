@@ -167,7 +167,8 @@ def leader_steps(steps: ModelSteps, channel: StepChannel) -> ModelSteps:
 
     return steps._replace(prefill=prefill, decode=decode, copy_state_slots=copy_state_slots,
                           copy_kv_blocks=copy_kv_blocks, init_caches=init_caches, place=place,
-                          mixed=None)  # not announced: a mixed step runs as two
+                          mixed=None,  # not announced: a mixed step runs as two
+                          decode_pinned=None)  # not announced: decode as above
 
 
 def stop_followers(channel: StepChannel) -> None:

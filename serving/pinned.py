@@ -87,12 +87,13 @@ class PinnedDecode:
 
     def decode(self, program, model_state, caches, batch: DecodeBatch) -> DecodeOutput:
         """``program`` (``glmjax.model.decode_pinned`` or one of its signature) over
-        ``batch`` (from ``stage``): its logits in the bucket's buffer, its status a copy
-        (``keep_status``)."""
+        ``batch`` (from ``stage``), its logits and status in the bucket's buffers: the
+        caller keeps the returned caches, then fetches a ``keep_status`` copy of the
+        status (the next step's decode writes over this one's)."""
         rows = batch.token_ids.shape[0]
         buffers = self._outputs.pop(rows, None)
         if buffers is None:
             buffers = jax.device_put(DecodeBuffers.zeros(rows, self._vocab))
         out = program(model_state, caches, batch, buffers)
         self._outputs[rows] = DecodeBuffers(out.logits, out.status)
-        return out._replace(status=keep_status(out.status))
+        return out

@@ -6,10 +6,10 @@ bucket it can reach is one compiled prefill or decode program; the KV-block and 
 copies and the sampler have one shape each (the sampler one program per
 ``serving.sampling.SamplerVariant``), the gather of the sampled rows one per
 sequence bucket, with asynchronous scheduling the feed of placeholder decode tokens one per
-sequence bucket, and with mixed steps the one forward over both kinds of rows one per
-(T, N, M). On one device a decode step writes its batch into the bucket's pinned buffers
-(``serving.pinned``: one staging program per (N, M), which feeds the placeholders too, and
-one copy of the status). ``reachable_programs``
+sequence bucket (on one device only a mixed step's), and with mixed steps the one forward
+over both kinds of rows one per (T, N, M). On one device a decode step writes its batch
+into the bucket's pinned buffers (``serving.pinned``: one staging program per (N, M),
+which feeds the placeholders too, and one copy of the status). ``reachable_programs``
 lists them all for an engine's buckets, and ``precompile`` compiles them on a thread pool
 (XLA compiles outside the GIL), with a progress bar. A later call of the same jitted step
 finds the executable in JAX's compilation cache, so it does not compile again; with the

@@ -56,9 +56,10 @@ def arm(engine, stage: str, monkeypatch):
         engine.steps = engine.steps._replace(**{name: fault})
     elif stage == "build":
         fault = engine.builder.build = raise_once(engine.builder.build)
-    elif stage == "sample":
-        fault = raise_once(serving.dispatch.sample_rows)
-        monkeypatch.setattr(serving.dispatch, "sample_rows", fault)
+    elif stage in ("sample", "keep_status"):  # the sampler; the decode status's copy
+        name = {"sample": "sample_rows"}.get(stage, stage)
+        fault = raise_once(getattr(serving.dispatch, name))
+        monkeypatch.setattr(serving.dispatch, name, fault)
     elif stage == "update":
         fault = engine.scheduler.update_from_step = raise_once(engine.scheduler.update_from_step)
     elif stage == "detokenize":
@@ -88,8 +89,8 @@ def assert_idle(engine):
     assert (metrics.kv_blocks_used, metrics.state_slots_used) == (0, 0), metrics
 
 
-STAGES = ("build", "copy_state_slots", "prefill", "decode", "sample", "update", "detokenize",
-          "prefill_donated", "decode_donated")
+STAGES = ("build", "copy_state_slots", "prefill", "decode", "keep_status", "sample", "update",
+          "detokenize", "prefill_donated", "decode_donated")
 
 
 @pytest.mark.parametrize("stage", STAGES)
