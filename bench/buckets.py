@@ -83,18 +83,28 @@ class DryRun:
                 for r in sampled]
 
 
-def step_functions(engine: Engine) -> dict[str, Callable]:
-    """Per step kind, ``lower(model_state, caches, device batch)`` of the jitted prefill and
-    decode programs `engine` calls (on one device its decode writes into pinned buffers,
-    `serving.pinned`)."""
-    steps, decode = engine.steps, engine.steps.decode.lower
+class StepProgram(NamedTuple):
+    """A jitted step `engine` calls: its name as compile logs report it (``jit(name)``) and
+    ``lower(model_state, caches, device batch)``."""
+
+    name: str
+    lower: Callable
+
+
+def step_functions(engine: Engine) -> dict[str, StepProgram]:
+    """The jitted prefill and decode programs `engine` calls, by step kind (on one device
+    its decode writes into pinned buffers, `serving.pinned`)."""
+    steps = engine.steps
+    decode = StepProgram(steps.decode.__name__, steps.decode.lower)
     if engine.pinned_decode:
         vocab = engine.model_config.vocab_size
 
-        def decode(model_state, caches, batch):
+        def lower_pinned(model_state, caches, batch):
             buffers = jax.device_put(DecodeBuffers.zeros(batch.token_ids.shape[0], vocab))
             return steps.decode_pinned.lower(model_state, caches, batch, buffers)
-    return {"prefill": steps.prefill.lower, "decode": decode}
+        decode = StepProgram(steps.decode_pinned.__name__, lower_pinned)
+    return {"prefill": StepProgram(steps.prefill.__name__, steps.prefill.lower),
+            "decode": decode}
 
 
 def precompile(steps: dict, batches: dict, model_state, caches, workers: int) -> list[dict]:
@@ -105,7 +115,7 @@ def precompile(steps: dict, batches: dict, model_state, caches, workers: int) ->
     def compile_bucket(item):
         key, batch = item
         start = time.perf_counter()
-        compiled = steps[key[0]](model_state, caches, jax.device_put(batch)).compile()
+        compiled = steps[key[0]].lower(model_state, caches, jax.device_put(batch)).compile()
         seconds = time.perf_counter() - start
         memory = compiled.memory_analysis()
         log(f"compiled {key} in {seconds:.1f} s")

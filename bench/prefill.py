@@ -247,7 +247,7 @@ def _update_totals(result: dict, run: Run, outputs: dict, steps: dict, start: fl
     per_device = [d.memory_stats() or {} for d in jax.devices()[:result["args"]["tp"]]]
     peaks = [stats.get("peak_bytes_in_use") for stats in per_device]
     compiles = run.compile_log.by_function()
-    programs = {kind: compiles.get(f"jit({step.__name__})", {}).get("count", 0)
+    programs = {kind: compiles.get(f"jit({step.name})", {}).get("count", 0)
                 for kind, step in steps.items()}
     programs["other"] = sum(c["count"] for c in compiles.values()) - sum(programs.values())
     result.update(
