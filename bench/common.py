@@ -1,8 +1,9 @@
 """What the benchmarks share: timing queued calls, the relative error they report, and
-writing their JSON, and the commit a result comes from."""
+writing their JSON, the commit a result comes from, and the server's XLA flag."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
+
+from glmjax import xla_options
 
 
 def time_calls(call, sync=jax.block_until_ready, *, iters, samples):
@@ -68,3 +71,17 @@ def git_commit() -> str | None:
                               text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def add_pin_temporaries(parser) -> None:
+    """``--pin-temporaries / --no-pin-temporaries``, the server's flag of that name."""
+    parser.add_argument(
+        "--pin-temporaries", action=argparse.BooleanOptionalAction, default=True,
+        help="as the server's flag: XLA_FLAGS SKIP_TEMP before JAX starts (not with --quick, "
+             "which runs where JAX may have started already)")
+
+
+def pin_temporaries(args) -> None:
+    """What ``--pin-temporaries`` asks for, before JAX starts (never with ``--quick``)."""
+    if args.pin_temporaries and not args.quick:
+        xla_options.pin_temporaries()

@@ -54,7 +54,14 @@ import numpy as np
 from flax import nnx
 
 from bench.buckets import DryRun, log, precompile, step_functions
-from bench.common import fill_defaults, git_commit, positive_sizes, write_json
+from bench.common import (
+    add_pin_temporaries,
+    fill_defaults,
+    git_commit,
+    pin_temporaries,
+    positive_sizes,
+    write_json,
+)
 from bench.decode_floor import decode_sizes, decode_step_bytes, floor_seconds
 from bench.prefill import RESULTS, model_config
 from bench.prefill_cases import Session
@@ -67,7 +74,7 @@ from bench.profile import (
     summarize,
     traceable,
 )
-from glmjax import compile_cache, xla_options
+from glmjax import compile_cache
 from glmjax.model import HybridModel, decode_into, decode_step
 from glmjax.random_weights import random_model
 from glmjax.sharding import ModelSteps, single_device_steps
@@ -363,9 +370,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
              "saves")
     add("--seed", type=int, default=0)
     add("--json", type=Path, help="output (bench/results/decode_<preset>.json)")
-    add("--pin-temporaries", action=argparse.BooleanOptionalAction, default=True,
-        help="as the server's flag: XLA_FLAGS SKIP_TEMP before JAX starts (not with --quick, "
-             "which runs where JAX may have started already)")
+    add_pin_temporaries(parser)
     compile_cache.add_arguments(parser)
     args = parser.parse_args(argv)
     fill_defaults(args, QUICK, FULL)
@@ -381,8 +386,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.pin_temporaries and not args.quick:
-        xla_options.pin_temporaries()
+    pin_temporaries(args)  # as the server runs its steps
     compile_cache.enable_from_args(args)
     result = run_benchmark(args)
     print_table(result)

@@ -64,10 +64,16 @@ import numpy as np
 from flax import nnx
 
 from bench.buckets import DryRun, log, precompile, step_functions
-from bench.common import fill_defaults, git_commit, write_json
+from bench.common import (
+    add_pin_temporaries,
+    fill_defaults,
+    git_commit,
+    pin_temporaries,
+    write_json,
+)
 from bench.prefill_cases import CASES, MODES, Run, Session, compare_greedy, profile_case
 from bench.profile import print_profile
-from glmjax import compile_cache, xla_options
+from glmjax import compile_cache
 from glmjax.config import ModelConfig
 from glmjax.model import HybridModel
 from glmjax.random_weights import random_model
@@ -373,9 +379,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
              "schedules' greedy tokens part")
     add("--seed", type=int, default=0)
     add("--json", type=Path, help="output (bench/results/prefill_<preset>.json)")
-    add("--pin-temporaries", action=argparse.BooleanOptionalAction, default=True,
-        help="as the server's flag: XLA_FLAGS SKIP_TEMP before JAX starts (not with --quick, "
-             "which runs where JAX may have started already)")
+    add_pin_temporaries(parser)
     compile_cache.add_arguments(parser)
     args = parser.parse_args(argv)
     fill_defaults(args, QUICK, FULL)
@@ -386,8 +390,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.pin_temporaries and not args.quick:  # as the server runs its steps
-        xla_options.pin_temporaries()
+    pin_temporaries(args)  # as the server runs its steps
     request_cpu_devices(args.tp)  # a mesh on a CPU: before JAX starts its backends
     compile_cache.enable_from_args(args)
     result = run_benchmark(args)

@@ -19,12 +19,11 @@ import time
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from glmjax.state_pool import PoolStatus
 from glmjax.xla_options import STEP_OPTIONS
-from serving.pinned import keep_status
+from serving.pinned import fed_token_ids, keep_status
 from serving.request import PLACEHOLDER
 from serving.sampling import Sampled, SamplerVariant, SamplingTensors, sample
 from serving.step import ScheduledStep
@@ -93,21 +92,9 @@ def sample_rows(logits: jax.Array, rows: jax.Array, params: SamplingTensors) -> 
     return sample_gathered(gather_rows(logits, rows), params, variant=SamplerVariant.of(params))
 
 
-@jax.jit
-def feed_tokens(token_ids: jax.Array, sources: jax.Array, prefill_tokens: jax.Array,
-                decode_tokens: jax.Array) -> jax.Array:
-    """A decode batch's token ids with the placeholders fed from the previous step.
-
-    Args:
-      token_ids: int32 [N], the host's tokens (0 at placeholders).
-      sources: int32 [N], -1 where the host's token stands, else the row of
-        ``concat(prefill_tokens, decode_tokens)`` holding the sampled token.
-      prefill_tokens, decode_tokens: int32 [R], the previous step's sampled tokens.
-    Returns:
-      int32 [N].
-    """
-    sampled = jnp.concatenate([prefill_tokens, decode_tokens])
-    return jnp.where(sources >= 0, sampled[jnp.maximum(sources, 0)], token_ids)
+# A mixed step's or a mesh's decode batch with its placeholders fed (one device's decode
+# steps feed theirs in `serving.pinned`'s staging program).
+feed_tokens = jax.jit(fed_token_ids)
 
 
 class StepDispatch:

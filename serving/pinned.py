@@ -27,6 +27,22 @@ from glmjax.batch import DecodeBatch
 from glmjax.model import DecodeBuffers, DecodeOutput
 
 
+def fed_token_ids(token_ids: jax.Array, sources: jax.Array, prefill_tokens: jax.Array,
+                  decode_tokens: jax.Array) -> jax.Array:
+    """A decode batch's token ids with the placeholders fed from the previous step.
+
+    Args:
+      token_ids: int32 [N], the host's tokens (0 at placeholders).
+      sources: int32 [N], -1 where the host's token stands, else the row of
+        ``concat(prefill_tokens, decode_tokens)`` holding the sampled token.
+      prefill_tokens, decode_tokens: int32 [R], the previous step's sampled tokens.
+    Returns:
+      int32 [N].
+    """
+    sampled = jnp.concatenate([prefill_tokens, decode_tokens])
+    return jnp.where(sources >= 0, sampled[jnp.maximum(sources, 0)], token_ids)
+
+
 def _stage(pinned: DecodeBatch, host: DecodeBatch, sources: jax.Array,
            prefill_tokens: jax.Array, decode_tokens: jax.Array) -> DecodeBatch:
     """``host`` with its placeholder tokens fed, written over ``pinned`` (donated).
@@ -35,14 +51,11 @@ def _stage(pinned: DecodeBatch, host: DecodeBatch, sources: jax.Array,
       pinned: the bucket's device batch (int32, shapes as ``host``'s), donated: the result
         is written into its buffers.
       host: the step's rows, 0 at placeholder tokens.
-      sources: int32 [N], -1 where the host's token stands, else the row of
-        ``concat(prefill_tokens, decode_tokens)`` holding the sampled token.
-      prefill_tokens, decode_tokens: int32 [R], the previous step's sampled tokens.
+      sources, prefill_tokens, decode_tokens: as ``fed_token_ids``'s.
     """
     del pinned  # donated and unread: XLA writes each result into its buffer
-    sampled = jnp.concatenate([prefill_tokens, decode_tokens])
-    tokens = jnp.where(sources >= 0, sampled[jnp.maximum(sources, 0)], host.token_ids)
-    return host._replace(token_ids=tokens)
+    return host._replace(token_ids=fed_token_ids(host.token_ids, sources, prefill_tokens,
+                                                 decode_tokens))
 
 
 stage_decode = jax.jit(_stage, donate_argnums=0, keep_unused=True)
