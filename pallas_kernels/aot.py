@@ -380,10 +380,6 @@ def check_gmm(names: list[str], tokens: tuple[int, ...] = GMM_TOKENS,
     return reports
 
 
-
-
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=[*KNOWN_DEVICES, "all"], default="all")

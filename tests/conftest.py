@@ -1,11 +1,24 @@
 """Shared fixtures; markers (``gpu``, ``slow``) are registered in pyproject.toml."""
 
+import os
+import shutil
+import tempfile
 import zlib
 
 import numpy as np
 import pytest
 
 from glmjax.sharding import request_cpu_devices
+
+# The servers, prefills and benchmarks the tests start keep their persistent compilation
+# cache (`glmjax.compile_cache`, under $XDG_CACHE_HOME) in one folder per run that the run's
+# processes share (xdist's workers inherit the variable): never the user's own cache, and
+# no run reads an earlier run's programs. The process that made the folder removes it.
+RUN_CACHE = "GLMJAX_TEST_RUN_CACHE"
+OWNS_RUN_CACHE = RUN_CACHE not in os.environ
+if OWNS_RUN_CACHE:
+    os.environ[RUN_CACHE] = tempfile.mkdtemp(prefix="glmjax-tests-")
+os.environ["XDG_CACHE_HOME"] = os.environ[RUN_CACHE]
 
 # tests/test_sharding.py runs meshes of up to 8 devices. On a CPU those are host devices,
 # whose count JAX fixes when its first backend starts: ask for them before any test runs.
@@ -81,3 +94,8 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason=f"needs a CUDA GPU; jax's default device is {platform}")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+def pytest_unconfigure(config):
+    if OWNS_RUN_CACHE:
+        shutil.rmtree(os.environ[RUN_CACHE], ignore_errors=True)
