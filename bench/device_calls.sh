@@ -71,16 +71,19 @@ kimi_step() {
 }
 
 # Where kimi's ladder and coalesced schedules part, layer by layer (retained KDA states,
-# MLA latents, next-token logprobs): fp32 at 64 experts (rounding ~1e-6 everywhere, or a
-# layer that stands out), then bf16 at the full 256.
+# MLA latents, next-token logprobs): fp32 at 16 experts (32 ran out of memory on an H100,
+# where CUDA graphs need the 15% the client leaves), then bf16 at 64 (any GPU; the full
+# 256 with KIMI_SCHEDULE_EXPERTS=256 on the H200). Ran on an H100 on 2026-12-06:
+# PERFORMANCE.md, "Greedy tokens".
 kimi_schedule() {
-  JAX_DEFAULT_MATMUL_PRECISION=highest run_logged schedule_kimi_fp32 420 python3 -m \
-    bench.dsa_schedule --no-layer-rows --preset kimi-linear-48b --model-layers 27 \
-    --model-experts 64 --model-dtype float32 --lengths 8192 \
-    --out "$OUT/schedule_kimi_27L64E_fp32.json"
+  JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 run_logged \
+    schedule_kimi_fp32 420 python3 -m bench.dsa_schedule --no-layer-rows \
+    --preset kimi-linear-48b --model-layers 27 --model-experts 16 --model-dtype float32 \
+    --lengths 8192 --out "$OUT/schedule_kimi_27L16E_fp32.json"
   run_logged schedule_kimi_bf16 300 python3 -m bench.dsa_schedule --no-layer-rows \
-    --preset kimi-linear-48b --model-layers 27 --model-experts 256 --lengths 8192 \
-    --out "$OUT/schedule_kimi_27L256E_bf16.json"
+    --preset kimi-linear-48b --model-layers 27 \
+    --model-experts "${KIMI_SCHEDULE_EXPERTS:-64}" --lengths 8192 \
+    --out "$OUT/schedule_kimi_27L${KIMI_SCHEDULE_EXPERTS:-64}E_bf16.json"
 }
 
 # Cold TTFT through the engine, ladder against coalesced (the 150 / 750 ms bars);

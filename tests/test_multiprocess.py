@@ -40,7 +40,7 @@ from serving.tokenizer import ByteTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 PROCESSES = 4
 START_TIMEOUT_S = 420
-NUMERICS_TIMEOUT_S = 600  # shard at three dcp, then the offline prefill: ~400 s at load 15
+NUMERICS_TIMEOUT_S = 600  # the offline prefill: ~40 s alone, minutes at load 15
 KILL_BOUND_S = 30  # a killed process ends every process within this (heartbeat timeout 10 s)
 TOLERANCE = 2e-6  # max |mesh - one device| / max |one device|, fp32
 CHILD_ENV = {
@@ -98,34 +98,23 @@ def log_text(logs: Path, i: int) -> str:
 
 @pytest.mark.slow
 def test_numerics_match_one_device(tmp_path):
-    """Logits of a prefill with 2-3 retained snapshots and 2 decode steps, every retained
-    KDA state (recurrent and conv) and the MLA caches (gathered from the four processes'
-    shards, in token order) against one device, at dcp 4; then the same of
-    `python -m glmjax.prefill --tp 4 --dcp 2` (the states process 0 saved). dcp 2 over
-    four processes is the server test's and the offline prefill's; dcp 1 over four
-    processes (tp alone) ran here until CI's 2 cores ran short of time (~30 s; one
-    process's meshes at every dcp are `test_sharding.py`'s)."""
+    """`python -m glmjax.prefill --tp 4 --dcp 2` over the four processes (the states process
+    0 saved, at 2-3 retained positions): logits, every retained KDA state (recurrent and
+    conv) and the MLA latents against the same prefill on one device. Decode over four
+    processes is the server test's (its greedy tokens against one device); one process's
+    meshes at every dcp, decode included, are `test_sharding.py`'s. `glmjax.shard`'s
+    experiment over four processes (`multiprocess_worker.py --dcp 1,2,4`: logits, states
+    and caches after a prefill and two decodes) ran here at dcp 4 until CI's 2 cores ran
+    short of time (~50 s of this test's ~90)."""
     out = tmp_path / "results.json"
-    with start([sys.executable, "tests/multiprocess_worker.py", "--dcp", "4", "--prefill",
+    with start([sys.executable, "tests/multiprocess_worker.py", "--dcp", "", "--prefill",
                 "--out", str(out)], tmp_path) as processes:
         codes = wait_all(processes, NUMERICS_TIMEOUT_S)
     assert codes == [0] * PROCESSES, log_text(tmp_path, 0)[-3000:]
-    results = json.loads(out.read_text())
-    assert sorted(results) == ["4", "prefill"]
-    offline = results.pop("prefill")
+    offline = json.loads(out.read_text())["prefill"]
     assert len(offline["positions"]) >= 2
     for kind in ("logits", "kda_recurrent", "kda_conv", "mla_latent"):
         assert offline[kind]["max_rel"] <= TOLERANCE, ("prefill", kind, offline[kind])
-    for dcp, r in results.items():
-        assert r["processes"] == PROCESSES and r["dcp"] == int(dcp)
-        assert len(r["checkpoints"]) >= 2  # the prompt's end and at least one inside
-        d = r["differences"]
-        for kind in ("prefill_logits", "decode_logits", "kda_recurrent", "kda_conv",
-                     "mla_latent"):
-            assert d[kind]["max_rel"] <= TOLERANCE, (dcp, kind, d[kind])
-        for slot, by_slot in d["kda_states_by_slot"].items():
-            for kind in ("recurrent", "conv"):
-                assert by_slot[kind]["max_rel"] <= TOLERANCE, (dcp, slot, kind, by_slot)
 
 
 SERVER_ARGS = ["--preset", "tiny", "--tp", "4", "--dcp", "2", "--block-size", "16",
