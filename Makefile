@@ -10,7 +10,7 @@ GPU_PYTHON ?= python3
 PYTHON_CANDIDATES := python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) \
 	python3.13 $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) python3
 
-.PHONY: venv test lint serve test-gpu device-wheels deviceless-plugin
+.PHONY: venv test test-extended lint serve test-gpu device-wheels deviceless-plugin
 
 venv: $(STAMP)
 
@@ -36,8 +36,16 @@ lint: venv
 # tests close the log: the suite must stay under CI's 20 minutes on 2 cores. Most of its
 # time is XLA compiling small CPU programs: LLVM at -O1 ran a third of the suite 5% faster
 # than the default -O2 (both runs side by side); an -O level in the caller's XLA_FLAGS wins.
+# The tests marked `extended` (the benchmarks' quick runs, the four-process tests: ~450 s of
+# CPU) do not fit in CI's budget beside the rest: `make test-extended` runs them, before
+# every push that touches bench/, the multi-process code or what they call.
+PYTEST_CPU = XLA_FLAGS="--xla_backend_optimization_level=1 $$XLA_FLAGS" $(PYTHON) -m pytest -q \
+	-n 2 --dist loadfile --durations=15
 test: lint
-	XLA_FLAGS="--xla_backend_optimization_level=1 $$XLA_FLAGS" $(PYTHON) -m pytest -q -m "not gpu" -n 2 --dist loadfile --durations=15
+	$(PYTEST_CPU) -m "not gpu and not extended"
+
+test-extended: venv
+	$(PYTEST_CPU) -m "extended and not gpu"
 
 serve: venv
 	$(PYTHON) -m serving.server $(SERVE_ARGS)

@@ -36,20 +36,22 @@ SAME_WORKER = {
 }
 
 
-# The files that take longest on the two-core CI box (`make test --durations`), longest
-# first: they start first, so the run does not end on one of them while the other worker
-# idles. xdist would otherwise queue files by their number of tests, which puts these
-# few-test, long files last.
+# The files that take longest on the two-core CI box (CPU seconds per file under `make
+# test`), longest first: they start first, so the run does not end on one of them while
+# the other worker idles. xdist would otherwise queue files by their number of tests, which
+# puts these few-test, long files last. test_server starts early too: its server fills the
+# run's compilation cache that the other tiny-preset servers (`tests/tiny_server.py`), in
+# files queued after it, read.
 LONGEST_FIRST = (
-    "tests/test_multiprocess.py",
-    "tests/test_aot.py",
-    "tests/test_kda_kernel.py",
     "tests/test_engine.py",
-    "tests/test_load.py",
-    "tests/test_layer_scan.py",
+    "tests/test_kda_kernel.py",
     "tests/test_sharding.py",
+    "tests/test_layer_scan.py",
     "tests/test_model.py",
-    "tests/test_bench_decode.py",
+    "tests/test_aot.py",
+    "tests/test_server.py",
+    "tests/test_offline_prefill.py",
+    "tests/test_bench_startup.py",
 )
 
 

@@ -43,6 +43,7 @@ def broken_op(shapes):
     raise RuntimeError("this op cannot be built")
 
 
+@pytest.mark.extended
 def test_quick_run_writes_json_and_separates_the_ops(tmp_path, monkeypatch):
     monkeypatch.setattr(bi, "OPS", dict(OPS, mixing=mixing_op, broken=broken_op))
     path = tmp_path / "batch_invariance.json"

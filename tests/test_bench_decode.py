@@ -71,7 +71,7 @@ def test_step_bytes_add_up_the_terms(kimi_sizes):
         decode_step_bytes(c, sizes, [])
 
 
-@pytest.mark.slow  # ~40-80 s on two busy cores, nearly all of it compiling three programs
+@pytest.mark.extended  # ~40-80 s on two busy cores, nearly all of it compiling three programs
 def test_quick_run_times_each_batch_against_its_floor(tmp_path):
     path = tmp_path / "decode.json"
     main(["--quick", "--batches", "2", "--context", "40", "--steps", "2", "--device-time",

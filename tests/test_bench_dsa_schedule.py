@@ -8,9 +8,12 @@ compared: they differ by rounding only."""
 
 import json
 
+import pytest
+
 from bench.dsa_schedule import main
 
 
+@pytest.mark.extended
 def test_quick_run_layer_ladder_is_coalesced_bit_for_bit_and_fp32_model_rows_agree(tmp_path):
     path = tmp_path / "dsa_schedule.json"
     main(["--quick", "--model-dtype", "float32", "--out", str(path)])

@@ -3,9 +3,12 @@ timed, and the model's steps took kimi's whole parameter tree."""
 
 import json
 
+import pytest
+
 from bench.engine_host import PHASES, main
 
 
+@pytest.mark.extended
 def test_quick_run_times_every_phase(tmp_path):
     path = tmp_path / "engine_host.json"
     main(["--steps", "5", "--repeats", "2", "--warmup", "2", "--context", "600",

@@ -8,6 +8,7 @@ import pytest
 from bench.kda_conv import H200_BANDWIDTH, SWEEP, main
 
 
+@pytest.mark.extended
 def test_quick_run_times_both_paths_and_writes_json(tmp_path):
     path = tmp_path / "kda_conv.json"
     main(["--quick", "--cases", "70x2", "--sweep", "--out", str(path)])

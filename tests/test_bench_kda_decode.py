@@ -8,7 +8,7 @@ import pytest
 from bench.kda_decode import main
 
 
-@pytest.mark.slow  # ~10-25 s on two busy cores, most of it compiling the chunked path
+@pytest.mark.extended  # ~10-25 s on two busy cores, most of it compiling the chunked path
 def test_quick_run_times_every_path_and_writes_json(tmp_path):
     path = tmp_path / "kda_decode.json"
     main(["--quick", "--rows", "1", "--out", str(path)])

@@ -13,7 +13,7 @@ from pallas_kernels.kda_traffic import GB10_BANDWIDTH, traffic_summary
 from pallas_kernels.tuning import KernelConfig
 
 
-@pytest.mark.slow  # ~50 s of CPU (2-3 min on busy cores): five kernel variants and the passes
+@pytest.mark.extended  # ~50 s of CPU (2-3 min on busy cores): five kernel variants and the passes
 def test_quick_run_times_segment_counts_and_writes_json(tmp_path):
     path = tmp_path / "kda_kernel.json"
     main(["--quick", "--segments", "3", "--pass-cases", "quick", "--out", str(path)])
@@ -50,7 +50,7 @@ def test_sweep_covers_the_prep_tilings_on_both_paths():
     assert all(bound in (None, GATE_LOWER_BOUND) for _, bound in pairs)
 
 
-@pytest.mark.slow  # ~10 s of CPU: one config in interpret mode
+@pytest.mark.extended  # ~10 s of CPU: one config in interpret mode
 def test_quick_sweep_times_and_checks_each_config(tmp_path, monkeypatch):
     """The sweep alone (`--cases ''`): every config of the chosen gate path timed and its
     outputs checked against the reference."""

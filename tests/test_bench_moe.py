@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from bench import moe
 
 
+@pytest.mark.extended
 def test_quick_run_writes_every_implementation(tmp_path):
     out = tmp_path / "moe.json"
     assert moe.main(["--quick", "--out", str(out)]) == 0
@@ -20,6 +23,7 @@ def test_quick_run_writes_every_implementation(tmp_path):
             assert row["rel_error"] < 1e-2, row
 
 
+@pytest.mark.extended
 def test_fused_launches_with_and_without_half_tiles(tmp_path):
     """--sweep-fused 0: the model's two launches at the pick and at it with whole tiles, each
     with the MMA rows it runs per useful row (more with whole tiles)."""

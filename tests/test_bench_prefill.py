@@ -57,7 +57,7 @@ def test_float32_runs_the_model_in_fp32():
         assert config.dtype == want and config.param_dtype == want
 
 
-@pytest.mark.slow  # ~30-60 s on two busy cores, most of it compiling
+@pytest.mark.extended  # ~30-60 s on two busy cores, most of it compiling
 def test_quick_run_writes_every_field_and_both_schedules_agree(tmp_path):
     path = tmp_path / "prefill.json"
     main([*ARGS, "--profile", "--profile-length", "128", "--trace-dir", str(tmp_path / "tr"),
@@ -115,7 +115,7 @@ def test_quick_run_writes_every_field_and_both_schedules_agree(tmp_path):
             sum(step["flops_by_term"].values()) / 1e12)
 
 
-@pytest.mark.slow  # ~35 s on two cores
+@pytest.mark.extended  # ~35 s on two cores
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (the CPU run has 8)")
 def test_quick_run_on_a_mesh_of_four_cpu_devices(tmp_path):
     """`--tp 4 --dcp 2`: both engines run the mesh's steps, compiled ahead (abstract

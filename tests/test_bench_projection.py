@@ -35,6 +35,7 @@ def test_the_sweep_keeps_only_tilings_that_divide_the_shape_and_fit(d_in, d_out)
         assert {c.tilings[0].block_n for c in configs.values()} == {32, 64, 128}
 
 
+@pytest.mark.extended
 def test_quick_run_times_both_paths_and_writes_json(tmp_path):
     path = tmp_path / "projection.json"
     main(["--quick", "--rows", "2", "--out", str(path)])

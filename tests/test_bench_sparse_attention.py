@@ -3,10 +3,12 @@
 import json
 
 import numpy as np
+import pytest
 
 from bench import sparse_attention
 
 
+@pytest.mark.extended
 def test_quick_run_writes_every_row(tmp_path):
     out = tmp_path / "sparse_attention.json"
     assert sparse_attention.main(["--quick", "--out", str(out)]) == 0

@@ -10,7 +10,7 @@ port, ``bench.local_server``).
   it gave before the fuzzing.
 
 Generations are kept short, so that the run takes well under a minute on 2 cores: the
-server's context is 128 tokens; generated ``max_tokens`` the server would accept
+server's context is 512 tokens (`tests/tiny_server.py`); generated ``max_tokens`` the server would accept
 (2 < n <= the context) are lowered to 2 before sending (larger values are sent as they
 are: they test the bounds); a chat body without one gets ``max_tokens`` 2 (else it would
 generate to the end of the context). If the server's
@@ -40,28 +40,18 @@ from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_schema_conformance,
 )
+from tiny_server import MAX_MODEL_LEN, TINY_SERVER_ARGS
 
 from bench.local_server import LocalServer
 from serving import api
 
 pytestmark = pytest.mark.slow  # a server start (compiles) and some 200 requests
 
-MAX_MODEL_LEN = 128
 SMALL_MAX_TOKENS = 2
 NO_SERVER_ERRORS_EXAMPLES = 15  # per operation and mode
 CONFORMANCE_EXAMPLES = 5
 REQUEST_TIMEOUT_S = 30
-SERVER_ARGS = [
-    "--preset", "tiny",
-    "--block-size", "64",
-    "--max-num-batched-tokens", "128",
-    "--max-model-len", str(MAX_MODEL_LEN),
-    "--single-bucket",
-    "--max-num-seqs", "4",
-    "--num-kv-blocks", "32",
-    "--num-state-slots", "16",
-    "--log-level", "warning",
-]  # fmt: skip
+SERVER_ARGS = TINY_SERVER_ARGS
 BODIES = {"/v1/completions": api.CompletionRequest, "/v1/chat/completions": api.ChatRequest}
 FIXED = {"model": "tiny", "prompt": "The fixed prompt", "max_tokens": 6, "temperature": 0,
          "ignore_eos": True}  # fmt: skip

@@ -1,9 +1,10 @@
 """Scanned layer groups (`glmjax.layer_scan`): which layers each preset scans, and the
 scanned model against the unrolled one with the same weights (tiny preset cut to 9
 layers, fp32, DSA top 64: a dense layer, two scanned 3 KDA + 1 MLA groups): a cold
-prefill with snapshots, a resume from a retained snapshot over the cached MLA prefix, a
-decode step and a mixed step (`glmjax.mixed`); logits and every cache array equal within
-fp32 rounding. Weights convert
+prefill with snapshots, a resume from a retained snapshot over the cached MLA prefix and a
+decode step (on the GPU a mixed step too, `glmjax.mixed`: on the CPU its two compiles
+cost ~20 s of the CI's 2 cores); logits and every cache array equal within fp32
+rounding. Weights convert
 both ways exactly, and load from and write back to per-layer safetensors checkpoints. On
 a (2, 2) mesh the scanned model (test_sharding's depth-2 model made four layers of two
 scanned KDA + MLA groups, with MoE) equals its one-device run.
@@ -156,10 +157,10 @@ def test_scanned_steps_equal_unrolled_on_the_gpu(dense_models):
     the first DSA layer; with DSA off but 2 of 4 experts routed, 3.6e-2 on a cache array of
     the resumed prefill. At full fp32 precision the Pallas kernels did not compile within
     170 s there."""
-    check_steps(dense_models, 5e-3)
+    check_steps(dense_models, 5e-3, mixed_step=True)
 
 
-def check_steps(models, tol):
+def check_steps(models, tol, mixed_step=False):
     unrolled_state, scanned_state, tokens = models
     caches = {"unrolled": Caches.init(UNROLLED, NUM_SLOTS, NUM_BLOCKS),
               "scanned": Caches.init(SCANNED, NUM_SLOTS, NUM_BLOCKS)}
@@ -183,6 +184,8 @@ def check_steps(models, tol):
                              positions=jnp.array([200, 90], jnp.int32),
                              state_slots=jnp.array([5, 4], jnp.int32),
                              block_tables=jnp.array([[0, 1, 2, 3], [4, 5, 6, 7]], jnp.int32)))
+    if not mixed_step:
+        return
     # glmjax.mixed: a cold span and the first request's next token in one forward.
     step(mixed, prefill_batch(tokens, Span(0, 50, 7, blocks=(8, 9, 10, 11))),
          DecodeBatch(token_ids=jnp.asarray(tokens[[30, 0]], jnp.int32),

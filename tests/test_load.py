@@ -14,21 +14,13 @@ import pytest
 pytest.importorskip("httpx")
 
 
+from tiny_server import TINY_SERVER_ARGS
+
 from bench.load import RunOptions, ok, run_load, table
 from bench.load_workload import CHAT, WorkloadOptions, make_bodies, make_sends
 from bench.local_server import LocalServer, check_loopback
 
-SERVER_ARGS = [
-    "--preset", "tiny",
-    "--block-size", "64",
-    "--max-num-batched-tokens", "128",
-    "--max-model-len", "512",
-    "--single-bucket",
-    "--max-num-seqs", "8",
-    "--num-kv-blocks", "64",
-    "--num-state-slots", "32",
-    "--log-level", "warning",
-]  # fmt: skip
+SERVER_ARGS = TINY_SERVER_ARGS
 WORKLOAD = WorkloadOptions(
     requests=48,
     distinct=12,

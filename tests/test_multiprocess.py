@@ -96,7 +96,7 @@ def log_text(logs: Path, i: int) -> str:
     return (logs / f"p{i}.txt").read_text(errors="replace")
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_numerics_match_one_device(tmp_path):
     """`python -m glmjax.prefill --tp 4 --dcp 2` over the four processes (the states process
     0 saved, at 2-3 retained positions): logits, every retained KDA state (recurrent and
@@ -153,7 +153,7 @@ def tokens(response: httpx.Response) -> list[str]:
     return response.json()["choices"][0]["logprobs"]["tokens"]
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_server_greedy_cached_and_kill(tmp_path):
     """The four-process server answers the one-process greedy tokens, cold and from its
     prefix cache; killing one process fails the request in flight, answers the next

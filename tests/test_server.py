@@ -25,6 +25,7 @@ for _package in ("fastapi", "uvicorn", "pydantic", "httpx"):
     pytest.importorskip(_package)
 
 import httpx
+from tiny_server import MAX_MODEL_LEN, TINY_SERVER_ARGS
 
 from serving.api import Generation
 from serving.async_engine import AsyncEngine, EngineDeadError
@@ -34,27 +35,8 @@ from serving.request import SamplingParams
 from serving.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_MODEL_LEN = 512
 START_TIMEOUT_S = 300
-SERVER_ARGS = [
-    "--preset",
-    "tiny",
-    "--block-size",
-    "64",
-    "--max-num-batched-tokens",
-    "128",
-    "--max-model-len",
-    str(MAX_MODEL_LEN),
-    "--single-bucket",
-    "--max-num-seqs",
-    "4",
-    "--num-kv-blocks",
-    "48",
-    "--num-state-slots",
-    "32",
-    "--log-level",
-    "warning",
-]
+SERVER_ARGS = TINY_SERVER_ARGS
 
 
 def free_port() -> int:

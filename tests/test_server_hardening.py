@@ -24,6 +24,7 @@ for _package in ("fastapi", "uvicorn", "pydantic", "httpx"):  # absent on the GP
 
 import httpx
 import uvicorn
+from tiny_server import TINY_SERVER_ARGS
 
 from serving import server as server_module
 from serving.async_engine import AsyncEngine
@@ -33,11 +34,7 @@ from serving.precompile import reachable_programs
 from serving.request import SamplingParams
 from serving.step import SchedulerConfig
 
-MAX_MODEL_LEN = 512
-ARGS = (
-    "--preset tiny --block-size 64 --max-num-batched-tokens 128 --max-model-len 512 "
-    "--single-bucket --max-num-seqs 4 --num-kv-blocks 48 --num-state-slots 32"
-).split()
+ARGS = TINY_SERVER_ARGS
 VOCAB = 1024  # the tiny preset's
 
 

@@ -8,26 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_server import TINY_SERVER_ARGS
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from serving.chat_template import ChatTemplateError
 from serving.tokenizer import BYTE_EOS_ID, ByteTokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-# The smallest shapes the tiny preset serves: one compile per entry point.
-SMALL_SERVER = [
-    "--block-size",
-    "64",
-    "--max-num-batched-tokens",
-    "64",
-    "--max-model-len",
-    "128",
-    "--single-bucket",
-    "--max-num-seqs",
-    "2",
-    "--log-level",
-    "warning",
-]
 VOCAB = ["[UNK]", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "hello", "world", "user"]
 # ChatML with a BOS token, indented block tags (lstrip_blocks / trim_blocks must remove the
 # indentation and the newline after each tag) and a rule enforced with raise_exception.
@@ -160,7 +147,7 @@ def running_server(args: list[str], log_path):
 
     from bench.local_server import LocalServer
 
-    with LocalServer([*SMALL_SERVER, *args], log_path, env={"JAX_PLATFORMS": "cpu"},
+    with LocalServer([*TINY_SERVER_ARGS, *args], log_path, env={"JAX_PLATFORMS": "cpu"},
                      start_timeout_s=300) as server:
         with httpx.Client(base_url=server.url, timeout=120) as client:
             yield client
