@@ -14,11 +14,14 @@ from glmjax.sharding import request_cpu_devices
 # cache (`glmjax.compile_cache`, under $XDG_CACHE_HOME) in one folder per run that the run's
 # processes share (xdist's workers inherit the variable): never the user's own cache, and
 # no run reads an earlier run's programs. The process that made the folder removes it.
+# Triton's kernel cache too (the AOT tests compile with the official Triton compiler, which
+# would otherwise write ~60 MB a run into ~/.triton).
 RUN_CACHE = "GLMJAX_TEST_RUN_CACHE"
 OWNS_RUN_CACHE = RUN_CACHE not in os.environ
 if OWNS_RUN_CACHE:
     os.environ[RUN_CACHE] = tempfile.mkdtemp(prefix="glmjax-tests-")
 os.environ["XDG_CACHE_HOME"] = os.environ[RUN_CACHE]
+os.environ["TRITON_CACHE_DIR"] = os.path.join(os.environ[RUN_CACHE], "triton")
 
 # tests/test_sharding.py runs meshes of up to 8 devices. On a CPU those are host devices,
 # whose count JAX fixes when its first backend starts: ask for them before any test runs.
