@@ -10,11 +10,11 @@ port, ``bench.local_server``).
   it gave before the fuzzing.
 
 Generations are kept short, so that the run takes well under a minute on 2 cores: the
-server's context is 512 tokens (`tests/tiny_server.py`); generated ``max_tokens`` the server would accept
-(2 < n <= the context) are lowered to 2 before sending (larger values are sent as they
-are: they test the bounds); a chat body without one gets ``max_tokens`` 2 (else it would
-generate to the end of the context). If the server's
-schema declares no request body for a POST operation, the body is taken from the pydantic
+server's context is 512 tokens (`tests/tiny_server.py`); generated ``max_tokens`` the
+server would accept (2 < n <= the context) are lowered to 2 before sending (larger values
+are sent as they are: they test the bounds); a chat body without one gets ``max_tokens``
+2 (else it would generate to the end of the context). If the server's schema declares no
+request body for a POST operation, the body is taken from the pydantic
 model in ``serving.api`` (``test_schema_declares_request_bodies`` fails meanwhile).
 """
 
