@@ -51,7 +51,6 @@ SMALL_MAX_TOKENS = 2
 NO_SERVER_ERRORS_EXAMPLES = 15  # per operation and mode
 CONFORMANCE_EXAMPLES = 5
 REQUEST_TIMEOUT_S = 30
-SERVER_ARGS = TINY_SERVER_ARGS
 BODIES = {"/v1/completions": api.CompletionRequest, "/v1/chat/completions": api.ChatRequest}
 FIXED = {"model": "tiny", "prompt": "The fixed prompt", "max_tokens": 6, "temperature": 0,
          "ignore_eos": True}  # fmt: skip
@@ -66,7 +65,7 @@ def complete_fixed(url: str) -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("fuzz") / "server.log"
-    with LocalServer(SERVER_ARGS, log, env={"JAX_PLATFORMS": "cpu"}, start_timeout_s=300) as s:
+    with LocalServer(TINY_SERVER_ARGS, log, env={"JAX_PLATFORMS": "cpu"}, start_timeout_s=300) as s:
         s.fixed_answer = complete_fixed(s.url)
         s.raw_schema = httpx.get(f"{s.url}/openapi.json", timeout=30).json()
         yield s

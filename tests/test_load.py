@@ -20,7 +20,6 @@ from bench.load import RunOptions, ok, run_load, table
 from bench.load_workload import CHAT, WorkloadOptions, make_bodies, make_sends
 from bench.local_server import LocalServer, check_loopback
 
-SERVER_ARGS = TINY_SERVER_ARGS
 WORKLOAD = WorkloadOptions(
     requests=48,
     distinct=12,
@@ -36,7 +35,8 @@ OPTIONS = RunOptions(clients=16, duration_s=60, request_timeout_s=60, idle_timeo
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     log = tmp_path_factory.mktemp("load") / "server.log"
-    with LocalServer(SERVER_ARGS, log, env={"JAX_PLATFORMS": "cpu"}, start_timeout_s=300) as server:
+    with LocalServer(TINY_SERVER_ARGS, log, env={"JAX_PLATFORMS": "cpu"},
+                     start_timeout_s=300) as server:
         result = run_load(server.url, WORKLOAD, OPTIONS, log_compiles=server.compiled)
         result["server_alive"] = server.alive()
         result["server_log_tail"] = server.log_tail(40)

@@ -4,10 +4,11 @@ each (``jax.distributed``, gloo collectives), the tiny preset on a (tp 4, dcp) m
 Each test starts its processes once and checks several things, as every start compiles
 the model four times over (the children compile with LLVM's optimisations off,
 ``XLA_FLAGS``, to save some of that); the two that start four processes are marked
-``extended`` (`make test-extended`: too long for CI's two cores beside the rest). The differences from one device
-are fp32 rounding summed in another order: one device is itself up to 1.2e-6 from an fp64
-evaluation of the same run and the mesh up to 1.0e-6 (`python -m bench.prefill_fp64`), so
-the two may differ by up to their sum; TOLERANCE is 2e-6 (measured: up to 1.4e-6).
+``extended`` (`make test-extended`: too long for CI's two cores beside the rest). The
+differences from one device are fp32 rounding summed in another order: one device is
+itself up to 1.2e-6 from an fp64 evaluation of the same run and the mesh up to 1.0e-6
+(`python -m bench.prefill_fp64`), so the two may differ by up to their sum; TOLERANCE is
+2e-6 (measured: up to 1.4e-6).
 """
 
 import concurrent.futures

@@ -36,7 +36,6 @@ from serving.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300
-SERVER_ARGS = TINY_SERVER_ARGS
 
 
 def free_port() -> int:
@@ -50,7 +49,7 @@ def server():
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serving.server", *SERVER_ARGS, "--port", str(port)],
+        [sys.executable, "-m", "serving.server", *TINY_SERVER_ARGS, "--port", str(port)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

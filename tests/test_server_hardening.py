@@ -34,7 +34,6 @@ from serving.precompile import reachable_programs
 from serving.request import SamplingParams
 from serving.step import SchedulerConfig
 
-ARGS = TINY_SERVER_ARGS
 VOCAB = 1024  # the tiny preset's
 
 
@@ -67,7 +66,7 @@ class StepGate:
 
 @pytest.fixture(scope="module")
 def engine_parts():
-    args = server_module.parse_args(ARGS)
+    args = server_module.parse_args(TINY_SERVER_ARGS)
     engine, tokenizer, name = server_module.build_engine(args)
     assert engine.model_config.vocab_size == VOCAB
     server_module.warm_up(engine, precompile_all=True)
