@@ -172,6 +172,31 @@ decode_b1_ab() {
   done
 }
 
+# A KDA kernel change against the tree before it, alternately on one GPU of either kind:
+# H = 16 at one 32K prompt (the segment-parallel scan; issue 20's 3% snapshot bar) and
+# H = 32 at 8K, each with 0 and 4 snapshots (fla beside the first "after" run of each).
+# The caller extracts the tree before into _before_tree (untracked, so it travels:
+# `git archive <sha> pallas_kernels bench | tar -x -C _before_tree`).
+kda_ab() {
+  local round heads_case heads case tree dir fla
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  for round in 1 2; do
+    for heads_case in 16:32K 32:8K; do
+      heads=${heads_case%%:*} case=${heads_case##*:}
+      [[ $round == 2 && $heads == 32 ]] && continue  # the 8K pair once
+      for tree in before after; do
+        dir=. fla=--no-fla
+        [[ $tree == before ]] && dir=_before_tree
+        [[ $tree == after && $round == 1 ]] && fla=
+        (cd "$dir" && run_logged "kda_h${heads}_${case}_${tree}_$round" 240 python3 -m \
+          bench.kda_kernel --heads "${heads:-16}" --cases "${case:-32K}" --pass-cases '' \
+          ${fla:-} --out "$OUT/kda_h${heads}_${case}_${tree}_$round.json")
+      done
+    done
+  done
+  unset XLA_PYTHON_CLIENT_PREALLOCATE
+}
+
 # Where the batch-1 step's ~3.6 ms of host time goes (the device needs 3.3): cProfile of the
 # whole benchmark; per call of the jitted steps and of the engine's own functions.
 decode_host() {
@@ -259,7 +284,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_times pingpong kda_prep conv decode_host decode glm_decode
+STEPS="setup verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_times pingpong kda_prep conv decode_host decode glm_decode
 ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then

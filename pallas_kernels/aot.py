@@ -147,16 +147,6 @@ def segment_config(spec: DeviceSpec) -> KernelConfig:
     return config if config.scan_segments > 1 else dataclasses.replace(config, scan_segments=4)
 
 
-
-
-
-
-
-
-
-
-
-
 def lower_kda_conv(spec: DeviceSpec, heads: int) -> list[TritonModule]:
     """The Triton modules of the KDA prefill conv (`kda_conv`) for `spec`: NUM_TOKENS bf16
     rows of q, k and v, each `heads` x HEAD_DIM channels, kernel width 4, CAPACITY

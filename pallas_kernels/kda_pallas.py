@@ -119,19 +119,31 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
             states_ref[first_slot + i, h, :, vcols] = state_op.astype(states_ref.dtype)
             plgpu.store(vnew_ref.at[rows, h, vcols], v_new.astype(vnew_ref.dtype), mask=valid)
 
-        for c in range(capacity):
-            local = offsets[c] - i * chunk
+        def inside(c):
+            """Row offset of snapshot c inside this chunk (1..n_valid when it is)."""
+            local = offsets_ref[n, c] - i * chunk
+            return local, (local >= 1) & (local <= n_valid)
 
-            @pl.when((local >= 1) & (local <= n_valid))
-            def _(c=c, local=local):
+        def snapshot(c, carry):
+            """Snapshot c, if its offset falls inside this chunk: the state after the
+            offset's row (loads only then; a loop, so its code exists once)."""
+            local, store = inside(c)
+
+            @pl.when(store)
+            def _():
                 g_cum = load(gcum_ref, slice(None))
                 k = load(k_ref, slice(None)).astype(jnp.float32)
-                g_at = jnp.sum(jnp.where(rows_c == local - 1, g_cum, 0.0), axis=0)  # [K]
-                before = rows_c < local
-                k_dec = jnp.where(before, k * exp(jnp.minimum(g_at[None, :] - g_cum, 0.0)),
-                                  0.0)
-                snap = exp(g_at)[:, None] * state + dot_tn(k_dec, v_new, precision)
-                snap_ref[n, c, h, :, vcols] = snap
+                g_at = gcum_ref[r0 + local - 1, h, :]  # [K]: G at the offset's row
+                k_dec = jnp.where(rows_c < local,
+                                  k * exp(jnp.minimum(g_at[None, :] - g_cum, 0.0)), 0.0)
+                snap_ref[n, c, h, :, vcols] = (exp(g_at)[:, None] * state
+                                               + dot_tn(k_dec, v_new, precision))
+            return carry
+
+        if capacity:
+            @pl.when(functools.reduce(jnp.logical_or, [inside(c)[1] for c in range(capacity)]))
+            def _():
+                lax.fori_loop(0, capacity, snapshot, 0)
 
         g_last = glast_ref[first_slot + i, h, :]  # [K]
         kg = load(kg_ref, slice(None)).astype(operand)
