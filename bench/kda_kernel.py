@@ -162,18 +162,19 @@ def time_passes(inputs, lens, config, timing):
     transitions = jax.jit(lambda t, s: kda_segments.segment_transitions(t, s, cu, init,
                                                                         **flags))
     combine = jax.jit(lambda tr: kda_segments.combine_segments(init, tr, segments))
-    scan = jax.jit(lambda t, s, states: kda_pallas.chunk_scan(
-        t, q, k, v, beta, s, cu, states, offsets, scale=HEAD_K ** -0.5, out_dtype=v.dtype,
-        **flags))
+    scan = jax.jit(lambda t, s, states: kda_pallas.chunk_scan(t, k, v, beta, s, cu, states,
+                                                              offsets, out_dtype=v.dtype,
+                                                              **flags))
     output = jax.jit(lambda t, e, vn, s: kda_pallas.chunk_output(t, e, vn, s,
                                                                  out_dtype=jnp.bfloat16,
                                                                  **flags))
     chunk_matrices = matrices(slots)
     tensors = prep(slots)
-    calls = {"prep matrices": lambda: matrices(slots)}
-    if not config.scan_forms_gates:  # the W/U pass needs beta k exp(G) from the prep
-        calls["prep w_u"] = lambda: w_u(chunk_matrices, slots)
-    calls["prep"] = lambda: prep(slots)
+    calls = {
+        "prep matrices": lambda: matrices(slots),
+        "prep w_u": lambda: w_u(chunk_matrices, slots),
+        "prep": lambda: prep(slots),
+    }
     segment_states = init
     if segments > 1:
         trans = transitions(tensors, slots)
@@ -224,11 +225,6 @@ def run_case(name, lens, config, args, bandwidth):
            "pallas, W/U pass, 4 snap")
     checked[row] = ours(4, config=toggled)
     measure(row, checked[row], **timing)
-    gates = dataclasses.replace(config, gates_in_scan=True)
-    if gates.scan_forms_gates and not config.scan_forms_gates:  # Qg, Kg, beta k exp(G) too
-        row = "pallas, gates in the scan, 4 snap"
-        checked[row] = ours(4, config=gates)
-        measure(row, checked[row], **timing)
     if args.unfused_output:  # the output pass after a plain scan, both gate paths
         unfused = dataclasses.replace(config, fuse_output=False)
         for row, bound in (("pallas output pass, 4 snap", GATE_LOWER_BOUND),

@@ -50,32 +50,26 @@ from pallas_kernels.tiles import (
 from pallas_kernels.tuning import KernelConfig
 
 
-def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, gcum_ref,
-                       glast_ref, *refs, chunk, block_v, capacity, segments, precision,
-                       fused, forms_w_u, forms_gates, scale, num_tokens, exp):
+def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_ref,
+                       gcum_ref, glast_ref, *refs, chunk, block_v, capacity, segments,
+                       precision, fused, forms_w_u, num_tokens, exp):
     """One segment x head x value block: the chunk-to-chunk scan with snapshots.
 
     Program axis 0 is sequence n's segment s at n * segments + s; init_ref [N segments,
     H, K, V] holds each segment's entry state (the initial states when segments == 1).
-    refs start with Kg ([T', H, K]) unless `forms_gates`, then W and U ([T', H, K],
-    [T', H, V]), or with `forms_w_u` T, beta k exp(G) (not with `forms_gates`), v and
-    beta, from which each chunk's W = T (beta k exp(G)) and U = T diag(beta) v are formed
-    here (the W/U pass's products, W in the operand dtype, U in fp32). With `forms_gates`
-    the chunk's Qg, Kg and beta k exp(G) are formed here too, from q, k, beta and G (fp32,
-    every row), each rounded to the operand dtype as the prep pass rounds them.
+    refs start with W and U ([T', H, K], [T', H, V]), or with `forms_w_u` T, beta k
+    exp(G), v and beta, from which each chunk's W = T (beta k exp(G)) and U = T diag(beta)
+    v are formed here (the W/U pass's products, W in the operand dtype, U in fp32).
     Unfused (then: states, vnew, final, snap), stores each chunk's entry state (for the
     output pass) at its chunk slot and Vnew at the chunk's rows: only the two matmuls the
-    recurrence depends on run here. Fused (then: qg, or q with `forms_gates`, aqk, o,
-    final, snap), computes the chunk's output O = Qg S_entry + Aqk Vnew from the same
-    operand-dtype values the output pass would load, and stores nothing else per chunk;
-    the grid's last program also zeroes the rows past the last sequence, up to
-    `num_tokens` (no fill of o before).
+    recurrence depends on run here. Fused (then: qg, aqk, o, final, snap), computes the
+    chunk's output O = Qg S_entry + Aqk Vnew from the same operand-dtype values the output
+    pass would load, and stores nothing else per chunk; the grid's last program also
+    zeroes the rows past the last sequence, up to `num_tokens` (no fill of o before).
     Each snapshot is stored by the one segment holding its offset, zeros by segment 0 when
     the offset is inactive; the final state by the sequence's last non-empty segment.
     """
-    kg_ref, refs = (None, refs) if forms_gates else (refs[0], refs[1:])
-    w_u_count = (3 if forms_gates else 4) if forms_w_u else 2
-    w_u_refs, refs = refs[:w_u_count], refs[w_u_count:]
+    w_u_refs, refs = (refs[:4], refs[4:]) if forms_w_u else (refs[:2], refs[2:])
     if fused:
         qg_ref, aqk_ref, o_ref, final_ref, snap_ref = refs
     else:
@@ -90,49 +84,36 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, gcu
     vcols = pl.ds(vb * block_v, block_v)
     rows_c = iota((chunk, 1), 0)
     offsets = [offsets_ref[n, c] for c in range(capacity)]
-    operand, f32 = w_u_refs[0].dtype, jnp.float32
+    operand = kg_ref.dtype
 
     for c in range(capacity):
         @pl.when((s == 0) & jnp.logical_not((offsets[c] >= 1) & (offsets[c] <= seq_len)))
         def _(c=c):
-            snap_ref[n, c, h, :, vcols] = jnp.zeros((head_k, block_v), f32)
+            snap_ref[n, c, h, :, vcols] = jnp.zeros((head_k, block_v), jnp.float32)
 
     def body(i, state):
         r0 = start + i * chunk
         n_valid = jnp.minimum(chunk, seq_len - i * chunk)
         valid = rows_c < n_valid  # [C, 1]
         rows = pl.ds(r0, chunk)
-        g_last = glast_ref[first_slot + i, h, :]  # [K]
 
-        def load(ref, cols=slice(None)):
+        def load(ref, cols):
             return plgpu.load(ref.at[rows, h, cols], mask=valid, other=0)
 
-        def keys_and_g():
-            """k and G of the chunk, fp32 [C, K]."""
-            return load(k_ref).astype(f32), load(gcum_ref)
-
-        if forms_gates:  # rounded to the operand dtype at once: fewer registers live
-            k, g_cum = keys_and_g()
-            decay = exp(g_cum)  # exp(G) <= 1
-            kg = (k * exp(jnp.minimum(g_last[None, :] - g_cum, 0.0))).astype(operand)
         if forms_w_u:
-            t_ref, *kb_ref, v_ref, beta_ref = w_u_refs
-            beta = load_rows(beta_ref, rows, h, valid)
-            kb = (beta * k * decay).astype(operand) if forms_gates else load(kb_ref[0])
-            t = load(t_ref)
-            w = dot(t, kb, precision).astype(operand)
-            u = dot(t, (beta * load_rows(v_ref, rows, h, valid, vcols)).astype(operand),
-                    precision)
+            t_ref, kb_ref, v_ref, beta_ref = w_u_refs
+            t = load(t_ref, slice(None))
+            w = dot(t, load(kb_ref, slice(None)), precision).astype(operand)
+            beta_v = load_rows(beta_ref, rows, h, valid) * load_rows(v_ref, rows, h, valid, vcols)
+            u = dot(t, beta_v.astype(operand), precision)
         else:
             w_ref, u_ref = w_u_refs
-            w, u = load(w_ref), load(u_ref, vcols).astype(f32)
+            w, u = load(w_ref, slice(None)), load(u_ref, vcols).astype(jnp.float32)
         state_op = state.astype(operand)
         v_new = u - dot(w, state_op, precision)
         if fused:
-            qg = ((scale * load(qg_ref).astype(f32) * decay).astype(operand) if forms_gates
-                  else load(qg_ref))
-            out = (dot(qg, state_op, precision)
-                   + dot(load(aqk_ref), v_new.astype(operand), precision))
+            out = (dot(load(qg_ref, slice(None)), state_op, precision)
+                   + dot(load(aqk_ref, slice(None)), v_new.astype(operand), precision))
             plgpu.store(o_ref.at[rows, h, vcols], out.astype(o_ref.dtype), mask=valid)
         else:
             states_ref[first_slot + i, h, :, vcols] = state_op.astype(states_ref.dtype)
@@ -150,10 +131,11 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, gcu
 
             @pl.when(store)
             def _():
-                keys, g_chunk = (k, g_cum) if forms_gates else keys_and_g()
+                g_cum = load(gcum_ref, slice(None))
+                k = load(k_ref, slice(None)).astype(jnp.float32)
                 g_at = gcum_ref[r0 + local - 1, h, :]  # [K]: G at the offset's row
                 k_dec = jnp.where(rows_c < local,
-                                  keys * exp(jnp.minimum(g_at[None, :] - g_chunk, 0.0)), 0.0)
+                                  k * exp(jnp.minimum(g_at[None, :] - g_cum, 0.0)), 0.0)
                 snap_ref[n, c, h, :, vcols] = (exp(g_at)[:, None] * state
                                                + dot_tn(k_dec, v_new, precision))
             return carry
@@ -163,8 +145,8 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, gcu
             def _():
                 lax.fori_loop(0, capacity, snapshot, 0)
 
-        if not forms_gates:
-            kg = load(kg_ref).astype(operand)
+        g_last = glast_ref[first_slot + i, h, :]  # [K]
+        kg = load(kg_ref, slice(None)).astype(operand)
         return exp(g_last)[:, None] * state + dot_tn(kg, v_new.astype(operand), precision)
 
     state = lax.fori_loop(first, end, body, init_ref[index, h, :, vcols])
@@ -211,13 +193,11 @@ def _output_kernel(chunk_start_ref, chunk_len_ref, qg_ref, aqk_ref, states_ref, 
         plgpu.store(o_ref.at[rows, h, vcols], out.astype(o_ref.dtype), mask=valid)
 
 
-def chunk_scan(tensors: ChunkTensors, q, k, v, beta, slots: ChunkSlots, cu_seqlens,
-               segment_states, checkpoint_offsets, *, scale: float, config: KernelConfig,
-               interpret: bool, exact: bool, out_dtype=None):
-    """Pass 2: the recurrence. q, k, v: [T', H, K], [T', H, K], [T', H, V], beta [T', H]
-    (v and beta read only when the scan forms W and U: `tensors.w` None; q only when it
-    forms Qg, Kg and beta k exp(G) too: `tensors.kg` None; `scale` is Qg's), T' = T
-    (GPU) or T + C (interpret mode);
+def chunk_scan(tensors: ChunkTensors, k, v, beta, slots: ChunkSlots, cu_seqlens,
+               segment_states, checkpoint_offsets, *, config: KernelConfig, interpret: bool,
+               exact: bool, out_dtype=None):
+    """Pass 2: the recurrence. k, v: [T', H, K], [T', H, V], beta [T', H] (read only when
+    the scan forms W and U: `tensors.w` None), T' = T (GPU) or T + C (interpret mode);
     segment_states fp32 [N P, H, K, V]: each segment's entry state, P =
     config.scan_segments (the initial states when P = 1; `kda_segments`).
 
@@ -239,19 +219,16 @@ def chunk_scan(tensors: ChunkTensors, q, k, v, beta, slots: ChunkSlots, cu_seqle
                  (jax.ShapeDtypeStruct((slots.start.shape[0], num_heads, head_k, head_v),
                                        inter),
                   jax.ShapeDtypeStruct((rows, num_heads, head_v), inter)))
-    forms_gates = tensors.kg is None  # the scan forms Qg, Kg and beta k exp(G)
-    operands = [cu_seqlens, slots.first_slot, checkpoint_offsets, segment_states, k,
-                tensors.g_cum, tensors.g_last, *([] if forms_gates else [tensors.kg]),
-                *((tensors.t, *([] if forms_gates else [tensors.kb]), v, beta) if forms_w_u
-                  else (tensors.w, tensors.u))]
+    operands = [cu_seqlens, slots.first_slot, checkpoint_offsets, segment_states, k, tensors.kg,
+                tensors.g_cum, tensors.g_last,
+                *((tensors.t, tensors.kb, v, beta) if forms_w_u else (tensors.w, tensors.u))]
     if fused:
-        operands += [q if forms_gates else tensors.qg, tensors.aqk]
+        operands += [tensors.qg, tensors.aqk]
     scan = pl.pallas_call(
         functools.partial(_recurrence_kernel, chunk=config.chunk_size, block_v=block_v,
                           capacity=capacity, segments=segments,
                           precision=matmul_precision(exact), fused=fused,
-                          forms_w_u=forms_w_u, forms_gates=forms_gates, scale=scale,
-                          exp=exp_function(exact),
+                          forms_w_u=forms_w_u, exp=exp_function(exact),
                           num_tokens=rows - config.chunk_size if interpret else rows),
         out_shape=(*per_chunk,
                    jax.ShapeDtypeStruct((num_seqs, num_heads, head_k, head_v), f32),
@@ -307,8 +284,8 @@ def kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, initial_states, checkpoint_
     if config.scan_segments > 1:
         transitions = segment_transitions(tensors, slots, cu_seqlens, initial_states, **flags)
         segment_states = combine_segments(initial_states, transitions, config.scan_segments)
-    scanned = chunk_scan(tensors, q, k, v, beta, slots, cu_seqlens, segment_states,
-                         checkpoint_offsets, scale=scale, out_dtype=v.dtype, **flags)
+    scanned = chunk_scan(tensors, k, v, beta, slots, cu_seqlens, segment_states,
+                         checkpoint_offsets, out_dtype=v.dtype, **flags)
     if config.fuse_output:
         o, final_states, snapshots = scanned
     else:

@@ -179,18 +179,16 @@ def _inverse_kernel(chunk_start_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_re
 
 def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_ref, g_ref,
                        beta_ref, a_diag_ref, t_diag_ref, *refs, scale, chunk, block_k,
-                       precision, base, gates):
+                       precision, base):
     """One chunk of one head: G (fp32, stored only where `snapshot_ref` [S] marks the
     slot), Qg, Kg, Aqk (scaled), beta k exp(G) and T = (I + L)^-1 (the last five in the
-    operand dtype), by 16 x 16 blocks and key slices of `block_k` columns. Without
-    `gates` (the scan forms them, `KernelConfig.scan_forms_gates`): no Qg, Kg or
-    beta k exp(G), and G stored in every slot.
+    operand dtype), by 16 x 16 blocks and key slices of `block_k` columns.
 
     Refs are whole arrays [T', H, ...]; rows past the chunk's length load as zeros
     (g = 0 keeps G flat there, k = beta = 0 adds nothing). The diagonal blocks of Aqk and
     of T come from `_inverse_kernel` (a_diag_ref, t_diag_ref [T', H, 16]).
     """
-    aqk_ref, t_ref, qg_ref, kg_ref, gcum_ref, glast_ref, kb_ref = refs  # None: not stored
+    aqk_ref, t_ref, qg_ref, kg_ref, gcum_ref, glast_ref, kb_ref = refs
     # Decays in the base of `exp` (`tiles.exp_base`): g is scaled as it loads, G back as
     # it is stored.
     g_scale, exp = base
@@ -252,16 +250,13 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
                 q_b, k_b = load(q_ref, b, cols), load(k_ref, b, cols)
                 g_b = before[b] + rise[b]
 
-                if gates:
-                    @pl.when(snapshot_ref[slot] != 0)  # the scan reads G only there
-                    def _(b=b, g_b=g_b):
-                        store(gcum_ref, b, g_b * (1 / g_scale), cols)
-
-                    store(qg_ref, b, scale * q_b * exp(g_b), cols)
-                    store(kb_ref, b, load(beta_ref, b) * k_b * exp(g_b), cols)
-                    store(kg_ref, b, k_b * exp(after[b + 1] + total[b] - rise[b]), cols)
-                else:
+                @pl.when(snapshot_ref[slot] != 0)  # the scan reads G only there
+                def _(b=b, g_b=g_b):
                     store(gcum_ref, b, g_b * (1 / g_scale), cols)
+
+                store(qg_ref, b, scale * q_b * exp(g_b), cols)
+                store(kb_ref, b, load(beta_ref, b) * k_b * exp(g_b), cols)
+                store(kg_ref, b, k_b * exp(after[b + 1] + total[b] - rise[b]), cols)
                 fall = exp(rise[b])
                 # exp(G_i - G_j) = exp(G_i - E_c) exp(E_c - G_j) exp(the totals of the
                 # blocks between), every factor <= 1.
@@ -327,11 +322,11 @@ class ChunkMatrices(NamedTuple):
 
     aqk: jax.Array     # [T', H, C] operand dtype
     t: jax.Array       # [T', H, C] operand dtype: T = (I + L)^-1, by chunk rows
-    qg: jax.Array | None  # [T', H, K] operand dtype (None: `scan_forms_gates`, as kg, kb)
-    kg: jax.Array | None  # [T', H, K] operand dtype
+    qg: jax.Array      # [T', H, K] operand dtype
+    kg: jax.Array      # [T', H, K] operand dtype
     g_cum: jax.Array   # [T', H, K] fp32
     g_last: jax.Array  # [S, H, K] fp32
-    kb: jax.Array | None  # [T', H, K] operand dtype: beta k exp(G), W's right-hand side
+    kb: jax.Array      # [T', H, K] operand dtype: beta k exp(G), W's right-hand side
 
 
 def _rows_of(x, width, dtype):
@@ -347,8 +342,7 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
                    exact: bool) -> ChunkMatrices:
     """Pass 1a over [T', H, K] inputs: the diagonal blocks (`_inverse_kernel`; any decay,
     `bounded_gates=False`: with its check of the decays' spread), then G, Qg, Kg, Aqk and T
-    (`_chunk_prep_kernel`; Qg, Kg and beta k exp(G) None where the scan forms them,
-    `config.scan_forms_gates`)."""
+    (`_chunk_prep_kernel`)."""
     num_heads, head_k = q.shape[1:]
     chunk = config.chunk_size
     inter, f32 = operand_dtype(exact), jnp.float32
@@ -365,22 +359,22 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
         name="kda_chunk_inverse" if bounded_gates else "kda_chunk_inverse_checked",
     )
     diagonal_blocks = inverse(slots.start, slots.length, q, k, g, beta)
-    gates = not config.scan_forms_gates
-    factor = _rows_of(q, head_k, inter) if gates else None  # Qg, Kg, beta k exp(G)
     prep = pl.pallas_call(
         functools.partial(_chunk_prep_kernel, scale=scale, chunk=chunk,
                           block_k=min(config.prep_block_k, head_k), precision=precision,
-                          base=base, gates=gates),
+                          base=base),
         out_shape=ChunkMatrices(
-            _rows_of(q, chunk, inter), _rows_of(q, chunk, inter), factor, factor,
-            _rows_of(q, head_k, f32), jax.ShapeDtypeStruct((num_slots, num_heads, head_k), f32),
-            factor),
+            _rows_of(q, chunk, inter), _rows_of(q, chunk, inter), _rows_of(q, head_k, inter),
+            _rows_of(q, head_k, inter), _rows_of(q, head_k, f32),
+            jax.ShapeDtypeStruct((num_slots, num_heads, head_k), f32),
+            _rows_of(q, head_k, inter)),
         grid=(num_slots, num_heads),
         compiler_params=_params(config.prep_num_warps),
         interpret=interpret,
         name="kda_chunk_prep",
     )
-    return prep(slots.start, slots.length, slots.snapshot, q, k, g, beta, *diagonal_blocks)
+    return ChunkMatrices(*prep(slots.start, slots.length, slots.snapshot, q, k, g, beta,
+                               *diagonal_blocks))
 
 
 def chunk_w_u(matrices: ChunkMatrices, v, beta, slots: ChunkSlots, *,

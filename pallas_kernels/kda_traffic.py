@@ -28,18 +28,12 @@ def bytes_per_token_head(config: KernelConfig, head_k: int, head_v: int) -> dict
     inputs = 2 * BF16 * k + FP32 * k + BF16  # q, k, g, beta
     diagonal_blocks = (BF16 + FP32) * SUB_CHUNK  # Aqk's (operand dtype) and T's (fp32)
     # Qg, Kg, beta k exp(G); G_last. G itself is stored only in the chunks that hold a
-    # snapshot (at most 4 a sequence), which the scan reads. Where the scan forms the
-    # first three (`scan_forms_gates`), G everywhere instead, and the scan reads q, k and
-    # G in their place.
-    formed_gates = config.scan_forms_gates
-    gates = (FP32 if formed_gates else 3 * BF16) * k + FP32 * k / c
-    gate_reads = (2 * BF16 + FP32) * k if formed_gates else 3 * BF16 * k
+    # snapshot (at most 4 a sequence), which the scan reads.
+    gates = 3 * BF16 * k + FP32 * k / c
     passes = {"inverse": inputs + diagonal_blocks}  # the diagonal blocks from the inputs
     passes["prep"] = inputs + diagonal_blocks + 2 * BF16 * c + gates  # Aqk, T out
     w_u_inputs = BF16 * (k + v) + BF16 + BF16 * c  # beta k exp(G), v, beta, T
-    if formed_gates:  # the W/U pass's inputs but q, k and G for Qg, Kg, beta k exp(G)
-        recurrence_reads = w_u_inputs - BF16 * k + gate_reads + FP32 * k / c  # G_last
-    elif config.scan_forms_w_u:  # the scan reads the W/U pass's inputs instead of W and U
+    if config.scan_forms_w_u:  # the scan reads the W/U pass's inputs instead of W and U
         recurrence_reads = w_u_inputs + BF16 * k + FP32 * k / c  # and Kg, G_last
     else:
         passes["w_u"] = w_u_inputs + BF16 * (k + v)  # W, U out
@@ -48,8 +42,7 @@ def bytes_per_token_head(config: KernelConfig, head_k: int, head_v: int) -> dict
     if segments > 1:
         passes["transition"] = recurrence_reads * (segments - 1) / segments
     if config.fuse_output:  # Qg and Aqk in; o out (no fill before: the scan zeroes padding)
-        passes["scan"] = (recurrence_reads + BF16 * (0 if formed_gates else k) + BF16 * c
-                          + BF16 * v)
+        passes["scan"] = recurrence_reads + BF16 * (k + c) + BF16 * v
         return passes
     passes["scan"] = recurrence_reads + BF16 * k * v / c + BF16 * v  # entry states, Vnew
     # Qg, Aqk, entry states, Vnew in; o out, after XLA zero-fills it.

@@ -72,23 +72,11 @@ class KernelConfig:
     # 1 the transitions read W and U, and the W/U pass runs. `select_config` picks it
     # (docs/KERNEL.md, seventeenth session).
     form_w_u_in_scan: bool = False
-    # The gate factors formed by the scan where it forms W and U and the output (plain
-    # scan, `fuse_output`): the prep pass stores G (fp32) in place of Qg, Kg and beta k
-    # exp(G), and the scan forms those three from q, k, beta and G, chunk by chunk: the
-    # prep kernel loses their exps and stores, the scan gains two exps an element of
-    # [C, K] in each value-block program; the bytes stay the same (`kda_traffic`).
-    gates_in_scan: bool = False
 
     @property
     def scan_forms_w_u(self) -> bool:
         """Whether the scan forms W and U itself (`form_w_u_in_scan`, plain scan)."""
         return self.form_w_u_in_scan and self.scan_segments == 1
-
-    @property
-    def scan_forms_gates(self) -> bool:
-        """Whether the scan forms Qg, Kg and beta k exp(G) itself (`gates_in_scan`, where
-        it forms W and U and the output)."""
-        return self.gates_in_scan and self.scan_forms_w_u and self.fuse_output
 
 
 def device_spec(device: jax.Device | None = None) -> DeviceSpec:

@@ -317,26 +317,6 @@ class KdaKernelCases:
             for name, a, b in zip(OUTPUT_NAMES, outputs, passes, strict=True):
                 assert relative_error(a, b) < 1e-6, name
 
-    @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-    def test_scan_forms_gates(self, rng, dtype):
-        """`gates_in_scan`: the scan forms Qg, Kg and beta k exp(G) from q, k, beta and G
-        (the prep pass stores G alone); the recurrence's tolerances with strong decays,
-        padding rows zero, and the prep pass's results to within rounding (Kg's exponent
-        is a difference of cumulative sums here, block-local sums there)."""
-        dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
-        inputs = make_inputs(rng, [65, 0, 200, 3, 129], heads=2, head_k=32, head_v=64,
-                             padding=70, dtype=dtype)
-        config = KernelConfig(block_v=32, fuse_output=True, form_w_u_in_scan=True)
-        gates = dataclasses.replace(config, gates_in_scan=True)
-        assert gates.scan_forms_gates and not config.scan_forms_gates
-        outputs = self.check_against_recurrence(
-            inputs, 1e-5 if dtype == jnp.float32 else 5e-3, config=gates)
-        end = int(inputs["cu_seqlens"][-1])
-        assert not np.asarray(outputs[0][end:]).any(), "padding rows must be zero"
-        prepped = self.run_kernel(inputs, config=config)
-        for name, a, b in zip(OUTPUT_NAMES, outputs, prepped, strict=True):
-            assert relative_error(a, b) < (1e-6 if dtype == jnp.float32 else 1e-5), name
-
     def test_new_lengths_and_offsets_do_not_retrace(self, rng):
         traces = []
 
