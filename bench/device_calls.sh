@@ -172,26 +172,22 @@ decode_b1_ab() {
   done
 }
 
-# A KDA kernel change against the tree before it, alternately on one GPU of either kind:
-# H = 16 at one 32K prompt (the segment-parallel scan; issue 20's 3% snapshot bar) and
-# H = 32 at 8K, each with 0 and 4 snapshots (fla beside the first "after" run of each).
+# A KDA kernel change against the tree before it on one GPU of either kind (~8 min): H = 16
+# at one 32K prompt (the segment-parallel scan; issue 20's 3% snapshot bar) and H = 32 at
+# 8K, each with 0 and 4 snapshots, the tree before first, fla beside the tree after.
 # The caller extracts the tree before into _before_tree (untracked, so it travels:
 # `git archive <sha> pallas_kernels bench | tar -x -C _before_tree`).
 kda_ab() {
-  local round heads_case heads case tree dir fla
+  local heads_case heads case tree dir fla
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  for round in 1 2; do
-    for heads_case in 16:32K 32:8K; do
-      heads=${heads_case%%:*} case=${heads_case##*:}
-      [[ $round == 2 && $heads == 32 ]] && continue  # the 8K pair once
-      for tree in before after; do
-        dir=. fla=--no-fla
-        [[ $tree == before ]] && dir=_before_tree
-        [[ $tree == after && $round == 1 ]] && fla=
-        (cd "$dir" && run_logged "kda_h${heads}_${case}_${tree}_$round" 240 python3 -m \
-          bench.kda_kernel --heads "${heads:-16}" --cases "${case:-32K}" --pass-cases '' \
-          ${fla:-} --out "$OUT/kda_h${heads}_${case}_${tree}_$round.json")
-      done
+  for heads_case in 16:32K 32:8K; do
+    heads=${heads_case%%:*} case=${heads_case##*:}
+    for tree in before after; do
+      dir=. fla=
+      [[ $tree == before ]] && dir=_before_tree fla=--no-fla
+      (cd "$dir" && run_logged "kda_h${heads}_${case}_$tree" 240 python3 -m bench.kda_kernel \
+        --heads "${heads:-16}" --cases "${case:-32K}" --pass-cases '' ${fla:-} \
+        --out "$OUT/kda_h${heads}_${case}_$tree.json")
     done
   done
   unset XLA_PYTHON_CLIENT_PREALLOCATE
@@ -206,16 +202,19 @@ decode_host() {
     "$OUT/decode_b1.prof" > "$OUT/decode_b1_prof.txt"
 }
 
-# At 8K, the prep split three ways (the diagonal blocks' inverses apart; the gates kernel
-# apart or not): the any-decay path's prep tilings with the 8K case and fla beside them;
-# then the bounded path's prep / inverse / W/U / scan tilings.
+# At 8K, the bounded path's prep / inverse / W/U / scan tilings (~6 min; a call each:
+# together they pass the 10 minutes of one), then in kda_prep_any the any-decay path's
+# with the 8K case and fla beside them.
 kda_prep() {
-  XLA_PYTHON_CLIENT_PREALLOCATE=false run_logged kda_sweep_any 420 python3 -m \
-    bench.kda_kernel --sweep any --sweep-case 8K --cases 8K --pass-cases '' \
-    --out "$OUT/kda_kernel_sweep_any_8K.json"
   XLA_PYTHON_CLIENT_PREALLOCATE=false run_logged kda_sweep_bounded 360 python3 -m \
     bench.kda_kernel --sweep bounded --sweep-case 8K --cases '' \
     --out "$OUT/kda_kernel_sweep_bounded_8K.json"
+}
+
+kda_prep_any() {
+  XLA_PYTHON_CLIENT_PREALLOCATE=false run_logged kda_sweep_any 420 python3 -m \
+    bench.kda_kernel --sweep any --sweep-case 8K --cases 8K --pass-cases '' \
+    --out "$OUT/kda_kernel_sweep_any_8K.json"
 }
 
 # JAX and PyTorch (fla) share the GPU: no preallocation (fla ran out of memory at 32K on an
@@ -284,7 +283,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_times pingpong kda_prep conv decode_host decode glm_decode
+STEPS="setup verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_times pingpong kda_prep kda_prep_any conv decode_host decode glm_decode
 ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then
