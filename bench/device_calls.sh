@@ -176,7 +176,7 @@ decode_b1_ab() {
 # at one 32K prompt (the segment-parallel scan; issue 20's 3% snapshot bar) and H = 32 at
 # 8K, each with 0 and 4 snapshots, the tree before first, fla beside the tree after.
 # The caller extracts the tree before into _before_tree (untracked, so it travels:
-# `git archive <sha> pallas_kernels bench | tar -x -C _before_tree`).
+# `git archive <sha> pallas_kernels bench glmjax | tar -x -C _before_tree`).
 kda_ab() {
   local heads_case heads case tree dir fla
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
