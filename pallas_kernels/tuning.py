@@ -117,7 +117,8 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
     Calibrated against Triton 3.9 (`python -m pallas_kernels.aot`; the test suite checks
     that the estimate bounds what Triton allocates, and not by more than 2x): e.g. block_v
     32, 2 stages, bf16, output fused: sm_90 159,744 B (estimate 172,032), 176,128 with W
-    and U formed in the scan (188,416); sm_121 78,336 (78,848), 86,528 (87,040).
+    and U formed in the scan (188,416); sm_121 77,824 (78,848), 86,016 (87,040) since the
+    snapshot code exists once in the scan (86,528 before).
     """
     c, bv = config.chunk_size, config.block_v
     formed = operand_bytes * c * c if config.scan_forms_w_u else 0  # T
