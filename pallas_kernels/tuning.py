@@ -43,7 +43,8 @@ class KernelConfig:
     scan_num_stages: int = 1
     # Prep: G, Qg, Kg, Aqk and T = (I + L)^-1 per chunk, over slices of `prep_block_k` key
     # columns (a loop). 2 warps x 32 columns was the fastest of ten tilings on the H200 at
-    # 8K (docs/KERNEL.md, fifteenth session).
+    # 8K (docs/KERNEL.md, fifteenth session), and with 2 x 64 within noise of the fastest
+    # on an H100 once the kernel stopped spilling (twenty-third session).
     prep_num_warps: int = 2
     prep_block_k: int = 32
     # Prep: the diagonal 16 x 16 blocks and their inverses, a sub-chunk a program, their
