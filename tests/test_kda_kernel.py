@@ -165,6 +165,15 @@ class KdaKernelCases:
         np.testing.assert_array_equal(snapshots[0, 0], snapshots[0, 1])
         assert not snapshots[0, 2].any() and not snapshots[1].any()
 
+    def test_several_snapshots_in_one_chunk(self, rng):
+        """Every slot's offset inside the same chunk, out of order (the scan stores them in
+        one branch of that chunk, a loop over the slots), and a chunk holding none."""
+        offsets = [[40, 5, 64, 1], [70, 127, 100, 65]]
+        inputs = make_inputs(rng, [100, 130], offsets=offsets)
+        _, _, snapshots = self.check_against_recurrence(inputs, 1e-5)
+        for n in range(2):  # each slot its own state, not another slot's
+            assert len({np.asarray(snapshots)[n, c].tobytes() for c in range(4)}) == 4
+
     def test_strong_decay_stays_finite(self, rng):
         inputs = make_inputs(rng, [300], min_decay=-5.0)
         inputs["g"] = jnp.full_like(inputs["g"], -5.0)
