@@ -217,95 +217,74 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
 
     @pl.when(clen > 0)
     def _():
-        # Aqk and L below the diagonal blocks by column blocks: for each key block c, the
-        # whole chunk's rows against c's keys, one [C, 16] product (rows of blocks <= c
-        # weighted by zero), so every warp owns rows of its own.
-        by_block = (blocks, SUB_CHUNK, block_k)
-        block_of = iota((blocks, blocks, 1), 0), iota((blocks, blocks, 1), 1)
+        load, store = block_io(r0, clen)
 
-        def sum_blocks(total, keep):
-            """[n, BK]: for each block b, the totals of the blocks m with keep(b, m), a sum
-            of same-sign terms (no difference of cumulative sums)."""
-            return jnp.sum(jnp.where(keep(*block_of), total[None], 0.0), axis=1)
+        # Blocks (b, c) of Aqk and L below the diagonal: one [16, 16] product per pair,
+        # which every warp of the program runs in full (a [16, 16] tile is one warp's).
+        pairs = [(b, c) for b in range(blocks) for c in range(b)]
 
         def key_slice(index, sums):
             """One slice of `block_k` key columns: G, Qg, Kg and beta k exp(G) stored (the
-            last is W's right-hand side), its part of every column block added to `sums`
-            (Aqk's then L's, [C, 16] per key block). A loop, not unrolled."""
-            cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+            last is W's right-hand side, in the operation order `_w_u_kernel` used when it
+            formed it from G itself), its part of every product added to `sums` (Aqk's
+            then L's, [16, 16] per pair).
+            A loop, not unrolled: the kernel's code stays small."""
+            a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
             # The chunk's start and length read again in the loop, so that the row offsets
-            # and masks are formed in it, not hoisted out and held through it.
-            rows = pl.ds(chunk_start_ref[slot], chunk)
-            valid = iota((chunk, 1), 0) < chunk_len_ref[slot]
+            # and masks are formed in it: from values read before it, Triton hoisted them
+            # out as [16, 16] tensors per row block and layout and held them through the
+            # loop (sm_90 at 2 warps x 32 columns: 592 -> 40 B of spills).
+            load, store = block_io(chunk_start_ref[slot], chunk_len_ref[slot])
+            cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+            # Every exponent below comes from block-local cumsums ("rise": G minus G just
+            # before the block) and block totals, never from differences of whole-chunk G.
+            rise = [lax.cumsum(load(g_ref, c, cols) * g_scale, axis=0) for c in range(blocks)]
+            total = [_row_of(x, SUB_CHUNK - 1) for x in rise]             # [1, BK] each
+            before, after = [0.0], [0.0]   # G just before block b; sum of g after block b
+            for c in range(blocks):
+                before.append(before[-1] + total[c])
+                after.insert(0, after[0] + total[blocks - 1 - c])
+            glast_ref[pl.ds(slot, 1), h, cols] = before[-1] * (1 / g_scale)
+            k_fall = []  # k_c exp(E_c - G_c), E_c = G at block c's last row: <= 1
+            for b in range(blocks):
+                q_b, k_b = load(q_ref, b, cols), load(k_ref, b, cols)
+                g_b = before[b] + rise[b]
 
-            def load(ref):
-                return load_rows(ref, rows, h, valid, cols)
+                @pl.when(snapshot_ref[slot] != 0)  # the scan reads G only there
+                def _(b=b, g_b=g_b):
+                    store(gcum_ref, b, g_b * (1 / g_scale), cols)
 
-            def store(ref, value):
-                plgpu.store(ref.at[rows, h, cols], value.reshape(chunk, block_k).astype(
-                    ref.dtype), mask=valid)
+                store(qg_ref, b, scale * q_b * exp(g_b), cols)
+                store(kb_ref, b, load(beta_ref, b) * k_b * exp(g_b), cols)
+                store(kg_ref, b, k_b * exp(after[b + 1] + total[b] - rise[b]), cols)
+                fall = exp(rise[b])
+                # exp(G_i - G_j) = exp(G_i - E_c) exp(E_c - G_j) exp(the totals of the
+                # blocks between), every factor <= 1.
+                for c in range(b):
+                    gap = fall if c == b - 1 else fall * exp(sum(total[c + 1:b]))
+                    a_blk[b, c] += dot_nt(q_b * gap, k_fall[c], precision)
+                    l_blk[b, c] += dot_nt(k_b * gap, k_fall[c], precision)
+                k_fall.append(k_b * exp(total[b] - rise[b]))
+            return tuple(a_blk.values()), tuple(l_blk.values())
 
-            # Every exponent comes from block-local cumsums ("rise": G minus G just before
-            # the block) and sums of block totals, never from differences of whole-chunk G.
-            g = (load(g_ref) * g_scale).reshape(by_block)
-            rise = lax.cumsum(g, axis=1)                                 # [n, 16, BK]
-            total = jnp.sum(g, axis=1)                                   # [n, BK]
-            before = sum_blocks(total, lambda b, m: m < b)[:, None]      # G before block b
-            after = sum_blocks(total, lambda b, m: m > b)[:, None]       # g after block b
-            glast_ref[pl.ds(slot, 1), h, cols] = jnp.sum(total, axis=0, keepdims=True) * (
-                1 / g_scale)
+        no_sums = (jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32),) * len(pairs)
+        sums = lax.fori_loop(0, q_ref.shape[-1] // block_k, key_slice, (no_sums, no_sums))
+        a_blk, l_blk = (dict(zip(pairs, part)) for part in sums)
 
-            @pl.when(snapshot_ref[slot] != 0)  # the scan reads G only there
-            def _():
-                store(gcum_ref, (before + rise) * (1 / g_scale))
-
-            q, k = load(q_ref).reshape(by_block), load(k_ref).reshape(by_block)
-            fall = exp(rise)                                   # exp(G_i - G before): <= 1
-            q_fall, k_rise = q * fall, k * fall
-            grow = exp(before)        # exp(G) = exp(G before) exp(rise), both factors <= 1
-            store(qg_ref, scale * q_fall * grow)
-            store(kb_ref, load(beta_ref).reshape(blocks, SUB_CHUNK, 1) * k_rise * grow)
-            k_fall = k * exp(total[:, None] - rise)            # k_j exp(E_b - G_j) <= 1
-            store(kg_ref, k_fall * exp(after))                 # k exp(G_last - G)
-            k_fall = lax.split(k_fall.reshape(chunk, block_k), (SUB_CHUNK,) * blocks, axis=0)
-            a_cols, l_cols = list(sums[0]), list(sums[1])
-            for c in range(blocks - 1):
-                # Rows of block b > c: exp(G_i - E_c) = exp(rise) exp(the totals of the
-                # blocks between), every factor <= 1; rows of blocks <= c: zero.
-                between = sum_blocks(total, lambda b, m, c=c: (m > c) & (m < b))
-                gap = jnp.where(iota((blocks, 1), 0) > c, exp(between), 0.0)[:, None]
-                a_cols[c] += dot_nt((q_fall * gap).reshape(chunk, block_k), k_fall[c], precision)
-                l_cols[c] += dot_nt((k_rise * gap).reshape(chunk, block_k), k_fall[c], precision)
-            return tuple(a_cols), tuple(l_cols)
-
-        no_sums = (jnp.zeros((chunk, SUB_CHUNK), f32),) * (blocks - 1)
-        a_cols, l_cols = lax.fori_loop(0, q_ref.shape[-1] // block_k, key_slice,
-                                       (no_sums, no_sums))
-        # Aqk by column blocks: the products below the diagonal block, the inverse kernel's
-        # diagonal block, zeros above.
-        rows, valid = pl.ds(r0, chunk), iota((chunk, 1), 0) < clen
-        row_block = iota((chunk, 1), 0) // SUB_CHUNK
-        a_diag = load_rows(a_diag_ref, rows, h, valid)                      # [C, 16]
-        beta = load_rows(beta_ref, rows, h, valid)                          # [C, 1]
-        l_blk = {}
-        for c in range(blocks):
-            below = scale * a_cols[c] if c < blocks - 1 else 0.0
-            a_col = jnp.where(row_block > c, below, jnp.where(row_block == c, a_diag, 0.0))
-            plgpu.store(aqk_ref.at[rows, h, pl.ds(c * SUB_CHUNK, SUB_CHUNK)],
-                        a_col.astype(aqk_ref.dtype), mask=valid)
-            if c < blocks - 1:
-                parts = lax.split(beta * l_cols[c], (SUB_CHUNK,) * blocks, axis=0)
-                l_blk.update({(b, c): parts[b] for b in range(c + 1, blocks)})
-
-        load, store = block_io(r0, clen)
         zeros = jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32)
         t = {(b, b): load(t_diag_ref, b) for b in range(blocks)}
         for b in range(blocks):
+            beta_b = load(beta_ref, b)                                         # [16, 1]
+            for c in range(blocks):
+                a_bc = (scale * a_blk[b, c] if c < b else
+                        load(a_diag_ref, b) if c == b else zeros)
+                store(aqk_ref, b, a_bc, pl.ds(c * SUB_CHUNK, SUB_CHUNK))
             # T = (I + L)^-1 by blocks: T_bc = -T_bb sum_{c <= m < b} L_bm T_mc, at the
             # pass's precision (TF32 products on the fast path, as fla's merge; IEEE when
             # exact). Emulated TF32 left the bf16 errors unchanged to three digits.
+            l_row = {c: beta_b * l_blk[b, c] for c in range(b)}
             for c in range(b - 1, -1, -1):
-                coupled = sum(dot(l_blk[b, m], t[m, c], precision) for m in range(c, b))
+                coupled = sum(dot(l_row[m], t[m, c], precision) for m in range(c, b))
                 t[b, c] = -dot(t[b, b], coupled, precision)
             for c in range(blocks):
                 store(t_ref, b, t[b, c] if c <= b else zeros, pl.ds(c * SUB_CHUNK, SUB_CHUNK))

@@ -45,7 +45,7 @@ class KernelConfig:
     # columns (a loop). 2 warps x 32 columns was the fastest of ten tilings on the H200 at
     # 8K (docs/KERNEL.md, fifteenth session), and with 2 x 64 within noise of the fastest
     # on an H100 once the kernel stopped spilling (twenty-third session).
-    prep_num_warps: int = 4
+    prep_num_warps: int = 2
     prep_block_k: int = 32
     # Prep: the diagonal 16 x 16 blocks and their inverses, a sub-chunk a program, their
     # products over slices of `inverse_block_k` key columns.
