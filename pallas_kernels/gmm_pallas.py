@@ -98,7 +98,7 @@ def issued_rows(group_sizes, config: GmmConfig) -> int:
 
 
 def _kernel(*refs, config: GmmConfig, epilogue: Epilogue, num_work: int, num_n: int,
-            num_groups: int, precision, copies_per_token: int | None):
+            num_groups: int, precision, copies_per_token: int | None, interpret: bool):
     """One work item x one n tile: acc = sum_k lhs[rows, k] @ rhs[group, k, cols].
 
     copies_per_token set: the per-row schedule (`gmm_pallas`'s `row_groups`), the only
@@ -177,7 +177,7 @@ def _kernel(*refs, config: GmmConfig, epilogue: Epilogue, num_work: int, num_n: 
                     up = jnp.clip(up, -epilogue.limit, epilogue.limit)
                 # SiLU as gate / (1 + exp(-gate)): in base 2 for bf16 operands (9 SASS
                 # instructions an element where gate * sigmoid(gate) took 19, sm_90).
-                exp = exp_function(lhs_ref.dtype == jnp.float32)
+                exp = exp_function(lhs_ref.dtype == jnp.float32, interpret=interpret)
                 out = gate / (1 + exp(-gate)) * up
             if epilogue.combine:
                 scale = plgpu.load(scale_ref.at[rows], mask=valid_1d, other=0)
@@ -243,7 +243,8 @@ def gmm_pallas(lhs, rhs, group_sizes, *, row_tokens=None, row_scale=None, row_de
     call = pl.pallas_call(
         functools.partial(_kernel, config=config, epilogue=epilogue, num_work=num_work,
                           num_n=num_n, num_groups=num_groups, precision=precision,
-                          copies_per_token=copies_per_token if per_row else None),
+                          copies_per_token=copies_per_token if per_row else None,
+                          interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((rows, n), lhs.dtype),
         grid=(num_work * num_n,),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,

@@ -46,7 +46,7 @@ class ConvShape(NamedTuple):
 
 
 def _kernel(cu_ref, seq_ref, pos_ref, x_ref, w_ref, hist_ref, out_ref, *, shape: ConvShape,
-            normalize: bool):
+            normalize: bool, interpret: bool):
     i, head = pl.program_id(0), pl.program_id(1)
     num_tokens, dim, hist = x_ref.shape[0], shape.dim, shape.width - 1
     rows = i * shape.tiling.block_rows + iota((shape.tiling.block_rows,), 0)
@@ -72,7 +72,7 @@ def _kernel(cu_ref, seq_ref, pos_ref, x_ref, w_ref, hist_ref, out_ref, *, shape:
         acc = acc + tap * w_ref[j, pl.ds(head * dim, dim)][None, :]
     # SiLU as acc / (1 + exp(-acc)): in base 2 on the fast path, 9 SASS instructions an
     # element where `acc * sigmoid(acc)` took 19 (sm_90).
-    exp = exp_function(x_ref.dtype == jnp.float32)
+    exp = exp_function(x_ref.dtype == jnp.float32, interpret=interpret)
     y = jnp.where(valid[:, None], acc / (1 + exp(-acc)), 0.0).astype(x_ref.dtype)
     if normalize:
         yf = y.astype(f32)
@@ -96,7 +96,8 @@ def kda_conv_pallas(parts, taps, history_rows, cu_seqlens, seq, pos, *, shape: C
     grid = (pl.cdiv(num_tokens, shape.tiling.block_rows), shape.heads)
     params = plgpu.CompilerParams(num_warps=shape.tiling.num_warps, num_stages=1)
     return tuple(
-        pl.pallas_call(functools.partial(_kernel, shape=shape, normalize=index < 2),
+        pl.pallas_call(functools.partial(_kernel, shape=shape, normalize=index < 2,
+                                         interpret=interpret),
                        out_shape=out, grid=grid, compiler_params=params,
                        interpret=interpret, name="kda_conv",
                        )(cu_seqlens, seq, pos, x, taps[:, index * width:(index + 1) * width],

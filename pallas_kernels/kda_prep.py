@@ -347,7 +347,7 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
     chunk = config.chunk_size
     inter, f32 = operand_dtype(exact), jnp.float32
     num_slots = slots.start.shape[0]
-    precision, base = matmul_precision(exact), exp_base(exact)
+    precision, base = matmul_precision(exact), exp_base(exact, interpret=interpret)
     inverse = pl.pallas_call(
         functools.partial(_inverse_kernel, chunk=chunk,
                           block_k=min(config.inverse_block_k, head_k), scale=scale,

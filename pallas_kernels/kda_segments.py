@@ -100,7 +100,7 @@ def segment_transitions(tensors: ChunkTensors, slots: ChunkSlots, cu_seqlens, in
     transitions = pl.pallas_call(
         functools.partial(_transition_kernel, chunk=config.chunk_size, block_v=block_v,
                           segments=segments, precision=matmul_precision(exact),
-                          exp=exp_function(exact)),
+                          exp=exp_function(exact, interpret=interpret)),
         out_shape=jax.ShapeDtypeStruct(
             (num_seqs * (segments - 1), num_heads, head_k, head_k + head_v), jnp.float32),
         grid=(num_seqs * (segments - 1), num_heads, (head_k + head_v) // block_v),

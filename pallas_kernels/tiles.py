@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -56,22 +57,35 @@ def matmul_precision(exact):
 LOG2_E = 1 / math.log(2)
 
 
-def exp_base(exact: bool) -> tuple[float, Callable]:
+def exp2_ftz(x):
+    """2^x of fp32 `x` by one `ex2.approx.ftz.f32` (one MUFU.EX2). libdevice's `exp2f`, which
+    `jnp.exp2` lowers to, wraps the same instruction in a range check and two scalings so
+    that results below 2^-126 come out subnormal: 4 SASS instructions an element (sm_90,
+    XLA's Triton). The kernels' decay factors never need those (they flush to zero here)."""
+    return plgpu.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+
+
+def exp_base(exact: bool, *, interpret: bool) -> tuple[float, Callable]:
     """(scale, exp) for exponentials in a kernel: exp(x) = exp(scale x) of the second,
     so a kernel that multiplies its log-decays by `scale` once, as they load, forms every
     decay with the second alone.
 
     Exact: (1, `jnp.exp`), which the Triton lowering makes libdevice's `expf` (~1 ulp, ~9
-    SASS instructions an element on sm_90). Otherwise (log2 e, `jnp.exp2`): libdevice's
-    `exp2f` is one MUFU instruction (~2 ulp, plus |x| times the scaling's rounding: ~1e-6
-    relative at |x| = 16). fla forms its decays in base 2 likewise."""
-    return (1.0, jnp.exp) if exact else (LOG2_E, jnp.exp2)
+    SASS instructions an element on sm_90). Otherwise (log2 e, `exp2_ftz`): one MUFU
+    instruction (~2 ulp, plus |x| times the scaling's rounding: ~1e-6 relative at |x| =
+    16); `jnp.exp2` in interpret mode, where inline PTX cannot run. fla forms its decays in
+    base 2 likewise."""
+    if exact:
+        return 1.0, jnp.exp
+    return LOG2_E, jnp.exp2 if interpret else exp2_ftz
 
 
-def exp_function(exact: bool) -> Callable:
+def exp_function(exact: bool, *, interpret: bool) -> Callable:
     """exp of natural-log arguments, through `exp_base` (2 instructions an element on the
     fast path, the scaling included)."""
-    scale, exp = exp_base(exact)
+    scale, exp = exp_base(exact, interpret=interpret)
     return exp if scale == 1.0 else lambda x: exp(x * scale)
 
 

@@ -1,0 +1,136 @@
+"""The KDA prefill's Pallas kernels as the device compiles them, counted without a GPU.
+
+    make deviceless-plugin        # once: the CUDA PJRT plugin's wheels into .cuda-plugin
+    JAX_PLATFORMS=cpu PYTHONPATH=.cuda-plugin:. .venv/bin/python -m bench.xla_kernels \\
+        --tokens 8192 --heads 32
+
+On the device, XLA compiles a Pallas kernel's Triton IR with the Triton inside jaxlib, not
+the pip `triton` that `pallas_kernels.aot` compiles with, and the two make different code
+(the prep kernel's key-slice loop: 3,433 SASS instructions a warp through XLA, 2,658
+through pip Triton 3.9; an ncu count of the device's run matched the first). Here XLA
+compiles `kda_prefill` for a compile-only H200 (`bench.launches.h200_device`) with its dump
+on, and each kernel's PTX goes through `ptxas` for sm_90a: registers, spills, SASS
+instructions, and the instructions of each loop body (one iteration), by opcode with
+`--mix`. Needs a `ptxas` that reads the dump's PTX (CUDA 13: `--ptxas`, default the first
+on PATH or under /usr/local/cuda*/bin) and `cuobjdump` (pip Triton's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from bench.common import write_json
+
+RESULTS = Path(__file__).parent / "results"
+SASS_LINE = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+
+
+def find_ptxas(path: str | None) -> str:
+    found = path or shutil.which("ptxas") or next(
+        iter(sorted(glob.glob("/usr/local/cuda*/bin/ptxas"), reverse=True)), None)
+    if not found:
+        raise SystemExit("no ptxas: pass --ptxas (CUDA 13's reads XLA's PTX)")
+    return found
+
+
+def cuobjdump() -> str:
+    import triton
+    return str(Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump")
+
+
+def loop_bodies(sass: str) -> list[list[str]]:
+    """Each backward branch's body, as opcodes (predicates and modifiers dropped)."""
+    ops = [(int(m.group(1), 16), m.group(2).split(".")[0], line)
+           for line in sass.splitlines() if (m := SASS_LINE.match(line))]
+    bodies = []
+    for address, _, line in ops:
+        target = re.search(r"BRA (0x[0-9a-f]+)", line)
+        if target and int(target.group(1), 16) < address:
+            start = int(target.group(1), 16)
+            bodies.append([op for a, op, _ in ops if start <= a <= address])
+    return bodies
+
+
+def kernel_report(ptx_path: str, ptxas: str, mix: bool) -> dict:
+    """ptxas -v and the SASS of one dumped PTX file, for sm_90a."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        result = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx_path, "-o", cubin],
+                                capture_output=True, text=True, check=True)
+        sass = subprocess.run([cuobjdump(), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    ops = [m.group(2) for line in sass.splitlines() if (m := SASS_LINE.match(line))]
+    report = {
+        "registers": int(re.search(r"Used (\d+) registers", result.stderr).group(1)),
+        "spill_bytes": sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)",
+                                                      result.stderr)),
+        "sass": len(ops),
+        "loops": [len(body) for body in loop_bodies(sass)],
+    }
+    if mix:
+        report["loop_mix"] = [dict(collections.Counter(body).most_common(16))
+                              for body in loop_bodies(sass)]
+    return report
+
+
+def compile_and_dump(args, dump: str) -> None:
+    from bench.launches import as_gpu, h200_device
+    device = h200_device()
+    as_gpu(device)
+    from pallas_kernels import kda_prefill
+
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    t, h, d = args.tokens, args.heads, args.head_dim
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    inputs = dict(q=spec((t, h, d), jnp.bfloat16), k=spec((t, h, d), jnp.bfloat16),
+                  v=spec((t, h, d), jnp.bfloat16), g=spec((t, h, d), jnp.float32),
+                  beta=spec((t, h), jnp.bfloat16), cu_seqlens=spec((2,), jnp.int32),
+                  initial_states=spec((1, h, d, d), jnp.float32),
+                  checkpoint_offsets=spec((1, 4), jnp.int32))
+    bound = None if args.any_decay else -5.0
+    jax.jit(lambda x: kda_prefill(**x, gate_lower_bound=bound)).trace(inputs).lower().compile()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--any-decay", action="store_true")
+    parser.add_argument("--mix", action="store_true", help="each loop body's opcodes")
+    parser.add_argument("--ptxas")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    ptxas = find_ptxas(args.ptxas)
+    with tempfile.TemporaryDirectory() as dump:
+        # The dump's emitter files (XLA's Triton passes) are what make it write the PTX.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
+                                   " --xla_gpu_dump_llvmir=true --xla_dump_emitter_re=.*")
+        compile_and_dump(args, dump)
+        reports = {}
+        for path in sorted(glob.glob(f"{dump}/*.ptx")):
+            entry = re.search(r"\.entry (\w+)\(", Path(path).read_text())
+            if entry and entry.group(1).startswith("kda_"):
+                reports[entry.group(1)] = kernel_report(path, ptxas, args.mix)
+    for name, r in reports.items():
+        print(f"{name:28} {r['registers']:4} registers {r['spill_bytes']:5} B spilled "
+              f"{r['sass']:6} SASS  loop bodies {r['loops']}")
+        for body in r.get("loop_mix", []):
+            print("   ", body)
+    if args.out:
+        write_json({"args": vars(args), "ptxas": ptxas, "kernels": reports}, args.out)
+
+
+if __name__ == "__main__":
+    main()
