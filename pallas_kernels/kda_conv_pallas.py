@@ -71,7 +71,8 @@ def _kernel(cu_ref, seq_ref, pos_ref, x_ref, w_ref, hist_ref, out_ref, *, shape:
             tap = jnp.where(before[:, None], from_history, tap)
         acc = acc + tap * w_ref[j, pl.ds(head * dim, dim)][None, :]
     # SiLU as acc / (1 + exp(-acc)): in base 2 on the fast path, 9 SASS instructions an
-    # element where `acc * sigmoid(acc)` took 19 (sm_90).
+    # element where `acc * sigmoid(acc)` took 19 (sm_90, pip Triton; the exp is one MUFU,
+    # `tiles.exp2_ftz`).
     exp = exp_function(x_ref.dtype == jnp.float32, interpret=interpret)
     y = jnp.where(valid[:, None], acc / (1 + exp(-acc)), 0.0).astype(x_ref.dtype)
     if normalize:
