@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import write_json
+from pallas_kernels.triton_compile import ptxas_resources, sass_instructions
 
-RESULTS = Path(__file__).parent / "results"
 SASS_LINE = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
@@ -70,17 +70,13 @@ def kernel_report(ptx_path: str, ptxas: str, mix: bool) -> dict:
                                 capture_output=True, text=True, check=True)
         sass = subprocess.run([cuobjdump(), "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
-    ops = [m.group(2) for line in sass.splitlines() if (m := SASS_LINE.match(line))]
-    report = {
-        "registers": int(re.search(r"Used (\d+) registers", result.stderr).group(1)),
-        "spill_bytes": sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)",
-                                                      result.stderr)),
-        "sass": len(ops),
-        "loops": [len(body) for body in loop_bodies(sass)],
-    }
+        instructions = sass_instructions(Path(cubin).read_bytes())
+    registers, spills = ptxas_resources(result.stderr)
+    bodies = loop_bodies(sass)
+    report = {"registers": registers, "spill_bytes": spills, "sass": instructions,
+              "loops": [len(body) for body in bodies]}
     if mix:
-        report["loop_mix"] = [dict(collections.Counter(body).most_common(16))
-                              for body in loop_bodies(sass)]
+        report["loop_mix"] = [dict(collections.Counter(body).most_common(16)) for body in bodies]
     return report
 
 
@@ -99,7 +95,10 @@ def compile_and_dump(args, dump: str) -> None:
                   initial_states=spec((1, h, d, d), jnp.float32),
                   checkpoint_offsets=spec((1, 4), jnp.int32))
     bound = None if args.any_decay else -5.0
-    jax.jit(lambda x: kda_prefill(**x, gate_lower_bound=bound)).trace(inputs).lower().compile()
+    # Dump options of this compile alone (XLA_FLAGS are read once a process). The emitter
+    # files (XLA's Triton passes) are what make it write the PTX.
+    jax.jit(lambda x: kda_prefill(**x, gate_lower_bound=bound)).trace(inputs).lower().compile(
+        {"xla_dump_to": dump, "xla_gpu_dump_llvmir": True, "xla_dump_emitter_re": ".*"})
 
 
 def main(argv=None):
@@ -114,9 +113,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     ptxas = find_ptxas(args.ptxas)
     with tempfile.TemporaryDirectory() as dump:
-        # The dump's emitter files (XLA's Triton passes) are what make it write the PTX.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
-                                   " --xla_gpu_dump_llvmir=true --xla_dump_emitter_re=.*")
         compile_and_dump(args, dump)
         reports = {}
         for path in sorted(glob.glob(f"{dump}/*.ptx")):

@@ -95,6 +95,13 @@ class KernelReport:
                 and self.registers <= MAX_REGISTERS)
 
 
+def ptxas_resources(stderr: str) -> tuple[int, int]:
+    """(registers per thread, spill bytes) from the output of `ptxas -v`."""
+    registers = int(re.search(r"Used (\d+) registers", stderr).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", stderr))
+    return registers, spills
+
+
 def _ptxas_report(ptx: str, capability: int) -> tuple[int, int]:
     """(registers per thread, spill bytes) from `ptxas -v` for this target."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
@@ -106,9 +113,7 @@ def _ptxas_report(ptx: str, capability: int) -> tuple[int, int]:
             [get_ptxas(capability).path, "-v", f"--gpu-name={sm_arch_from_capability(capability)}",
              str(source), "-o", str(Path(tmp, "kernel.cubin"))],
             capture_output=True, text=True, check=True)
-    registers = int(re.search(r"Used (\d+) registers", result.stderr).group(1))
-    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", result.stderr))
-    return registers, spills
+    return ptxas_resources(result.stderr)
 
 
 # Every SASS instruction is 16 bytes on the targets we compile for (sm_70 and later).
