@@ -12,13 +12,16 @@ compiles `kda_prefill` for a compile-only H200 (`bench.launches.h200_device`) wi
 on, and each kernel's PTX goes through `ptxas` for sm_90a: registers, spills, SASS
 instructions, and the instructions of each loop body (one iteration), by opcode with
 `--mix`. Needs a `ptxas` that reads the dump's PTX (CUDA 13: `--ptxas`, default the first
-on PATH or under /usr/local/cuda*/bin) and `cuobjdump` (pip Triton's).
+on PATH or under /usr/local/cuda*/bin) and `cuobjdump` (pip Triton's). `--set
+prep_num_warps=1 --set prep_block_k=16` compiles another tiling than the runtime's pick
+(any `KernelConfig` field); `--keep DIR` leaves each kernel's PTX and SASS there to read.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import os
 import re
@@ -62,8 +65,9 @@ def loop_bodies(sass: str) -> list[list[str]]:
     return bodies
 
 
-def kernel_report(ptx_path: str, ptxas: str, mix: bool) -> dict:
-    """ptxas -v and the SASS of one dumped PTX file, for sm_90a."""
+def kernel_report(ptx_path: str, ptxas: str, mix: bool, keep: Path | None = None) -> dict:
+    """ptxas -v and the SASS of one dumped PTX file, for sm_90a; with `keep`, the PTX and
+    SASS are copied there as <kernel>.ptx / .sass."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         result = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx_path, "-o", cubin],
@@ -71,6 +75,11 @@ def kernel_report(ptx_path: str, ptxas: str, mix: bool) -> dict:
         sass = subprocess.run([cuobjdump(), "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
         instructions = sass_instructions(Path(cubin).read_bytes())
+    if keep is not None:
+        name = re.search(r"\.entry (\w+)\(", Path(ptx_path).read_text()).group(1)
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ptx_path, keep / f"{name}.ptx")
+        (keep / f"{name}.sass").write_text(sass)
     registers, spills = ptxas_resources(result.stderr)
     bodies = loop_bodies(sass)
     report = {"registers": registers, "spill_bytes": spills, "sass": instructions,
@@ -80,11 +89,27 @@ def kernel_report(ptx_path: str, ptxas: str, mix: bool) -> dict:
     return report
 
 
+def config_overrides(settings: list[str]) -> dict:
+    """`FIELD=VALUE` strings as `KernelConfig` field values (ints, or true / false)."""
+    from pallas_kernels.tuning import KernelConfig
+    fields = {f.name: f.type for f in dataclasses.fields(KernelConfig)}
+    overrides = {}
+    for setting in settings:
+        name, _, value = setting.partition("=")
+        if name not in fields or not value:
+            raise ValueError(f"--set {setting!r}: expected FIELD=VALUE with FIELD one of "
+                             f"{sorted(fields)}")
+        overrides[name] = (value.lower() == "true" if fields[name] in (bool, "bool")
+                           else int(value))
+    return overrides
+
+
 def compile_and_dump(args, dump: str) -> None:
     from bench.launches import as_gpu, h200_device
     device = h200_device()
     as_gpu(device)
     from pallas_kernels import kda_prefill
+    from pallas_kernels.tuning import device_spec, select_config
 
     sharding = jax.sharding.SingleDeviceSharding(device)
     t, h, d = args.tokens, args.heads, args.head_dim
@@ -95,9 +120,13 @@ def compile_and_dump(args, dump: str) -> None:
                   initial_states=spec((1, h, d, d), jnp.float32),
                   checkpoint_offsets=spec((1, 4), jnp.int32))
     bound = None if args.any_decay else -5.0
+    config = None if not args.set else dataclasses.replace(  # None: the runtime's pick
+        select_config(device_spec(device), num_seqs=1, num_heads=h, head_k=d, head_v=d,
+                      num_tokens=t), **config_overrides(args.set))
     # Dump options of this compile alone (XLA_FLAGS are read once a process). The emitter
     # files (XLA's Triton passes) are what make it write the PTX.
-    jax.jit(lambda x: kda_prefill(**x, gate_lower_bound=bound)).trace(inputs).lower().compile(
+    jax.jit(lambda x: kda_prefill(**x, gate_lower_bound=bound, config=config)
+            ).trace(inputs).lower().compile(
         {"xla_dump_to": dump, "xla_gpu_dump_llvmir": True, "xla_dump_emitter_re": ".*"})
 
 
@@ -108,6 +137,9 @@ def main(argv=None):
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--any-decay", action="store_true")
     parser.add_argument("--mix", action="store_true", help="each loop body's opcodes")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a KernelConfig field over the runtime's pick (repeatable)")
+    parser.add_argument("--keep", type=Path, help="folder for each kernel's PTX and SASS")
     parser.add_argument("--ptxas")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -118,7 +150,7 @@ def main(argv=None):
         for path in sorted(glob.glob(f"{dump}/*.ptx")):
             entry = re.search(r"\.entry (\w+)\(", Path(path).read_text())
             if entry and entry.group(1).startswith("kda_"):
-                reports[entry.group(1)] = kernel_report(path, ptxas, args.mix)
+                reports[entry.group(1)] = kernel_report(path, ptxas, args.mix, args.keep)
     for name, r in reports.items():
         print(f"{name:28} {r['registers']:4} registers {r['spill_bytes']:5} B spilled "
               f"{r['sass']:6} SASS  loop bodies {r['loops']}")
