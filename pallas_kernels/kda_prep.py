@@ -236,9 +236,15 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
             # loop (sm_90 at 2 warps x 32 columns: 592 -> 40 B of spills).
             load, store = block_io(chunk_start_ref[slot], chunk_len_ref[slot])
             cols = pl.ds(pl.multiple_of(index * block_k, block_k), block_k)
+            # The slice's loads first: interleaved with the stores and barriers below, each
+            # waited out its latency alone (ncu, H100: half the kernel's stall samples on
+            # instructions reading a loaded tile). 144 B of spills (offline) for it.
+            g_in = [load(g_ref, c, cols) for c in range(blocks)]
+            q_in = [load(q_ref, b, cols) for b in range(blocks)]
+            k_in = [load(k_ref, b, cols) for b in range(blocks)]
             # Every exponent below comes from block-local cumsums ("rise": G minus G just
             # before the block) and block totals, never from differences of whole-chunk G.
-            rise = [lax.cumsum(load(g_ref, c, cols) * g_scale, axis=0) for c in range(blocks)]
+            rise = [lax.cumsum(x * g_scale, axis=0) for x in g_in]
             total = [_row_of(x, SUB_CHUNK - 1) for x in rise]             # [1, BK] each
             before, after = [0.0], [0.0]   # G just before block b; sum of g after block b
             for c in range(blocks):
@@ -247,24 +253,31 @@ def _chunk_prep_kernel(chunk_start_ref, chunk_len_ref, snapshot_ref, q_ref, k_re
             glast_ref[pl.ds(slot, 1), h, cols] = before[-1] * (1 / g_scale)
             k_fall = []  # k_c exp(E_c - G_c), E_c = G at block c's last row: <= 1
             for b in range(blocks):
-                q_b, k_b = load(q_ref, b, cols), load(k_ref, b, cols)
+                q_b, k_b = q_in[b], k_in[b]
                 g_b = before[b] + rise[b]
 
                 @pl.when(snapshot_ref[slot] != 0)  # the scan reads G only there
                 def _(b=b, g_b=g_b):
                     store(gcum_ref, b, g_b * (1 / g_scale), cols)
 
-                store(qg_ref, b, scale * q_b * exp(g_b), cols)
-                store(kb_ref, b, load(beta_ref, b) * k_b * exp(g_b), cols)
-                store(kg_ref, b, k_b * exp(after[b + 1] + total[b] - rise[b]), cols)
                 fall = exp(rise[b])
-                # exp(G_i - G_j) = exp(G_i - E_c) exp(E_c - G_j) exp(the totals of the
-                # blocks between), every factor <= 1.
+                q_fall, k_rise = q_b * fall, k_b * fall
+                # exp(G) = exp(G before the block) exp(rise), both <= 1: where one
+                # underflows, so does exp(G).
+                grow = 1.0 if b == 0 else exp(before[b])                      # [1, BK]
+                store(qg_ref, b, scale * grow * q_fall, cols)
+                store(kb_ref, b, load(beta_ref, b) * grow * k_rise, cols)
+                # exp(G_i - G_j) = exp(G_i - E_{b-1}) exp(E_{b-1} - G_j), both <= 1; the
+                # second is k_fall's exp(E_c - G_j) times exp(the totals of the blocks
+                # between), so every row block's operands serve all its pairs.
                 for c in range(b):
-                    gap = fall if c == b - 1 else fall * exp(sum(total[c + 1:b]))
-                    a_blk[b, c] += dot_nt(q_b * gap, k_fall[c], precision)
-                    l_blk[b, c] += dot_nt(k_b * gap, k_fall[c], precision)
+                    keys = k_fall[c] if c == b - 1 else k_fall[c] * exp(sum(total[c + 1:b]))
+                    a_blk[b, c] += dot_nt(q_fall, keys, precision)
+                    l_blk[b, c] += dot_nt(k_rise, keys, precision)
                 k_fall.append(k_b * exp(total[b] - rise[b]))
+                # Kg = k exp(G_last - G) = k_fall exp(the totals of the blocks after b).
+                store(kg_ref, b, k_fall[b] * exp(after[b + 1]) if b < blocks - 1 else k_fall[b],
+                      cols)
             return tuple(a_blk.values()), tuple(l_blk.values())
 
         no_sums = (jnp.zeros((SUB_CHUNK, SUB_CHUNK), f32),) * len(pairs)
