@@ -27,9 +27,10 @@ section 2), in fully parallel programs:
 2. `_chunk_prep_kernel`, one program per chunk and head: G, Qg, Kg, beta k exp(G), the
    blocks below the diagonal, by pairs (b, c) and slices of the key dimension, keeping
    only [16, BK] tiles live, and T's merge. exp(G_i - G_j) is never formed as
-   exp(G_i) * exp(-G_j) over a whole chunk: exp(G_i - E_c) * exp(E_c - G_j) with E_c = G
-   at block c's last row (both factors <= 1), each exponent built from block-local
-   cumsums and block totals. T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (fp32 values; TF32
+   exp(G_i) * exp(-G_j) over a whole chunk: exp(G_i - E_{b-1}) * exp(E_{b-1} - E_c) *
+   exp(E_c - G_j) with E_c = G at block c's last row (every factor <= 1; the first on the
+   row side, shared by all of row block b's pairs, the other two on the key side), each
+   exponent built from block-local cumsums and block totals. T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (fp32 values; TF32
    products on the fast path). The diagonal work, which every program used to run
    serially after its loop (the substitution) or inside it (20 accumulators where 12
    remain), runs in the first kernel's 4x more, smaller programs, as fla splits it.
