@@ -30,10 +30,11 @@ section 2), in fully parallel programs:
    exp(G_i) * exp(-G_j) over a whole chunk: exp(G_i - E_{b-1}) * exp(E_{b-1} - E_c) *
    exp(E_c - G_j) with E_c = G at block c's last row (every factor <= 1; the first on the
    row side, shared by all of row block b's pairs, the other two on the key side), each
-   exponent built from block-local cumsums and block totals. T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (fp32 values; TF32
-   products on the fast path). The diagonal work, which every program used to run
-   serially after its loop (the substitution) or inside it (20 accumulators where 12
-   remain), runs in the first kernel's 4x more, smaller programs, as fla splits it.
+   exponent built from block-local cumsums and block totals.
+   T_bc = -T_bb sum_{c <= m < b} L_bm T_mc (fp32 values; TF32 products on the fast path).
+   The diagonal work, which every program used to run serially after its loop (the
+   substitution) or inside it (20 accumulators where 12 remain), runs in the first
+   kernel's 4x more, smaller programs, as fla splits it.
 3. `_w_u_kernel`: W and U, two [C, C] x [C, *] matmuls per chunk.
 """
 
