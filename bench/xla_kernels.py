@@ -65,9 +65,10 @@ def loop_bodies(sass: str) -> list[list[str]]:
     return bodies
 
 
-def kernel_report(ptx_path: str, ptxas: str, mix: bool, keep: Path | None = None) -> dict:
-    """ptxas -v and the SASS of one dumped PTX file, for sm_90a; with `keep`, the PTX and
-    SASS are copied there as <kernel>.ptx / .sass."""
+def kernel_report(ptx_path: str, name: str, ptxas: str, mix: bool,
+                  keep: Path | None = None) -> dict:
+    """ptxas -v and the SASS of one dumped PTX file (kernel `name`), for sm_90a; with
+    `keep`, the PTX and SASS are copied there as <name>.ptx / .sass."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         result = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx_path, "-o", cubin],
@@ -76,7 +77,6 @@ def kernel_report(ptx_path: str, ptxas: str, mix: bool, keep: Path | None = None
                               check=True).stdout
         instructions = sass_instructions(Path(cubin).read_bytes())
     if keep is not None:
-        name = re.search(r"\.entry (\w+)\(", Path(ptx_path).read_text()).group(1)
         keep.mkdir(parents=True, exist_ok=True)
         shutil.copy(ptx_path, keep / f"{name}.ptx")
         (keep / f"{name}.sass").write_text(sass)
@@ -150,7 +150,8 @@ def main(argv=None):
         for path in sorted(glob.glob(f"{dump}/*.ptx")):
             entry = re.search(r"\.entry (\w+)\(", Path(path).read_text())
             if entry and entry.group(1).startswith("kda_"):
-                reports[entry.group(1)] = kernel_report(path, ptxas, args.mix, args.keep)
+                reports[entry.group(1)] = kernel_report(path, entry.group(1), ptxas, args.mix,
+                                                        args.keep)
     for name, r in reports.items():
         print(f"{name:28} {r['registers']:4} registers {r['spill_bytes']:5} B spilled "
               f"{r['sass']:6} SASS  loop bodies {r['loops']}")
