@@ -52,7 +52,7 @@ from pallas_kernels.tuning import KernelConfig
 
 def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_ref,
                        gcum_ref, glast_ref, *refs, chunk, block_v, capacity, segments,
-                       precision, fused, forms_w_u, num_tokens, exp):
+                       precision, fused, forms_w_u, prefetch, num_tokens, exp):
     """One segment x head x value block: the chunk-to-chunk scan with snapshots.
 
     Program axis 0 is sequence n's segment s at n * segments + s; init_ref [N segments,
@@ -91,23 +91,38 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
         def _(c=c):
             snap_ref[n, c, h, :, vcols] = jnp.zeros((head_k, block_v), jnp.float32)
 
-    def body(i, state):
-        r0 = start + i * chunk
+    def chunk_rows(i):
         n_valid = jnp.minimum(chunk, seq_len - i * chunk)
-        valid = rows_c < n_valid  # [C, 1]
-        rows = pl.ds(r0, chunk)
+        return pl.ds(start + i * chunk, chunk), rows_c < n_valid, n_valid
+
+    def unpipelined(i):
+        """Chunk i's loads Triton does not pipeline: G_last's row and beta v ([K], fp32
+        [C, block_v] or None). With `prefetch` the loop carries them, loaded one chunk
+        ahead (`KernelConfig.scan_prefetch`); without, each chunk loads its own first."""
+        rows, valid, _ = chunk_rows(i)
+        # clamped: a sequence without chunks reads a row in range and never uses it
+        g_last = glast_ref[jnp.minimum(first_slot + i, glast_ref.shape[0] - 1), h, :]  # [K]
+        if not forms_w_u:
+            return g_last, None
+        _, _, v_ref, beta_ref = w_u_refs
+        return g_last, load_rows(beta_ref, rows, h, valid) * load_rows(v_ref, rows, h, valid,
+                                                                          vcols)
+
+    def body(i, carry):
+        if prefetch:
+            state, (g_last, beta_v) = carry
+            ahead = unpipelined(jnp.minimum(i + 1, end - 1))
+        else:
+            state, (g_last, beta_v) = carry, unpipelined(i)
+        r0 = start + i * chunk
+        rows, valid, n_valid = chunk_rows(i)
 
         def load(ref, cols):
             return plgpu.load(ref.at[rows, h, cols], mask=valid, other=0)
 
-        # Loads Triton does not prefetch (G_last's row, beta's column) are issued first:
-        # after the products (each waited for in full on sm_90) their latency was exposed
-        # (ncu, H100: 8% of the scan's stall samples on G_last's row, 4% on beta v).
         # The chunk's own tiles arrive by the pipeline's copies, waited for at its start.
-        g_last = glast_ref[first_slot + i, h, :]  # [K]
         if forms_w_u:
-            t_ref, kb_ref, v_ref, beta_ref = w_u_refs
-            beta_v = load_rows(beta_ref, rows, h, valid) * load_rows(v_ref, rows, h, valid, vcols)
+            t_ref, kb_ref = w_u_refs[:2]
         # Products that need only S first, the output's store after the last product.
         state_op = state.astype(operand)
         if fused:
@@ -160,9 +175,14 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
             def _():
                 lax.fori_loop(0, capacity, snapshot, 0)
 
-        return exp(g_last)[:, None] * state + k_v
+        state = exp(g_last)[:, None] * state + k_v
+        return (state, ahead) if prefetch else state
 
-    state = lax.fori_loop(first, end, body, init_ref[index, h, :, vcols])
+    state = init_ref[index, h, :, vcols]
+    if prefetch:
+        state, _ = lax.fori_loop(first, end, body, (state, unpipelined(first)))
+    else:
+        state = lax.fori_loop(first, end, body, state)
 
     @pl.when(s == last)
     def _():
@@ -241,7 +261,8 @@ def chunk_scan(tensors: ChunkTensors, k, v, beta, slots: ChunkSlots, cu_seqlens,
         functools.partial(_recurrence_kernel, chunk=config.chunk_size, block_v=block_v,
                           capacity=capacity, segments=segments,
                           precision=matmul_precision(exact), fused=fused,
-                          forms_w_u=forms_w_u, exp=exp_function(exact, interpret=interpret),
+                          forms_w_u=forms_w_u, prefetch=config.scan_prefetch,
+                          exp=exp_function(exact, interpret=interpret),
                           num_tokens=rows - config.chunk_size if interpret else rows),
         out_shape=(*per_chunk,
                    jax.ShapeDtypeStruct((num_seqs, num_heads, head_k, head_v), f32),

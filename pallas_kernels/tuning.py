@@ -73,6 +73,12 @@ class KernelConfig:
     # 1 the transitions read W and U, and the W/U pass runs. `select_config` picks it
     # (docs/KERNEL.md, seventeenth session).
     form_w_u_in_scan: bool = False
+    # The scan's loads Triton does not pipeline (G_last's row, beta v) issued one chunk
+    # ahead and carried in the loop, instead of first thing in each chunk: on the H100
+    # 3-4% / 2.5% / 1.3% faster at 8K / 32K / 4 x 8K (docs/KERNEL.md, twenty-sixth
+    # session). `select_config` picks it on sm_90 only: for sm_121 Triton's compile spills
+    # 296 bytes a thread with it against 64 without (`pallas_kernels.aot`).
+    scan_prefetch: bool = False
 
     @property
     def scan_forms_w_u(self) -> bool:
@@ -235,7 +241,8 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
     32K and 4 x 8K (1.443 / 5.646 / 6.076 ms against 1.480 / 5.652 / 6.119,
     bench/results/kda_kernel_*_h100_2026-12-05c.json). On the H200 the W/U pass was 4%
     faster at 8K (1.401 against 1.457 ms, kda_kernel_8K_h200_2026-12-06.json; 32K and
-    4 x 8K untimed there), so the H200's pick may change once those are timed.
+    4 x 8K untimed there), so the H200's pick may change once those are timed. On sm_90
+    the scan loads G_last and beta v a chunk ahead (`scan_prefetch`, timed on an H100).
     """
     def fits(candidate, pass_name):
         estimate = estimate_shared_memory(candidate, head_k, head_v,
@@ -243,7 +250,8 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
                                           operand_bytes=operand_bytes)
         return estimate[pass_name] <= spec.smem_per_block
 
-    base = KernelConfig(block_v=min(32, head_v), fuse_output=True, form_w_u_in_scan=True)
+    base = KernelConfig(block_v=min(32, head_v), fuse_output=True, form_w_u_in_scan=True,
+                        scan_prefetch=spec.compute_capability[0] == 9)
     for stages in (2, 1):
         config = dataclasses.replace(base, scan_num_stages=stages)
         if not (fits(config, "scan") and fits(config, "segment") and fits(config, "prep")):

@@ -114,3 +114,12 @@ def test_segment_model_counts_waves():
     assert model(5) == pytest.approx(SEGMENT_STEP_COST * 103 * 4)  # 448 and 320: two each
     assert select_config(H200, num_seqs=1, num_heads=16, head_k=128, head_v=128,
                          num_tokens=32768).scan_segments == 4
+
+
+def test_scan_prefetch_only_where_measured():
+    """The scan's one-chunk-ahead loads are picked on sm_90 (timed on an H100) and not on
+    GB10, where Triton's compile spills more registers with them."""
+    shape = dict(num_seqs=1, num_heads=32, head_k=128, head_v=128, num_tokens=8192)
+    assert select_config(H200, **shape).scan_prefetch
+    assert not select_config(GB10, **shape).scan_prefetch
+    assert not KernelConfig().scan_prefetch
