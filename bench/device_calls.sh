@@ -172,24 +172,31 @@ decode_b1_ab() {
   done
 }
 
-# A KDA kernel change against the tree before it on one GPU of either kind (~8 min): H = 16
-# at one 32K prompt (the segment-parallel scan; issue 20's 3% snapshot bar) and H = 32 at
-# 8K, each with 0 and 4 snapshots, the tree before first, fla beside the tree after.
-# The caller extracts the tree before into _before_tree (untracked, so it travels:
-# `git archive <sha> pallas_kernels bench glmjax | tar -x -C _before_tree`).
+# A KDA kernel change against the tree before it, and both against fla, each side in its
+# own process, in turn, two rounds (~7 min on one GPU of either kind): 8K x 32 heads on
+# both gate paths and one 32K prompt at H = 16 (the segment-parallel scan), 4 snapshots;
+# then each row's median and ours against fla's. fla's time moves between processes and
+# machines far more than ours (docs/KERNEL.md, twenty-sixth session). The caller extracts
+# the tree before into _before_tree (untracked, so it travels: `git archive <sha>
+# pallas_kernels bench glmjax | tar -x -C _before_tree`); this tree's bench/kda_ab.py is
+# copied there.
 kda_ab() {
-  local heads_case heads case tree dir fla
+  local round pair case heads
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  for heads_case in 16:32K 32:8K; do
-    heads=${heads_case%%:*} case=${heads_case##*:}
-    for tree in before after; do
-      dir=. fla=
-      [[ $tree == before ]] && dir=_before_tree fla=--no-fla
-      (cd "$dir" && run_logged "kda_h${heads}_${case}_$tree" 240 python3 -m bench.kda_kernel \
-        --heads "${heads:-16}" --cases "${case:-32K}" --pass-cases '' ${fla:-} \
-        --out "$OUT/kda_h${heads}_${case}_$tree.json")
+  cp bench/kda_ab.py _before_tree/bench/kda_ab.py
+  for round in 1 2; do
+    for pair in 8K:32 32K:16; do
+      case=${pair%%:*} heads=${pair##*:}
+      (cd _before_tree && run_logged "kda_ab_before_${case}_$round" 150 python3 -m \
+        bench.kda_ab --case "${case:-8K}" --heads "${heads:-32}" --any --tree before \
+        --out "$OUT/kda_ab.jsonl")
+      run_logged "kda_ab_after_${case}_$round" 150 python3 -m bench.kda_ab --case \
+        "${case:-8K}" --heads "${heads:-32}" --any --tree after --out "$OUT/kda_ab.jsonl"
+      run_logged "kda_ab_fla_${case}_$round" 150 python3 -m bench.kda_ab --case \
+        "${case:-8K}" --heads "${heads:-32}" --fla --out "$OUT/kda_ab.jsonl"
     done
   done
+  run_logged kda_ab_summary 60 python3 -m bench.kda_ab --summary "$OUT/kda_ab.jsonl"
   unset XLA_PYTHON_CLIENT_PREALLOCATE
 }
 

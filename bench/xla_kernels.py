@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import write_json
+from bench.kda_ab import config_overrides
 from pallas_kernels.triton_compile import ptxas_resources, sass_instructions
 
 SASS_LINE = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
@@ -87,21 +88,6 @@ def kernel_report(ptx_path: str, name: str, ptxas: str, mix: bool,
     if mix:
         report["loop_mix"] = [dict(collections.Counter(body).most_common(16)) for body in bodies]
     return report
-
-
-def config_overrides(settings: list[str]) -> dict:
-    """`FIELD=VALUE` strings as `KernelConfig` field values (ints, or true / false)."""
-    from pallas_kernels.tuning import KernelConfig
-    fields = {f.name: f.type for f in dataclasses.fields(KernelConfig)}
-    overrides = {}
-    for setting in settings:
-        name, _, value = setting.partition("=")
-        if name not in fields or not value:
-            raise ValueError(f"--set {setting!r}: expected FIELD=VALUE with FIELD one of "
-                             f"{sorted(fields)}")
-        overrides[name] = (value.lower() == "true" if fields[name] in (bool, "bool")
-                           else int(value))
-    return overrides
 
 
 def compile_and_dump(args, dump: str) -> None:

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from bench.xla_kernels import config_overrides, loop_bodies, main
+from bench.xla_kernels import loop_bodies, main
 
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -26,14 +26,6 @@ SASS = """
 
 def test_loop_bodies_are_the_backward_branches():
     assert loop_bodies(SASS) == [["FADD", "FMUL", "MUFU", "BRA"], ["HMMA", "BRA"]]
-
-
-def test_config_overrides_take_kernel_config_fields():
-    assert config_overrides(["prep_num_warps=1", "fuse_output=False", "prep_block_k=16"]) == {
-        "prep_num_warps": 1, "fuse_output": False, "prep_block_k": 16}
-    for bad in ("prep_warps=1", "prep_num_warps", "prep_num_warps="):
-        with pytest.raises(ValueError, match="FIELD=VALUE"):
-            config_overrides([bad])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins") is None

@@ -1,0 +1,53 @@
+"""`bench.kda_ab`: a side's JSON line from a CPU smoke run (interpret mode), the summary's
+medians and ratios to fla from hand-made lines, and the `--set` parser."""
+
+import json
+
+import pytest
+
+from bench.kda_ab import config_overrides, main, summarize
+
+
+def test_quick_runs_append_lines_and_summarize(tmp_path, capsys):
+    path = tmp_path / "ab.jsonl"
+    first = main(["--quick", "--tree", "main", "--out", str(path)])
+    second = main(["--quick", "--tree", "main", "--set", "scan_prefetch=false",
+                   "--out", str(path)])
+    fla = main(["--quick", "--fla", "--out", str(path)])  # no fla on the CPU: no rows
+    assert first["config"]["scan_prefetch"] and not second["config"]["scan_prefetch"]
+    assert second["side"] == "main scan_prefetch=false"
+    assert fla["ms"] == {}
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["side"] for line in lines] == ["main", "main scan_prefetch=false", "fla"]
+    assert all(line["ms"]["bounded"] > 0 for line in lines[:2])
+    table = main(["--summary", str(path)])
+    assert {(r["side"], r["row"]) for r in table} == {("main", "bounded"),
+                                                     ("main scan_prefetch=false", "bounded")}
+    assert all(r["fla_over_ours"] is None for r in table)
+    assert "main scan_prefetch=false" in capsys.readouterr().out
+
+
+def test_summary_takes_medians_and_sets_each_gate_against_its_fla_path():
+    def line(side, ms):
+        return dict(case="8K", heads=32, side=side, ms=ms)
+
+    fla = "fla safe_gate", "fla chunk_kda"
+    lines = [line("main", {"bounded": 1.0, "any decay": 2.0}),
+             line("fla", dict(zip(fla, (1.5, 3.0)))),
+             line("main", {"bounded": 3.0, "any decay": 2.0}),
+             line("fla", dict(zip(fla, (2.5, 1.0)))),
+             line("main", {"bounded": 1.2, "any decay": 2.0})]
+    rows = {(r["side"], r["row"]): r for r in summarize(lines)}
+    assert rows["main", "bounded"]["median_ms"] == 1.2
+    assert rows["main", "bounded"]["runs"] == [1.0, 3.0, 1.2]
+    assert rows["main", "bounded"]["fla_over_ours"] == pytest.approx(2.0 / 1.2)  # safe_gate
+    assert rows["main", "any decay"]["fla_over_ours"] == pytest.approx(2.0 / 2.0)  # chunk_kda
+    assert rows["fla", "fla safe_gate"]["fla_over_ours"] is None
+
+
+def test_config_overrides_take_kernel_config_fields():
+    assert config_overrides(["prep_num_warps=1", "fuse_output=False", "prep_block_k=16"]) == {
+        "prep_num_warps": 1, "fuse_output": False, "prep_block_k": 16}
+    for bad in ("prep_warps=1", "prep_num_warps", "prep_num_warps="):
+        with pytest.raises(ValueError, match="FIELD=VALUE"):
+            config_overrides([bad])
