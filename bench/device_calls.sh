@@ -200,6 +200,29 @@ kda_ab() {
   unset XLA_PYTHON_CLIENT_PREALLOCATE
 }
 
+# The scan with Aqk carried a chunk ahead (`scan_carry_aqk`) at 2 and at 3 pipeline stages
+# (3 fit sm_90's shared memory only with it) against the runtime's pick and fla, each in its
+# own process, in turn, two rounds at 8K and 32K x 32 heads, bounded gate (~6 min).
+kda_stages() {
+  local round case
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  for round in 1 2; do
+    for case in 8K 32K; do
+      run_logged "kda_stages_pick_${case}_$round" 150 python3 -m bench.kda_ab --case \
+        "${case:-8K}" --tree main --out "$OUT/kda_stages.jsonl"
+      run_logged "kda_stages_aqk2_${case}_$round" 150 python3 -m bench.kda_ab --case \
+        "${case:-8K}" --tree main --set scan_carry_aqk=true --out "$OUT/kda_stages.jsonl"
+      run_logged "kda_stages_aqk3_${case}_$round" 150 python3 -m bench.kda_ab --case \
+        "${case:-8K}" --tree main --set scan_carry_aqk=true --set scan_num_stages=3 \
+        --out "$OUT/kda_stages.jsonl"
+      run_logged "kda_stages_fla_${case}_$round" 150 python3 -m bench.kda_ab --case \
+        "${case:-8K}" --fla --out "$OUT/kda_stages.jsonl"
+    done
+  done
+  run_logged kda_stages_summary 60 python3 -m bench.kda_ab --summary "$OUT/kda_stages.jsonl"
+  unset XLA_PYTHON_CLIENT_PREALLOCATE
+}
+
 # Where the batch-1 step's ~3.6 ms of host time goes (the device needs 3.3): cProfile of the
 # whole benchmark; per call of the jitted steps and of the engine's own functions.
 decode_host() {
@@ -290,7 +313,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_times pingpong kda_prep kda_prep_any conv decode_host decode glm_decode
+STEPS="setup verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_stages kda_times pingpong kda_prep kda_prep_any conv decode_host decode glm_decode
 ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then

@@ -52,7 +52,7 @@ from pallas_kernels.tuning import KernelConfig
 
 def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_ref,
                        gcum_ref, glast_ref, *refs, chunk, block_v, capacity, segments,
-                       precision, fused, forms_w_u, prefetch, num_tokens, exp):
+                       precision, fused, forms_w_u, prefetch, carry_aqk, num_tokens, exp):
     """One segment x head x value block: the chunk-to-chunk scan with snapshots.
 
     Program axis 0 is sequence n's segment s at n * segments + s; init_ref [N segments,
@@ -96,24 +96,27 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
         return pl.ds(start + i * chunk, chunk), rows_c < n_valid, n_valid
 
     def unpipelined(i):
-        """Chunk i's loads Triton does not pipeline: G_last's row and beta v ([K], fp32
-        [C, block_v] or None). With `prefetch` the loop carries them, loaded one chunk
-        ahead (`KernelConfig.scan_prefetch`); without, each chunk loads its own first."""
+        """Chunk i's loads outside the pipeline's copies: G_last's row [K], beta v fp32
+        [C, block_v] (None unless W and U are formed here) and, with `carry_aqk`, Aqk
+        [C, C] (else None). With `prefetch` the loop carries them, loaded one chunk ahead
+        (`KernelConfig.scan_prefetch`); without, each chunk loads its own first."""
         rows, valid, _ = chunk_rows(i)
         # clamped: a sequence without chunks reads a row in range and never uses it
         g_last = glast_ref[jnp.minimum(first_slot + i, glast_ref.shape[0] - 1), h, :]  # [K]
-        if not forms_w_u:
-            return g_last, None
-        _, _, v_ref, beta_ref = w_u_refs
-        return g_last, load_rows(beta_ref, rows, h, valid) * load_rows(v_ref, rows, h, valid,
-                                                                          vcols)
+        beta_v = None
+        if forms_w_u:
+            _, _, v_ref, beta_ref = w_u_refs
+            beta_v = load_rows(beta_ref, rows, h, valid) * load_rows(v_ref, rows, h, valid,
+                                                                       vcols)
+        aqk = plgpu.load(aqk_ref.at[rows, h, :], mask=valid, other=0) if carry_aqk else None
+        return g_last, beta_v, aqk
 
     def body(i, carry):
         if prefetch:
-            state, (g_last, beta_v) = carry
+            state, (g_last, beta_v, aqk) = carry
             ahead = unpipelined(jnp.minimum(i + 1, end - 1))
         else:
-            state, (g_last, beta_v) = carry, unpipelined(i)
+            state, (g_last, beta_v, aqk) = carry, unpipelined(i)
         r0 = start + i * chunk
         rows, valid, n_valid = chunk_rows(i)
 
@@ -139,7 +142,7 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
         v_new_op = v_new.astype(operand)
         kg = load(kg_ref, slice(None)).astype(operand)
         if fused:
-            a_v = dot(load(aqk_ref, slice(None)), v_new_op, precision)
+            a_v = dot(load(aqk_ref, slice(None)) if aqk is None else aqk, v_new_op, precision)
         k_v = dot_tn(kg, v_new_op, precision)
         if fused:
             plgpu.store(o_ref.at[rows, h, vcols], (q_state + a_v).astype(o_ref.dtype),
@@ -262,6 +265,7 @@ def chunk_scan(tensors: ChunkTensors, k, v, beta, slots: ChunkSlots, cu_seqlens,
                           capacity=capacity, segments=segments,
                           precision=matmul_precision(exact), fused=fused,
                           forms_w_u=forms_w_u, prefetch=config.scan_prefetch,
+                          carry_aqk=config.scan_carries_aqk,
                           exp=exp_function(exact, interpret=interpret),
                           num_tokens=rows - config.chunk_size if interpret else rows),
         out_shape=(*per_chunk,

@@ -79,6 +79,16 @@ class KernelConfig:
     # session). `select_config` picks it on sm_90 only: for sm_121 Triton's compile spills
     # 296 bytes a thread with it against 64 without (`pallas_kernels.aot`).
     scan_prefetch: bool = False
+    # With `scan_prefetch` and `fuse_output`, Aqk carried a chunk ahead too (the register
+    # operand of Aqk Vnew), out of the pipeline's staged tiles: 3 scan stages then fit
+    # sm_90's shared memory through XLA's compile (docs/KERNEL.md, twenty-sixth session).
+    # Untimed, so `select_config` leaves it off.
+    scan_carry_aqk: bool = False
+
+    @property
+    def scan_carries_aqk(self) -> bool:
+        """Whether the scan carries Aqk a chunk ahead (`scan_carry_aqk`, where it applies)."""
+        return self.scan_carry_aqk and self.scan_prefetch and self.fuse_output
 
     @property
     def scan_forms_w_u(self) -> bool:
@@ -112,8 +122,8 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
 
     Scan pass: the operands of its largest dots are staged in shared memory, and each
     pipeline stage past the first buffers the tiles loaded per chunk (W or beta k exp(G),
-    Qg, Kg [C, K], Aqk [C, C], U or v [C, BV] in the operand dtype; and T [C, C] where the
-    scan forms W and U). Hopper and datacenter Blackwell (9.x, 10.x) feed wgmma from
+    Qg, Kg [C, K], Aqk [C, C] unless carried, U or v [C, BV] in the operand dtype; and
+    T [C, C] where the scan forms W and U). Hopper and datacenter Blackwell (9.x, 10.x) feed wgmma from
     shared memory and double-buffer those tiles; mma.sync targets (8.x, 12.x, GB10 among
     them) stage them once, Qg not among them (measured). The segment-parallel scan's
     kernels ("segment") hold the same tiles at `segment_num_stages`. Prep pass (fp32, no
@@ -129,11 +139,12 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
     """
     c, bv = config.chunk_size, config.block_v
     formed = operand_bytes * c * c if config.scan_forms_w_u else 0  # T
+    aqk = 0 if config.scan_carries_aqk else c * c  # carried in registers: not staged
     if compute_capability[0] in (9, 10):
-        loop_tiles = operand_bytes * (3 * c * head_k + c * c + c * bv) + formed
+        loop_tiles = operand_bytes * (3 * c * head_k + aqk + c * bv) + formed
         base, per_stage = 2 * c * head_k * operand_bytes + head_k * bv * FP32_BYTES, 2 * loop_tiles
     else:
-        loop_tiles = operand_bytes * (2 * c * head_k + c * c + c * bv) + formed
+        loop_tiles = operand_bytes * (2 * c * head_k + aqk + c * bv) + formed
         base, per_stage = 2 * c * head_k * operand_bytes + 1024, loop_tiles
     scan = base + max(0, config.scan_num_stages - 1) * per_stage
     segment = base + max(0, config.segment_num_stages - 1) * per_stage

@@ -330,18 +330,19 @@ class KdaKernelCases:
     # sets it against the loads issued in each chunk, on both scans.
     @pytest.mark.parametrize(("segments", "lens"), [
         (1, [581, 0, 1, 130]),   # W / U formed in the scan: beta v carried too
-        (3, [581, 0, 1, 130]),   # the segment scan (W / U read): G_last only; empty segments
+        (3, [581, 0, 1, 130]),   # the segment scan (W / U read): no beta v; empty segments
     ])
     def test_scan_prefetch(self, rng, segments, lens):
-        """`scan_prefetch`: G_last's row and beta v loaded a chunk ahead change when the
-        loads are issued, not what is computed: the recurrence's tolerance, and the same
-        bits as without it."""
+        """`scan_prefetch` (with `scan_carry_aqk`): G_last's row, beta v and Aqk loaded a
+        chunk ahead change when the loads are issued, not what is computed: the
+        recurrence's tolerance, and the same bits as without them."""
         make = functools.partial(segment_batch, rng, lens, segments) if segments > 1 else \
             functools.partial(make_inputs, rng, lens)
         inputs = make(heads=2, head_k=32, head_v=64, padding=9, min_decay=-0.5)
         config = KernelConfig(block_v=32, scan_segments=segments, fuse_output=True,
                               form_w_u_in_scan=True)
-        ahead = dataclasses.replace(config, scan_prefetch=True)
+        ahead = dataclasses.replace(config, scan_prefetch=True, scan_carry_aqk=True)
+        assert ahead.scan_carries_aqk
         outputs = self.check_against_recurrence(inputs, 1e-5, config=ahead,
                                                 gate_lower_bound=-5.0)
         plain = self.run_kernel(inputs, config=config, gate_lower_bound=-5.0)
