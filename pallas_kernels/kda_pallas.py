@@ -124,13 +124,12 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
             return plgpu.load(ref.at[rows, h, cols], mask=valid, other=0)
 
         # The chunk's own tiles arrive by the pipeline's copies, waited for at its start.
-        if forms_w_u:
-            t_ref, kb_ref = w_u_refs[:2]
         # Products that need only S first, the output's store after the last product.
         state_op = state.astype(operand)
         if fused:
             q_state = dot(load(qg_ref, slice(None)), state_op, precision)
         if forms_w_u:
+            t_ref, kb_ref = w_u_refs[:2]
             t = load(t_ref, slice(None))
             w = dot(t, load(kb_ref, slice(None)), precision)
             u = dot(t, beta_v.astype(operand), precision)
