@@ -8,6 +8,12 @@ side runs in its own process, in turn (`bench/device_calls.sh kda_ab`), and appe
 JSON line to --out; `--summary` gives each row's median over the runs and ours against
 fla's medians.
 
+Two times a row: "ms", the wall time per call with calls queued (what a caller waits), and
+"device_ms", the GPU's busy time per call (the summed durations of its kernels and copies
+over `TRACED_CALLS` calls: jax.profiler for ours, torch.profiler for fla). The wall time
+of a peer that runs several launches from Python also holds whatever host time the GPU
+does not hide; the device time does not, and does not move with the host's speed.
+
     python -m bench.kda_ab --case 8K --tree main --any --out ab.jsonl
     python -m bench.kda_ab --case 8K --tree main --set scan_prefetch=false --out ab.jsonl
     python -m bench.kda_ab --case 8K --fla --out ab.jsonl
@@ -26,17 +32,22 @@ import collections
 import dataclasses
 import json
 import statistics
+import tempfile
 from pathlib import Path
 
 import jax
 
 import bench.kda_kernel as kda_bench
 from bench.common import time_calls
+from bench.profile import kernel_events, load_trace, record_trace
 from pallas_kernels import kda_prefill
 from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 
 FLA_ROWS = {"fla chunk_kda": {},
             "fla safe_gate": dict(safe_gate=True, lower_bound=kda_bench.GATE_LOWER_BOUND)}
+TRACED_CALLS = 10  # calls under the profiler for a row's device time
+TORCH_DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")  # torch trace categories
+MEASURES = {"ms": "wall", "device_ms": "device"}  # a line's times: its summary tables
 
 
 def config_overrides(settings: list[str]) -> dict:
@@ -53,37 +64,66 @@ def config_overrides(settings: list[str]) -> dict:
     return overrides
 
 
-def time_ours(lens, config: KernelConfig, *, any_decay: bool, timing: dict) -> dict:
-    """ms of kda_prefill with 4 snapshots, bounded gate (and any decay): {row: ms}."""
+def jax_device_ms(call) -> float:
+    """The device's busy ms per `call` (compiled and warm): its kernels' and copies'
+    summed durations over `TRACED_CALLS` calls under jax.profiler (`bench.profile`)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = record_trace(lambda: [call() for _ in range(TRACED_CALLS)], Path(folder))
+        events = kernel_events(load_trace(path))
+    return sum(e.duration_us for e in events) / TRACED_CALLS / 1e3
+
+
+def torch_device_ms(call, sync) -> float:
+    """`jax_device_ms` of a PyTorch `call` (warm), under torch.profiler's CUDA activity."""
+    import torch
+
+    with tempfile.TemporaryDirectory() as folder:
+        cuda = torch.profiler.ProfilerActivity.CUDA
+        with torch.profiler.profile(activities=[cuda]) as profile:
+            sync([call() for _ in range(TRACED_CALLS)][-1])
+        path = Path(folder) / "trace.json"
+        profile.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    return sum(e["dur"] for e in events if e.get("ph") == "X"
+               and e.get("cat") in TORCH_DEVICE_EVENTS) / TRACED_CALLS / 1e3
+
+
+def time_ours(lens, config: KernelConfig, *, any_decay: bool, timing: dict
+              ) -> tuple[dict, dict]:
+    """Wall and device ms of kda_prefill with 4 snapshots, bounded gate (and any decay):
+    ({row: ms}, {row: device ms})."""
     inputs, offsets = kda_bench.make_inputs(lens), kda_bench.snapshot_offsets(lens, 4)
-    rows = {}
+    wall, device = {}, {}
     for row, bound in (("bounded", kda_bench.GATE_LOWER_BOUND), ("any decay", None)):
         if row == "any decay" and not any_decay:
             continue
         fn = jax.jit(lambda i, off, b=bound: kda_prefill(
             **i, checkpoint_offsets=off, config=config, gate_lower_bound=b))
-        rows[row] = time_calls(lambda fn=fn: fn(inputs, offsets), **timing)[0]
-    return rows
+        wall[row] = time_calls(lambda fn=fn: fn(inputs, offsets), **timing)[0]
+        device[row] = jax_device_ms(lambda fn=fn: fn(inputs, offsets))
+    return wall, device
 
 
-def time_fla(lens, timing: dict) -> dict:
-    """ms of fla's chunk_kda as its users call it (`bench.kda_kernel.fla_runner`):
-    {row: ms}, empty where fla or torch cannot run."""
+def time_fla(lens, timing: dict) -> tuple[dict, dict]:
+    """`time_ours` of fla's chunk_kda as its users call it (`bench.kda_kernel.fla_runner`):
+    both empty where fla or torch cannot run."""
     inputs = kda_bench.make_inputs(lens)
-    rows = {}
+    wall, device = {}, {}
     for row, options in FLA_ROWS.items():
         call, sync = kda_bench.fla_runner(inputs, lens, **options)
         if call is not None:
-            rows[row] = time_calls(call, sync, **timing)[0]
-    return rows
+            wall[row] = time_calls(call, sync, **timing)[0]
+            device[row] = torch_device_ms(call, sync)
+    return wall, device
 
 
-def summarize(lines: list[dict]) -> list[dict]:
-    """Each (case, heads, side, row)'s median over the lines; ours also as fla's median
-    (safe_gate for the bounded row, `chunk_kda` for any decay) over its own."""
+def summarize(lines: list[dict], measure: str = "ms") -> list[dict]:
+    """Each (case, heads, side, row)'s median of `measure` (a `MEASURES` key; lines
+    without it are left out) over the lines; ours also as fla's median (safe_gate for the
+    bounded row, `chunk_kda` for any decay) over its own."""
     runs = collections.defaultdict(list)
     for line in lines:
-        for row, ms in line["ms"].items():
+        for row, ms in line.get(measure, {}).items():
             runs[line["case"], line["heads"], line["side"], row].append(ms)
     medians = {key: statistics.median(values) for key, values in runs.items()}
     peer = {"bounded": "fla safe_gate", "any decay": "fla chunk_kda"}
@@ -96,8 +136,9 @@ def summarize(lines: list[dict]) -> list[dict]:
     return table
 
 
-def print_summary(table: list[dict]) -> None:
-    print(f"{'case':6} {'H':>3} {'side':24} {'row':16} {'median ms':>9} {'fla/ours':>8}  runs")
+def print_summary(table: list[dict], measure: str = "ms") -> None:
+    print(f"{MEASURES[measure]} time\n{'case':6} {'H':>3} {'side':24} {'row':16} "
+          f"{'median ms':>9} {'fla/ours':>8}  runs")
     for r in table:
         ratio = f"{r['fla_over_ours']:8.3f}" if r["fla_over_ours"] else f"{'':8}"
         runs = " ".join(f"{ms:.3f}" for ms in r["runs"])
@@ -121,10 +162,12 @@ def main(argv=None):
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.summary:
-        table = summarize([json.loads(line) for line in args.summary.read_text().splitlines()
-                           if line.strip()])
-        print_summary(table)
-        return table
+        lines = [json.loads(line) for line in args.summary.read_text().splitlines()
+                 if line.strip()]
+        tables = {measure: summarize(lines, measure) for measure in MEASURES}
+        for measure, table in tables.items():
+            print_summary(table, measure)
+        return tables
     if args.out is None:
         parser.error("--out is required unless --summary")
     if args.quick:
@@ -135,17 +178,20 @@ def main(argv=None):
     timing = dict(iters=args.iters, samples=args.samples)
     line = dict(case=args.case, heads=args.heads, device=jax.devices()[0].device_kind)
     if args.fla:
-        line.update(side="fla", ms=time_fla(lens, timing))
+        line["side"] = "fla"
+        line["ms"], line["device_ms"] = time_fla(lens, timing)
     else:
         config = dataclasses.replace(
             select_config(device_spec(), num_seqs=len(lens), num_heads=args.heads,
                           head_k=kda_bench.HEAD_K, head_v=kda_bench.HEAD_V,
                           num_tokens=sum(lens)), **config_overrides(args.set))
         side = " ".join([args.tree, *args.set])
-        line.update(side=side, config=dataclasses.asdict(config),
-                    ms=time_ours(lens, config, any_decay=args.any, timing=timing))
+        line.update(side=side, config=dataclasses.asdict(config))
+        line["ms"], line["device_ms"] = time_ours(lens, config, any_decay=args.any,
+                                                  timing=timing)
     for row, ms in line["ms"].items():
-        print(f"{args.case} H={args.heads} {line['side']} {row}: {ms:.3f} ms", flush=True)
+        print(f"{args.case} H={args.heads} {line['side']} {row}: {ms:.3f} ms, device "
+              f"{line['device_ms'][row]:.3f} ms", flush=True)
     with args.out.open("a") as f:
         f.write(json.dumps(line) + "\n")
     return line

@@ -1,5 +1,6 @@
-"""`bench.kda_ab`: a side's JSON line from a CPU smoke run (interpret mode), the summary's
-medians and ratios to fla from hand-made lines, and the `--set` parser."""
+"""`bench.kda_ab`: a side's JSON line from a CPU smoke run (interpret mode, the device time
+from the CPU trace's thunks), the summary's medians and ratios to fla from hand-made lines,
+and the `--set` parser."""
 
 import json
 
@@ -16,20 +17,26 @@ def test_quick_runs_append_lines_and_summarize(tmp_path, capsys):
     fla = main(["--quick", "--fla", "--out", str(path)])  # no fla on the CPU: no rows
     assert first["config"]["scan_prefetch"] and not second["config"]["scan_prefetch"]
     assert second["side"] == "main scan_prefetch=false"
-    assert fla["ms"] == {}
+    assert fla["ms"] == fla["device_ms"] == {}
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["side"] for line in lines] == ["main", "main scan_prefetch=false", "fla"]
-    assert all(line["ms"]["bounded"] > 0 for line in lines[:2])
-    table = main(["--summary", str(path)])
-    assert {(r["side"], r["row"]) for r in table} == {("main", "bounded"),
-                                                     ("main scan_prefetch=false", "bounded")}
-    assert all(r["fla_over_ours"] is None for r in table)
-    assert "main scan_prefetch=false" in capsys.readouterr().out
+    for line in lines[:2]:
+        # The traced thunks run inside the timed call: busy time cannot pass the wall time.
+        assert 0 < line["device_ms"]["bounded"] <= line["ms"]["bounded"] * 1.5
+    tables = main(["--summary", str(path)])
+    assert set(tables) == {"ms", "device_ms"}
+    for table in tables.values():
+        assert {(r["side"], r["row"]) for r in table} == {
+            ("main", "bounded"), ("main scan_prefetch=false", "bounded")}
+        assert all(r["fla_over_ours"] is None for r in table)
+    out = capsys.readouterr().out
+    assert "wall time" in out and "device time" in out and "main scan_prefetch=false" in out
 
 
 def test_summary_takes_medians_and_sets_each_gate_against_its_fla_path():
     def line(side, ms):
-        return dict(case="8K", heads=32, side=side, ms=ms)
+        return dict(case="8K", heads=32, side=side, ms=ms,
+                    device_ms={row: t / 2 for row, t in ms.items()})
 
     fla = "fla safe_gate", "fla chunk_kda"
     lines = [line("main", {"bounded": 1.0, "any decay": 2.0}),
@@ -43,6 +50,11 @@ def test_summary_takes_medians_and_sets_each_gate_against_its_fla_path():
     assert rows["main", "bounded"]["fla_over_ours"] == pytest.approx(2.0 / 1.2)  # safe_gate
     assert rows["main", "any decay"]["fla_over_ours"] == pytest.approx(2.0 / 2.0)  # chunk_kda
     assert rows["fla", "fla safe_gate"]["fla_over_ours"] is None
+    device = {(r["side"], r["row"]): r for r in summarize(lines, "device_ms")}
+    assert device["main", "bounded"]["median_ms"] == 0.6
+    assert device["main", "bounded"]["fla_over_ours"] == pytest.approx(1.0 / 0.6)
+    old = dict(case="8K", heads=32, side="before", ms={"bounded": 1.0})  # no device_ms
+    assert {r["side"] for r in summarize([*lines, old], "device_ms")} == {"main", "fla"}
 
 
 def test_config_overrides_take_kernel_config_fields():
