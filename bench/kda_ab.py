@@ -10,7 +10,7 @@ fla's medians.
 
 Two times a row: "ms", the wall time per call with calls queued (what a caller waits), and
 "device_ms", the GPU's busy time per call (the summed durations of its kernels and copies
-over `TRACED_CALLS` calls: jax.profiler for ours, torch.profiler for fla). The wall time
+over --iters calls: jax.profiler for ours, torch.profiler for fla). The wall time
 of a peer that runs several launches from Python also holds whatever host time the GPU
 does not hide; the device time does not, and does not move with the host's speed.
 
@@ -45,7 +45,6 @@ from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 
 FLA_ROWS = {"fla chunk_kda": {},
             "fla safe_gate": dict(safe_gate=True, lower_bound=kda_bench.GATE_LOWER_BOUND)}
-TRACED_CALLS = 10  # calls under the profiler for a row's device time
 TORCH_DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")  # torch trace categories
 MEASURES = {"ms": "wall", "device_ms": "device"}  # a line's times: its summary tables
 
@@ -64,28 +63,28 @@ def config_overrides(settings: list[str]) -> dict:
     return overrides
 
 
-def jax_device_ms(call) -> float:
+def jax_device_ms(call, calls: int) -> float:
     """The device's busy ms per `call` (compiled and warm): its kernels' and copies'
-    summed durations over `TRACED_CALLS` calls under jax.profiler (`bench.profile`)."""
+    summed durations over `calls` calls under jax.profiler (`bench.profile`)."""
     with tempfile.TemporaryDirectory() as folder:
-        path = record_trace(lambda: [call() for _ in range(TRACED_CALLS)], Path(folder))
+        path = record_trace(lambda: [call() for _ in range(calls)], Path(folder))
         events = kernel_events(load_trace(path))
-    return sum(e.duration_us for e in events) / TRACED_CALLS / 1e3
+    return sum(e.duration_us for e in events) / calls / 1e3
 
 
-def torch_device_ms(call, sync) -> float:
+def torch_device_ms(call, sync, calls: int) -> float:
     """`jax_device_ms` of a PyTorch `call` (warm), under torch.profiler's CUDA activity."""
     import torch
 
     with tempfile.TemporaryDirectory() as folder:
         cuda = torch.profiler.ProfilerActivity.CUDA
         with torch.profiler.profile(activities=[cuda]) as profile:
-            sync([call() for _ in range(TRACED_CALLS)][-1])
+            sync([call() for _ in range(calls)][-1])
         path = Path(folder) / "trace.json"
         profile.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
     return sum(e["dur"] for e in events if e.get("ph") == "X"
-               and e.get("cat") in TORCH_DEVICE_EVENTS) / TRACED_CALLS / 1e3
+               and e.get("cat") in TORCH_DEVICE_EVENTS) / calls / 1e3
 
 
 def time_ours(lens, config: KernelConfig, *, any_decay: bool, timing: dict
@@ -100,7 +99,7 @@ def time_ours(lens, config: KernelConfig, *, any_decay: bool, timing: dict
         fn = jax.jit(lambda i, off, b=bound: kda_prefill(
             **i, checkpoint_offsets=off, config=config, gate_lower_bound=b))
         wall[row] = time_calls(lambda fn=fn: fn(inputs, offsets), **timing)[0]
-        device[row] = jax_device_ms(lambda fn=fn: fn(inputs, offsets))
+        device[row] = jax_device_ms(lambda fn=fn: fn(inputs, offsets), timing["iters"])
     return wall, device
 
 
@@ -113,7 +112,7 @@ def time_fla(lens, timing: dict) -> tuple[dict, dict]:
         call, sync = kda_bench.fla_runner(inputs, lens, **options)
         if call is not None:
             wall[row] = time_calls(call, sync, **timing)[0]
-            device[row] = torch_device_ms(call, sync)
+            device[row] = torch_device_ms(call, sync, timing["iters"])
     return wall, device
 
 
