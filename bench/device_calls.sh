@@ -175,8 +175,9 @@ decode_b1_ab() {
 # A KDA kernel change against the tree before it, and both against fla, each side in its
 # own process, in turn, two rounds (~7 min on one GPU of either kind): 8K x 32 heads on
 # both gate paths and one 32K prompt at H = 16 (the segment-parallel scan), 4 snapshots;
-# then each row's median and ours against fla's. fla's time moves between processes and
-# machines far more than ours (docs/KERNEL.md, twenty-sixth session). The caller extracts
+# then each row's median and ours against fla's, by wall time and by the GPU's busy time
+# (fla's wall time holds host time that moves with the machine: docs/KERNEL.md,
+# twenty-sixth and twenty-seventh sessions). The caller extracts
 # the tree before into _before_tree (untracked, so it travels: `git archive <sha>
 # pallas_kernels bench glmjax | tar -x -C _before_tree`); this tree's bench/kda_ab.py is
 # copied there.
