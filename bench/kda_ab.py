@@ -10,8 +10,8 @@ fla's medians.
 
 Two times a row: "ms", the wall time per call with calls queued (what a caller waits), and
 "device_ms", the GPU's busy time per call (the summed durations of its kernels and copies
-over --iters calls: jax.profiler for ours, torch.profiler for fla). The wall time
-of a peer that runs several launches from Python also holds whatever host time the GPU
+over --iters calls: jax.profiler for ours, torch.profiler for fla; on a GPU only). The wall
+time of a peer that runs several launches from Python also holds whatever host time the GPU
 does not hide; the device time does not, and does not move with the host's speed.
 
     python -m bench.kda_ab --case 8K --tree main --any --out ab.jsonl
@@ -99,7 +99,8 @@ def time_ours(lens, config: KernelConfig, *, any_decay: bool, timing: dict
         fn = jax.jit(lambda i, off, b=bound: kda_prefill(
             **i, checkpoint_offsets=off, config=config, gate_lower_bound=b))
         wall[row] = time_calls(lambda fn=fn: fn(inputs, offsets), **timing)[0]
-        device[row] = jax_device_ms(lambda fn=fn: fn(inputs, offsets), timing["iters"])
+        if jax.default_backend() == "gpu":  # a CPU trace of interpret mode: seconds, no GPU
+            device[row] = jax_device_ms(lambda fn=fn: fn(inputs, offsets), timing["iters"])
     return wall, device
 
 
@@ -189,8 +190,9 @@ def main(argv=None):
         line["ms"], line["device_ms"] = time_ours(lens, config, any_decay=args.any,
                                                   timing=timing)
     for row, ms in line["ms"].items():
-        print(f"{args.case} H={args.heads} {line['side']} {row}: {ms:.3f} ms, device "
-              f"{line['device_ms'][row]:.3f} ms", flush=True)
+        device = line["device_ms"].get(row)
+        print(f"{args.case} H={args.heads} {line['side']} {row}: {ms:.3f} ms"
+              + (f", device {device:.3f} ms" if device is not None else ""), flush=True)
     with args.out.open("a") as f:
         f.write(json.dumps(line) + "\n")
     return line

@@ -1,12 +1,15 @@
-"""`bench.kda_ab`: a side's JSON line from a CPU smoke run (interpret mode, the device time
-from the CPU trace's thunks), the summary's medians and ratios to fla from hand-made lines,
-and the `--set` parser."""
+"""`bench.kda_ab`: a side's JSON line from a CPU smoke run (interpret mode), the device time
+of a small jitted call from its CPU trace, the summary's medians and ratios to fla from
+hand-made lines, and the `--set` parser."""
 
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from bench.kda_ab import config_overrides, main, summarize
+from bench.common import time_calls
+from bench.kda_ab import config_overrides, jax_device_ms, main, summarize
 
 
 def test_quick_runs_append_lines_and_summarize(tmp_path, capsys):
@@ -20,17 +23,23 @@ def test_quick_runs_append_lines_and_summarize(tmp_path, capsys):
     assert fla["ms"] == fla["device_ms"] == {}
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["side"] for line in lines] == ["main", "main scan_prefetch=false", "fla"]
-    for line in lines[:2]:
-        # The traced thunks run inside the timed call: busy time cannot pass the wall time.
-        assert 0 < line["device_ms"]["bounded"] <= line["ms"]["bounded"] * 1.5
-    tables = main(["--summary", str(path)])
-    assert set(tables) == {"ms", "device_ms"}
-    for table in tables.values():
-        assert {(r["side"], r["row"]) for r in table} == {
-            ("main", "bounded"), ("main scan_prefetch=false", "bounded")}
-        assert all(r["fla_over_ours"] is None for r in table)
+    assert all(line["ms"]["bounded"] > 0 and line["device_ms"] == {} for line in lines[:2])
+    tables = main(["--summary", str(path)])  # no device times on the CPU: that table empty
+    assert {(r["side"], r["row"]) for r in tables["ms"]} == {
+        ("main", "bounded"), ("main scan_prefetch=false", "bounded")}
+    assert all(r["fla_over_ours"] is None for r in tables["ms"]) and tables["device_ms"] == []
     out = capsys.readouterr().out
     assert "wall time" in out and "device time" in out and "main scan_prefetch=false" in out
+
+
+def test_device_time_sums_the_traced_ops_of_each_call():
+    """On the CPU the trace's ops are XLA's thunks on host threads: their busy time per call
+    is positive and, the thunks running inside the call, not above its wall time."""
+    x = jnp.ones((512, 512), jnp.float32)
+    fn = jax.jit(lambda a: jnp.tanh(a @ a) @ a)
+    wall, _ = time_calls(lambda: fn(x), iters=4, samples=3)
+    busy = jax_device_ms(lambda: fn(x), 4)
+    assert 0 < busy <= wall * 1.5
 
 
 def test_summary_takes_medians_and_sets_each_gate_against_its_fla_path():
