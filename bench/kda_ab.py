@@ -39,7 +39,7 @@ import jax
 
 import bench.kda_kernel as kda_bench
 from bench.common import time_calls
-from bench.profile import kernel_events, load_trace, record_trace
+from bench.profile import profile_call
 from pallas_kernels import kda_prefill
 from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 
@@ -65,11 +65,11 @@ def config_overrides(settings: list[str]) -> dict:
 
 def jax_device_ms(call, calls: int) -> float:
     """The device's busy ms per `call` (compiled and warm): its kernels' and copies'
-    summed durations over `calls` calls under jax.profiler (`bench.profile`)."""
+    summed durations over `calls` calls under jax.profiler (`bench.profile`'s "busy")."""
     with tempfile.TemporaryDirectory() as folder:
-        path = record_trace(lambda: [call() for _ in range(calls)], Path(folder))
-        events = kernel_events(load_trace(path))
-    return sum(e.duration_us for e in events) / calls / 1e3
+        profile = profile_call(lambda: [call() for _ in range(calls)], Path(folder),
+                               flops=None, device_kind="")
+    return profile["busy_ms"] / calls
 
 
 def torch_device_ms(call, sync, calls: int) -> float:
