@@ -201,6 +201,21 @@ kda_ab() {
   unset XLA_PYTHON_CLIENT_PREALLOCATE
 }
 
+# Issue 20's ratios in one short call, when a session has few device minutes (~3 min):
+# the KDA kernel's `gpu` tests, then ours (both gate paths) and fla at 8K x 32 heads, one
+# process each, one round, by wall time and by the GPU's busy time; no tree before.
+kda_quick() {
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  run_logged pytest_gpu_kda 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_kda_kernel.py
+  run_logged kda_quick_ours 150 python3 -m bench.kda_ab --case 8K --any --tree main \
+    --out "$OUT/kda_quick.jsonl"
+  run_logged kda_quick_fla 150 python3 -m bench.kda_ab --case 8K --fla \
+    --out "$OUT/kda_quick.jsonl"
+  run_logged kda_quick_summary 60 python3 -m bench.kda_ab --summary "$OUT/kda_quick.jsonl"
+  unset XLA_PYTHON_CLIENT_PREALLOCATE
+}
+
 # The scan with Aqk carried a chunk ahead (`scan_carry_aqk`) at 2 and at 3 pipeline stages
 # (3 fit sm_90's shared memory only with it) against the runtime's pick and fla, each in its
 # own process, in turn, two rounds at 8K and 32K x 32 heads, bounded gate (~6 min).
@@ -314,7 +329,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_stages kda_times pingpong kda_prep kda_prep_any conv decode_host decode glm_decode
+STEPS="setup kda_quick verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_stages kda_times pingpong kda_prep kda_prep_any conv decode_host decode glm_decode
 ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then
