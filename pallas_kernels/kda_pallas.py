@@ -52,14 +52,17 @@ from pallas_kernels.tuning import KernelConfig
 
 def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_ref,
                        gcum_ref, glast_ref, *refs, chunk, block_v, capacity, segments,
-                       precision, fused, forms_w_u, prefetch, carry_aqk, num_tokens, exp):
+                       precision, fused, forms_w_u, reassociate, prefetch, carry_aqk,
+                       num_tokens, exp):
     """One segment x head x value block: the chunk-to-chunk scan with snapshots.
 
     Program axis 0 is sequence n's segment s at n * segments + s; init_ref [N segments,
     H, K, V] holds each segment's entry state (the initial states when segments == 1).
     refs start with W and U ([T', H, K], [T', H, V]), or with `forms_w_u` T, beta k
     exp(G), v and beta, from which each chunk's W = T (beta k exp(G)) and U = T diag(beta)
-    v are formed here (the W/U pass's products, W in the operand dtype, U in fp32).
+    v are formed here (the W/U pass's products, W in the operand dtype, U in fp32), or
+    with `reassociate` never formed: Vnew = T (beta v - (beta k exp(G)) S), the difference
+    in fp32 and then in the operand dtype, one product fewer.
     Unfused (then: states, vnew, final, snap), stores each chunk's entry state (for the
     output pass) at its chunk slot and Vnew at the chunk's rows: only the two matmuls the
     recurrence depends on run here. Fused (then: qg, aqk, o, final, snap), computes the
@@ -128,16 +131,21 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
         state_op = state.astype(operand)
         if fused:
             q_state = dot(load(qg_ref, slice(None)), state_op, precision)
-        if forms_w_u:
+        if reassociate:
             t_ref, kb_ref = w_u_refs[:2]
-            t = load(t_ref, slice(None))
-            w = dot(t, load(kb_ref, slice(None)), precision)
-            u = dot(t, beta_v.astype(operand), precision)
-            w = w.astype(operand)
+            rest = beta_v - dot(load(kb_ref, slice(None)), state_op, precision)
+            v_new = dot(load(t_ref, slice(None)), rest.astype(operand), precision)
         else:
-            w_ref, u_ref = w_u_refs
-            w, u = load(w_ref, slice(None)), load(u_ref, vcols).astype(jnp.float32)
-        v_new = u - dot(w, state_op, precision)
+            if forms_w_u:
+                t_ref, kb_ref = w_u_refs[:2]
+                t = load(t_ref, slice(None))
+                w = dot(t, load(kb_ref, slice(None)), precision)
+                u = dot(t, beta_v.astype(operand), precision)
+                w = w.astype(operand)
+            else:
+                w_ref, u_ref = w_u_refs
+                w, u = load(w_ref, slice(None)), load(u_ref, vcols).astype(jnp.float32)
+            v_new = u - dot(w, state_op, precision)
         v_new_op = v_new.astype(operand)
         kg = load(kg_ref, slice(None)).astype(operand)
         if fused:
@@ -263,7 +271,8 @@ def chunk_scan(tensors: ChunkTensors, k, v, beta, slots: ChunkSlots, cu_seqlens,
         functools.partial(_recurrence_kernel, chunk=config.chunk_size, block_v=block_v,
                           capacity=capacity, segments=segments,
                           precision=matmul_precision(exact), fused=fused,
-                          forms_w_u=forms_w_u, prefetch=config.scan_prefetch,
+                          forms_w_u=forms_w_u, reassociate=config.scan_reassociates,
+                          prefetch=config.scan_prefetch,
                           carry_aqk=config.scan_carries_aqk,
                           exp=exp_function(exact, interpret=interpret),
                           num_tokens=rows - config.chunk_size if interpret else rows),

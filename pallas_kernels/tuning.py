@@ -84,11 +84,23 @@ class KernelConfig:
     # sm_90's shared memory through XLA's compile (docs/KERNEL.md, twenty-sixth session).
     # Untimed, so `select_config` leaves it off.
     scan_carry_aqk: bool = False
+    # Where the scan forms W and U: Vnew = T (beta v - (beta k exp(G)) S) instead of
+    # U - W S with W = T (beta k exp(G)), U = T beta v: five products a chunk instead of
+    # six, W's (the largest) gone. By ncu the scan's chunk costs ~0.7-1.0 us a product
+    # whatever the product's size (docs/KERNEL.md, twenty-eighth session). Untimed, so
+    # `select_config` leaves it off.
+    scan_associative: bool = False
 
     @property
     def scan_carries_aqk(self) -> bool:
         """Whether the scan carries Aqk a chunk ahead (`scan_carry_aqk`, where it applies)."""
         return self.scan_carry_aqk and self.scan_prefetch and self.fuse_output
+
+    @property
+    def scan_reassociates(self) -> bool:
+        """Whether the scan forms Vnew as T (beta v - (beta k exp(G)) S)
+        (`scan_associative`, where the scan forms W and U)."""
+        return self.scan_associative and self.scan_forms_w_u
 
     @property
     def scan_forms_w_u(self) -> bool:

@@ -326,6 +326,28 @@ class KdaKernelCases:
             for name, a, b in zip(OUTPUT_NAMES, outputs, passes, strict=True):
                 assert relative_error(a, b) < 1e-6, name
 
+    @pytest.mark.parametrize(("lens", "bound", "dtype"), [
+        ([65, 0, 200, 3], -5.0, "fp32"),
+        ([130, 1, 64], None, "bf16"),
+    ])
+    def test_scan_reassociated(self, rng, lens, bound, dtype):
+        """`scan_associative`: Vnew = T (beta v - (beta k exp(G)) S), W and U never
+        formed: the recurrence's tolerances (bf16: the difference rounded to bf16 before
+        T's product), and in fp32 the scan that forms W and U to within fp32 rounding."""
+        dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+        inputs = make_inputs(rng, lens, heads=2, head_k=32, head_v=64, padding=9, dtype=dtype)
+        formed = KernelConfig(block_v=32, fuse_output=True, form_w_u_in_scan=True)
+        reassociated = dataclasses.replace(formed, scan_associative=True)
+        assert reassociated.scan_reassociates
+        assert not dataclasses.replace(reassociated, form_w_u_in_scan=False).scan_reassociates
+        tolerance = 1e-5 if dtype == jnp.float32 else 5e-3
+        outputs = self.check_against_recurrence(inputs, tolerance, config=reassociated,
+                                                gate_lower_bound=bound)
+        if dtype == jnp.float32:
+            plain = self.run_kernel(inputs, config=formed, gate_lower_bound=bound)
+            for name, a, b in zip(OUTPUT_NAMES, outputs, plain, strict=True):
+                assert relative_error(a, b) < 1e-6, name
+
     # The runtime's pick on sm_90 (so on the default config here) prefetches; this case
     # sets it against the loads issued in each chunk, on both scans.
     @pytest.mark.parametrize(("segments", "lens"), [
