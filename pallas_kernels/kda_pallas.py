@@ -52,8 +52,8 @@ from pallas_kernels.tuning import KernelConfig
 
 def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_ref,
                        gcum_ref, glast_ref, *refs, chunk, block_v, capacity, segments,
-                       precision, fused, forms_w_u, reassociate, prefetch, carry_aqk,
-                       num_tokens, exp):
+                       precision, fused, forms_w_u, reassociate, stack, prefetch,
+                       carry_aqk, num_tokens, exp):
     """One segment x head x value block: the chunk-to-chunk scan with snapshots.
 
     Program axis 0 is sequence n's segment s at n * segments + s; init_ref [N segments,
@@ -62,7 +62,8 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
     exp(G), v and beta, from which each chunk's W = T (beta k exp(G)) and U = T diag(beta)
     v are formed here (the W/U pass's products, W in the operand dtype, U in fp32), or
     with `reassociate` never formed: Vnew = T (beta v - (beta k exp(G)) S), the difference
-    in fp32 and then in the operand dtype, one product fewer.
+    in fp32 and then in the operand dtype, one product fewer; with `stack` (and `fused`),
+    (beta k exp(G)) S and Qg S as one product of the two stacked by rows.
     Unfused (then: states, vnew, final, snap), stores each chunk's entry state (for the
     output pass) at its chunk slot and Vnew at the chunk's rows: only the two matmuls the
     recurrence depends on run here. Fused (then: qg, aqk, o, final, snap), computes the
@@ -129,11 +130,18 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
         # The chunk's own tiles arrive by the pipeline's copies, waited for at its start.
         # Products that need only S first, the output's store after the last product.
         state_op = state.astype(operand)
-        if fused:
+        if stack:  # Pallas' Triton lowering stacks along a new last axis only
+            kb_qg = jnp.stack([load(w_u_refs[1], slice(None)), load(qg_ref, slice(None))],
+                              axis=-1)
+            kb_qg = jnp.transpose(kb_qg, (2, 0, 1)).reshape(2 * chunk, head_k)
+            kb_state, q_state = jnp.split(dot(kb_qg, state_op, precision), 2, axis=0)
+        elif fused:
             q_state = dot(load(qg_ref, slice(None)), state_op, precision)
         if reassociate:
             t_ref, kb_ref = w_u_refs[:2]
-            rest = beta_v - dot(load(kb_ref, slice(None)), state_op, precision)
+            if not stack:
+                kb_state = dot(load(kb_ref, slice(None)), state_op, precision)
+            rest = beta_v - kb_state
             v_new = dot(load(t_ref, slice(None)), rest.astype(operand), precision)
         else:
             if forms_w_u:
@@ -272,6 +280,7 @@ def chunk_scan(tensors: ChunkTensors, k, v, beta, slots: ChunkSlots, cu_seqlens,
                           capacity=capacity, segments=segments,
                           precision=matmul_precision(exact), fused=fused,
                           forms_w_u=forms_w_u, reassociate=config.scan_reassociates,
+                          stack=config.scan_stacks_products,
                           prefetch=config.scan_prefetch,
                           carry_aqk=config.scan_carries_aqk,
                           exp=exp_function(exact, interpret=interpret),

@@ -90,6 +90,10 @@ class KernelConfig:
     # whatever the product's size (docs/KERNEL.md, twenty-eighth session). Untimed, so
     # `select_config` leaves it off.
     scan_associative: bool = False
+    # With `scan_associative` and `fuse_output`, the two products with S, (beta k exp(G)) S
+    # and Qg S, as one [2C, K] x [K, block_v] product (the operands stacked by rows in
+    # registers): four products a chunk, at ~65 more shared-memory stores (sm_90a). Untimed.
+    scan_stack_products: bool = False
 
     @property
     def scan_carries_aqk(self) -> bool:
@@ -101,6 +105,12 @@ class KernelConfig:
         """Whether the scan forms Vnew as T (beta v - (beta k exp(G)) S)
         (`scan_associative`, where the scan forms W and U)."""
         return self.scan_associative and self.scan_forms_w_u
+
+    @property
+    def scan_stacks_products(self) -> bool:
+        """Whether the scan runs (beta k exp(G)) S and Qg S as one product
+        (`scan_stack_products`, where the scan reassociates and computes the output)."""
+        return self.scan_stack_products and self.scan_reassociates and self.fuse_output
 
     @property
     def scan_forms_w_u(self) -> bool:

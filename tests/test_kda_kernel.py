@@ -332,20 +332,24 @@ class KdaKernelCases:
     ])
     def test_scan_reassociated(self, rng, lens, bound, dtype):
         """`scan_associative`: Vnew = T (beta v - (beta k exp(G)) S), W and U never
-        formed: the recurrence's tolerances (bf16: the difference rounded to bf16 before
-        T's product), and in fp32 the scan that forms W and U to within fp32 rounding."""
+        formed, and with `scan_stack_products` (beta k exp(G)) S and Qg S as one product:
+        the recurrence's tolerances (bf16: the difference rounded to bf16 before T's
+        product), and in fp32 the scan that forms W and U to within fp32 rounding."""
         dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
         inputs = make_inputs(rng, lens, heads=2, head_k=32, head_v=64, padding=9, dtype=dtype)
         formed = KernelConfig(block_v=32, fuse_output=True, form_w_u_in_scan=True)
         reassociated = dataclasses.replace(formed, scan_associative=True)
-        assert reassociated.scan_reassociates
+        stacked = dataclasses.replace(reassociated, scan_stack_products=True)
+        assert reassociated.scan_reassociates and stacked.scan_stacks_products
         assert not dataclasses.replace(reassociated, form_w_u_in_scan=False).scan_reassociates
+        assert not dataclasses.replace(stacked, fuse_output=False).scan_stacks_products
         tolerance = 1e-5 if dtype == jnp.float32 else 5e-3
-        outputs = self.check_against_recurrence(inputs, tolerance, config=reassociated,
-                                                gate_lower_bound=bound)
-        if dtype == jnp.float32:
-            plain = self.run_kernel(inputs, config=formed, gate_lower_bound=bound)
-            for name, a, b in zip(OUTPUT_NAMES, outputs, plain, strict=True):
+        exact = dtype == jnp.float32
+        plain = self.run_kernel(inputs, config=formed, gate_lower_bound=bound) if exact else ()
+        for config in (reassociated, stacked):
+            outputs = self.check_against_recurrence(inputs, tolerance, config=config,
+                                                    gate_lower_bound=bound)
+            for name, a, b in zip(OUTPUT_NAMES, outputs, plain):
                 assert relative_error(a, b) < 1e-6, name
 
     # The runtime's pick on sm_90 (so on the default config here) prefetches; this case
