@@ -62,8 +62,9 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
     exp(G), v and beta, from which each chunk's W = T (beta k exp(G)) and U = T diag(beta)
     v are formed here (the W/U pass's products, W in the operand dtype, U in fp32), or
     with `reassociate` never formed: Vnew = T (beta v - (beta k exp(G)) S), the difference
-    in fp32 and then in the operand dtype, one product fewer; with `stack` (and `fused`),
-    (beta k exp(G)) S and Qg S as one product of the two stacked by rows.
+    in fp32 and then in the operand dtype, one product fewer. With `stack` (and `fused`),
+    the two products with S (W S or (beta k exp(G)) S, and Qg S) run as one, their left
+    operands stacked by rows.
     Unfused (then: states, vnew, final, snap), stores each chunk's entry state (for the
     output pass) at its chunk slot and Vnew at the chunk's rows: only the two matmuls the
     recurrence depends on run here. Fused (then: qg, aqk, o, final, snap), computes the
@@ -130,30 +131,31 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
         # The chunk's own tiles arrive by the pipeline's copies, waited for at its start.
         # Products that need only S first, the output's store after the last product.
         state_op = state.astype(operand)
-        if stack:  # Pallas' Triton lowering stacks along a new last axis only
-            kb_qg = jnp.stack([load(w_u_refs[1], slice(None)), load(qg_ref, slice(None))],
-                              axis=-1)
-            kb_qg = jnp.transpose(kb_qg, (2, 0, 1)).reshape(2 * chunk, head_k)
-            kb_state, q_state = jnp.split(dot(kb_qg, state_op, precision), 2, axis=0)
-        elif fused:
+        if fused and not stack:
             q_state = dot(load(qg_ref, slice(None)), state_op, precision)
+        # S's other left operand: beta k exp(G) when reassociating, else W.
         if reassociate:
             t_ref, kb_ref = w_u_refs[:2]
-            if not stack:
-                kb_state = dot(load(kb_ref, slice(None)), state_op, precision)
-            rest = beta_v - kb_state
-            v_new = dot(load(t_ref, slice(None)), rest.astype(operand), precision)
+            left = load(kb_ref, slice(None))
+        elif forms_w_u:
+            t_ref, kb_ref = w_u_refs[:2]
+            t = load(t_ref, slice(None))
+            left = dot(t, load(kb_ref, slice(None)), precision).astype(operand)
+            u = dot(t, beta_v.astype(operand), precision)
         else:
-            if forms_w_u:
-                t_ref, kb_ref = w_u_refs[:2]
-                t = load(t_ref, slice(None))
-                w = dot(t, load(kb_ref, slice(None)), precision)
-                u = dot(t, beta_v.astype(operand), precision)
-                w = w.astype(operand)
-            else:
-                w_ref, u_ref = w_u_refs
-                w, u = load(w_ref, slice(None)), load(u_ref, vcols).astype(jnp.float32)
-            v_new = u - dot(w, state_op, precision)
+            w_ref, u_ref = w_u_refs
+            left, u = load(w_ref, slice(None)), load(u_ref, vcols).astype(jnp.float32)
+        if stack:  # Pallas' Triton lowering stacks along a new last axis only
+            both = jnp.stack([left, load(qg_ref, slice(None))], axis=-1)
+            both = jnp.transpose(both, (2, 0, 1)).reshape(2 * chunk, head_k)
+            left_state, q_state = jnp.split(dot(both, state_op, precision), 2, axis=0)
+        else:
+            left_state = dot(left, state_op, precision)
+        if reassociate:
+            v_new = dot(load(t_ref, slice(None)), (beta_v - left_state).astype(operand),
+                        precision)
+        else:
+            v_new = u - left_state
         v_new_op = v_new.astype(operand)
         kg = load(kg_ref, slice(None)).astype(operand)
         if fused:

@@ -90,9 +90,10 @@ class KernelConfig:
     # whatever the product's size (docs/KERNEL.md, twenty-eighth session). Untimed, so
     # `select_config` leaves it off.
     scan_associative: bool = False
-    # With `scan_associative` and `fuse_output`, the two products with S, (beta k exp(G)) S
-    # and Qg S, as one [2C, K] x [K, block_v] product (the operands stacked by rows in
-    # registers): four products a chunk, at ~65 more shared-memory stores (sm_90a). Untimed.
+    # With `fuse_output`, the scan's two products with S (W S, or (beta k exp(G)) S with
+    # `scan_associative`, and Qg S) as one [2C, K] x [K, block_v] product, the left
+    # operands stacked by rows in registers: one product a chunk fewer on every scan (the
+    # segment scan's too), at ~65 more shared-memory stores (sm_90a). Untimed.
     scan_stack_products: bool = False
 
     @property
@@ -108,9 +109,9 @@ class KernelConfig:
 
     @property
     def scan_stacks_products(self) -> bool:
-        """Whether the scan runs (beta k exp(G)) S and Qg S as one product
-        (`scan_stack_products`, where the scan reassociates and computes the output)."""
-        return self.scan_stack_products and self.scan_reassociates and self.fuse_output
+        """Whether the scan runs its two products with S as one (`scan_stack_products`,
+        where the scan computes the output)."""
+        return self.scan_stack_products and self.fuse_output
 
     @property
     def scan_forms_w_u(self) -> bool:

@@ -343,6 +343,7 @@ class KdaKernelCases:
         assert reassociated.scan_reassociates and stacked.scan_stacks_products
         assert not dataclasses.replace(reassociated, form_w_u_in_scan=False).scan_reassociates
         assert not dataclasses.replace(stacked, fuse_output=False).scan_stacks_products
+        assert dataclasses.replace(stacked, scan_associative=False).scan_stacks_products
         tolerance = 1e-5 if dtype == jnp.float32 else 5e-3
         exact = dtype == jnp.float32
         plain = self.run_kernel(inputs, config=formed, gate_lower_bound=bound) if exact else ()
@@ -351,6 +352,27 @@ class KdaKernelCases:
                                                     gate_lower_bound=bound)
             for name, a, b in zip(OUTPUT_NAMES, outputs, plain):
                 assert relative_error(a, b) < 1e-6, name
+
+    @pytest.mark.parametrize(("segments", "formed", "lens"), [
+        (1, True, [65, 0, 200, 3]),     # W formed in the scan, stacked over Qg
+        (3, False, [330, 0, 1, 130]),   # the segment scan: W read from its pass
+    ])
+    def test_scan_stacked_products(self, rng, segments, formed, lens):
+        """`scan_stack_products` without reassociation: W S and Qg S as one product of the
+        two stacked by rows, on the plain and the segment scan: the recurrence's tolerance
+        and, fp32, the unstacked scan to within fp32 rounding."""
+        make = functools.partial(segment_batch, rng, lens, segments) if segments > 1 else \
+            functools.partial(make_inputs, rng, lens)
+        inputs = make(heads=2, head_k=32, head_v=64, padding=9, min_decay=-0.5)
+        config = KernelConfig(block_v=32, scan_segments=segments, fuse_output=True,
+                              form_w_u_in_scan=formed)
+        stacked = dataclasses.replace(config, scan_stack_products=True)
+        assert stacked.scan_stacks_products and not stacked.scan_reassociates
+        outputs = self.check_against_recurrence(inputs, 1e-5, config=stacked,
+                                                gate_lower_bound=-5.0)
+        plain = self.run_kernel(inputs, config=config, gate_lower_bound=-5.0)
+        for name, a, b in zip(OUTPUT_NAMES, outputs, plain, strict=True):
+            assert relative_error(a, b) < 1e-6, name
 
     # The runtime's pick on sm_90 (so on the default config here) prefetches; this case
     # sets it against the loads issued in each chunk, on both scans.
