@@ -201,11 +201,13 @@ kda_ab() {
   unset XLA_PYTHON_CLIENT_PREALLOCATE
 }
 
-# Issue 20's ratios in one short call, when a session has few device minutes (~5 min):
-# the KDA kernel's `gpu` tests, then ours (both gate paths), ours with the scan
-# reassociated (`scan_associative`) and with its two products with S stacked
-# (`scan_stack_products`; both untimed: docs/KERNEL.md, twenty-eighth session) and fla at
-# 8K x 32 heads, one process each, one round, by wall time and by the GPU's busy time.
+# Issue 20's ratios in one short call, when a session has few device minutes (~6 min):
+# the KDA kernel's `gpu` tests, then at 8K x 32 heads, one process each, one round, by wall
+# time and by the GPU's busy time: ours (both gate paths), three scans with fewer products
+# a chunk (untimed: docs/KERNEL.md, twenty-eighth session): reassociated
+# (`scan_associative`, 5), reassociated with its two products with S stacked
+# (`scan_stack_products`, 4), W / U from their pass with W S and Qg S stacked (3, and the
+# pass), and fla.
 kda_quick() {
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   run_logged pytest_gpu_kda 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -216,6 +218,8 @@ kda_quick() {
     --set scan_associative=true --out "$OUT/kda_quick.jsonl"
   run_logged kda_quick_stacked 150 python3 -m bench.kda_ab --case 8K --any --tree main \
     --set scan_associative=true --set scan_stack_products=true --out "$OUT/kda_quick.jsonl"
+  run_logged kda_quick_pass_stacked 150 python3 -m bench.kda_ab --case 8K --any --tree main \
+    --set form_w_u_in_scan=false --set scan_stack_products=true --out "$OUT/kda_quick.jsonl"
   run_logged kda_quick_fla 150 python3 -m bench.kda_ab --case 8K --fla \
     --out "$OUT/kda_quick.jsonl"
   run_logged kda_quick_summary 60 python3 -m bench.kda_ab --summary "$OUT/kda_quick.jsonl"
