@@ -201,51 +201,25 @@ kda_ab() {
   unset XLA_PYTHON_CLIENT_PREALLOCATE
 }
 
-# Issue 20's ratios in one short call, when a session has few device minutes (~6 min):
-# the KDA kernel's `gpu` tests, then at 8K x 32 heads, one process each, one round, by wall
-# time and by the GPU's busy time: ours (both gate paths), three scans with fewer products
-# a chunk (untimed: docs/KERNEL.md, twenty-eighth session): reassociated
-# (`scan_associative`, 5), reassociated with its two products with S stacked
-# (`scan_stack_products`, 4), W / U from their pass with W S and Qg S stacked (3, and the
-# pass), and fla.
+# Issue 20's table in one short call (~5 min; 2026-12-07 on an H100:
+# bench/results/kda_cases_h100_2026-12-07.jsonl): ours (both gate paths) and fla at 8K,
+# 32K and 4 x 8K x 32 heads, ours at H = 16 on one 32K sequence, one process each, by wall
+# time and by the GPU's busy time. KDA_QUICK_TESTS=1 runs the kernel's `gpu` tests first
+# (~3 min).
 kda_quick() {
+  local case
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  run_logged pytest_gpu_kda 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_kda_kernel.py
-  run_logged kda_quick_ours 150 python3 -m bench.kda_ab --case 8K --any --tree main \
-    --out "$OUT/kda_quick.jsonl"
-  run_logged kda_quick_reassociated 150 python3 -m bench.kda_ab --case 8K --any --tree main \
-    --set scan_associative=true --out "$OUT/kda_quick.jsonl"
-  run_logged kda_quick_stacked 150 python3 -m bench.kda_ab --case 8K --any --tree main \
-    --set scan_associative=true --set scan_stack_products=true --out "$OUT/kda_quick.jsonl"
-  run_logged kda_quick_pass_stacked 150 python3 -m bench.kda_ab --case 8K --any --tree main \
-    --set form_w_u_in_scan=false --set scan_stack_products=true --out "$OUT/kda_quick.jsonl"
-  run_logged kda_quick_fla 150 python3 -m bench.kda_ab --case 8K --fla \
-    --out "$OUT/kda_quick.jsonl"
-  run_logged kda_quick_summary 60 python3 -m bench.kda_ab --summary "$OUT/kda_quick.jsonl"
-  unset XLA_PYTHON_CLIENT_PREALLOCATE
-}
-
-# The scan with Aqk carried a chunk ahead (`scan_carry_aqk`) at 2 and at 3 pipeline stages
-# (3 fit sm_90's shared memory only with it) against the runtime's pick and fla, each in its
-# own process, in turn, two rounds at 8K and 32K x 32 heads, bounded gate (~6 min).
-kda_stages() {
-  local round case
-  export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  for round in 1 2; do
-    for case in 8K 32K; do
-      run_logged "kda_stages_pick_${case}_$round" 150 python3 -m bench.kda_ab --case \
-        "${case:-8K}" --tree main --out "$OUT/kda_stages.jsonl"
-      run_logged "kda_stages_aqk2_${case}_$round" 150 python3 -m bench.kda_ab --case \
-        "${case:-8K}" --tree main --set scan_carry_aqk=true --out "$OUT/kda_stages.jsonl"
-      run_logged "kda_stages_aqk3_${case}_$round" 150 python3 -m bench.kda_ab --case \
-        "${case:-8K}" --tree main --set scan_carry_aqk=true --set scan_num_stages=3 \
-        --out "$OUT/kda_stages.jsonl"
-      run_logged "kda_stages_fla_${case}_$round" 150 python3 -m bench.kda_ab --case \
-        "${case:-8K}" --fla --out "$OUT/kda_stages.jsonl"
-    done
+  [ -n "${KDA_QUICK_TESTS:-}" ] && run_logged pytest_gpu_kda 240 python3 -m pytest -q -m gpu \
+    -p no:cacheprovider tests/test_kda_kernel.py
+  for case in 8K 32K 4x8K; do
+    run_logged "kda_quick_ours_$case" 150 python3 -m bench.kda_ab --case "${case:-8K}" --any \
+      --tree main --out "$OUT/kda_quick.jsonl"
+    run_logged "kda_quick_fla_$case" 150 python3 -m bench.kda_ab --case "${case:-8K}" --fla \
+      --out "$OUT/kda_quick.jsonl"
   done
-  run_logged kda_stages_summary 60 python3 -m bench.kda_ab --summary "$OUT/kda_stages.jsonl"
+  run_logged kda_quick_ours_h16 150 python3 -m bench.kda_ab --case 32K --heads 16 --any \
+    --tree main --out "$OUT/kda_quick.jsonl"
+  run_logged kda_quick_summary 60 python3 -m bench.kda_ab --summary "$OUT/kda_quick.jsonl"
   unset XLA_PYTHON_CLIENT_PREALLOCATE
 }
 
@@ -339,7 +313,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup kda_quick verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_stages kda_times pingpong kda_prep kda_prep_any conv decode_host decode glm_decode
+STEPS="setup kda_quick verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_times pingpong kda_prep kda_prep_any conv decode_host decode glm_decode
 ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then

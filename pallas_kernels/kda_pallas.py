@@ -52,19 +52,14 @@ from pallas_kernels.tuning import KernelConfig
 
 def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_ref,
                        gcum_ref, glast_ref, *refs, chunk, block_v, capacity, segments,
-                       precision, fused, forms_w_u, reassociate, stack, prefetch,
-                       carry_aqk, num_tokens, exp):
+                       precision, fused, forms_w_u, prefetch, num_tokens, exp):
     """One segment x head x value block: the chunk-to-chunk scan with snapshots.
 
     Program axis 0 is sequence n's segment s at n * segments + s; init_ref [N segments,
     H, K, V] holds each segment's entry state (the initial states when segments == 1).
     refs start with W and U ([T', H, K], [T', H, V]), or with `forms_w_u` T, beta k
     exp(G), v and beta, from which each chunk's W = T (beta k exp(G)) and U = T diag(beta)
-    v are formed here (the W/U pass's products, W in the operand dtype, U in fp32), or
-    with `reassociate` never formed: Vnew = T (beta v - (beta k exp(G)) S), the difference
-    in fp32 and then in the operand dtype, one product fewer. With `stack` (and `fused`),
-    the two products with S (W S or (beta k exp(G)) S, and Qg S) run as one, their left
-    operands stacked by rows.
+    v are formed here (the W/U pass's products, W in the operand dtype, U in fp32).
     Unfused (then: states, vnew, final, snap), stores each chunk's entry state (for the
     output pass) at its chunk slot and Vnew at the chunk's rows: only the two matmuls the
     recurrence depends on run here. Fused (then: qg, aqk, o, final, snap), computes the
@@ -102,9 +97,9 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
 
     def unpipelined(i):
         """Chunk i's loads outside the pipeline's copies: G_last's row [K], beta v fp32
-        [C, block_v] (None unless W and U are formed here) and, with `carry_aqk`, Aqk
-        [C, C] (else None). With `prefetch` the loop carries them, loaded one chunk ahead
-        (`KernelConfig.scan_prefetch`); without, each chunk loads its own first."""
+        [C, block_v] (None unless W and U are formed here). With `prefetch` the loop
+        carries them, loaded one chunk ahead (`KernelConfig.scan_prefetch`); without,
+        each chunk loads its own first."""
         rows, valid, _ = chunk_rows(i)
         # clamped: a sequence without chunks reads a row in range and never uses it
         g_last = glast_ref[jnp.minimum(first_slot + i, glast_ref.shape[0] - 1), h, :]  # [K]
@@ -113,15 +108,14 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
             _, _, v_ref, beta_ref = w_u_refs
             beta_v = load_rows(beta_ref, rows, h, valid) * load_rows(v_ref, rows, h, valid,
                                                                        vcols)
-        aqk = plgpu.load(aqk_ref.at[rows, h, :], mask=valid, other=0) if carry_aqk else None
-        return g_last, beta_v, aqk
+        return g_last, beta_v
 
     def body(i, carry):
         if prefetch:
-            state, (g_last, beta_v, aqk) = carry
+            state, (g_last, beta_v) = carry
             ahead = unpipelined(jnp.minimum(i + 1, end - 1))
         else:
-            state, (g_last, beta_v, aqk) = carry, unpipelined(i)
+            state, (g_last, beta_v) = carry, unpipelined(i)
         r0 = start + i * chunk
         rows, valid, n_valid = chunk_rows(i)
 
@@ -131,35 +125,21 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
         # The chunk's own tiles arrive by the pipeline's copies, waited for at its start.
         # Products that need only S first, the output's store after the last product.
         state_op = state.astype(operand)
-        if fused and not stack:
+        if fused:
             q_state = dot(load(qg_ref, slice(None)), state_op, precision)
-        # S's other left operand: beta k exp(G) when reassociating, else W.
-        if reassociate:
-            t_ref, kb_ref = w_u_refs[:2]
-            left = load(kb_ref, slice(None))
-        elif forms_w_u:
+        if forms_w_u:
             t_ref, kb_ref = w_u_refs[:2]
             t = load(t_ref, slice(None))
-            left = dot(t, load(kb_ref, slice(None)), precision).astype(operand)
+            w = dot(t, load(kb_ref, slice(None)), precision).astype(operand)
             u = dot(t, beta_v.astype(operand), precision)
         else:
             w_ref, u_ref = w_u_refs
-            left, u = load(w_ref, slice(None)), load(u_ref, vcols).astype(jnp.float32)
-        if stack:  # Pallas' Triton lowering stacks along a new last axis only
-            both = jnp.stack([left, load(qg_ref, slice(None))], axis=-1)
-            both = jnp.transpose(both, (2, 0, 1)).reshape(2 * chunk, head_k)
-            left_state, q_state = jnp.split(dot(both, state_op, precision), 2, axis=0)
-        else:
-            left_state = dot(left, state_op, precision)
-        if reassociate:
-            v_new = dot(load(t_ref, slice(None)), (beta_v - left_state).astype(operand),
-                        precision)
-        else:
-            v_new = u - left_state
+            w, u = load(w_ref, slice(None)), load(u_ref, vcols).astype(jnp.float32)
+        v_new = u - dot(w, state_op, precision)
         v_new_op = v_new.astype(operand)
         kg = load(kg_ref, slice(None)).astype(operand)
         if fused:
-            a_v = dot(load(aqk_ref, slice(None)) if aqk is None else aqk, v_new_op, precision)
+            a_v = dot(load(aqk_ref, slice(None)), v_new_op, precision)
         k_v = dot_tn(kg, v_new_op, precision)
         if fused:
             plgpu.store(o_ref.at[rows, h, vcols], (q_state + a_v).astype(o_ref.dtype),
@@ -281,10 +261,7 @@ def chunk_scan(tensors: ChunkTensors, k, v, beta, slots: ChunkSlots, cu_seqlens,
         functools.partial(_recurrence_kernel, chunk=config.chunk_size, block_v=block_v,
                           capacity=capacity, segments=segments,
                           precision=matmul_precision(exact), fused=fused,
-                          forms_w_u=forms_w_u, reassociate=config.scan_reassociates,
-                          stack=config.scan_stacks_products,
-                          prefetch=config.scan_prefetch,
-                          carry_aqk=config.scan_carries_aqk,
+                          forms_w_u=forms_w_u, prefetch=config.scan_prefetch,
                           exp=exp_function(exact, interpret=interpret),
                           num_tokens=rows - config.chunk_size if interpret else rows),
         out_shape=(*per_chunk,

@@ -79,39 +79,6 @@ class KernelConfig:
     # session). `select_config` picks it on sm_90 only: for sm_121 Triton's compile spills
     # 296 bytes a thread with it against 64 without (`pallas_kernels.aot`).
     scan_prefetch: bool = False
-    # With `scan_prefetch` and `fuse_output`, Aqk carried a chunk ahead too (the register
-    # operand of Aqk Vnew), out of the pipeline's staged tiles: 3 scan stages then fit
-    # sm_90's shared memory through XLA's compile (docs/KERNEL.md, twenty-sixth session).
-    # Untimed, so `select_config` leaves it off.
-    scan_carry_aqk: bool = False
-    # Where the scan forms W and U: Vnew = T (beta v - (beta k exp(G)) S) instead of
-    # U - W S with W = T (beta k exp(G)), U = T beta v: five products a chunk instead of
-    # six, W's (the largest) gone. By ncu the scan's chunk costs ~0.7-1.0 us a product
-    # whatever the product's size (docs/KERNEL.md, twenty-eighth session). Untimed, so
-    # `select_config` leaves it off.
-    scan_associative: bool = False
-    # With `fuse_output`, the scan's two products with S (W S, or (beta k exp(G)) S with
-    # `scan_associative`, and Qg S) as one [2C, K] x [K, block_v] product, the left
-    # operands stacked by rows in registers: one product a chunk fewer on every scan (the
-    # segment scan's too), at ~65 more shared-memory stores (sm_90a). Untimed.
-    scan_stack_products: bool = False
-
-    @property
-    def scan_carries_aqk(self) -> bool:
-        """Whether the scan carries Aqk a chunk ahead (`scan_carry_aqk`, where it applies)."""
-        return self.scan_carry_aqk and self.scan_prefetch and self.fuse_output
-
-    @property
-    def scan_reassociates(self) -> bool:
-        """Whether the scan forms Vnew as T (beta v - (beta k exp(G)) S)
-        (`scan_associative`, where the scan forms W and U)."""
-        return self.scan_associative and self.scan_forms_w_u
-
-    @property
-    def scan_stacks_products(self) -> bool:
-        """Whether the scan runs its two products with S as one (`scan_stack_products`,
-        where the scan computes the output)."""
-        return self.scan_stack_products and self.fuse_output
 
     @property
     def scan_forms_w_u(self) -> bool:
@@ -162,12 +129,11 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
     """
     c, bv = config.chunk_size, config.block_v
     formed = operand_bytes * c * c if config.scan_forms_w_u else 0  # T
-    aqk = 0 if config.scan_carries_aqk else c * c  # carried in registers: not staged
     if compute_capability[0] in (9, 10):
-        loop_tiles = operand_bytes * (3 * c * head_k + aqk + c * bv) + formed
+        loop_tiles = operand_bytes * (3 * c * head_k + c * c + c * bv) + formed
         base, per_stage = 2 * c * head_k * operand_bytes + head_k * bv * FP32_BYTES, 2 * loop_tiles
     else:
-        loop_tiles = operand_bytes * (2 * c * head_k + aqk + c * bv) + formed
+        loop_tiles = operand_bytes * (2 * c * head_k + c * c + c * bv) + formed
         base, per_stage = 2 * c * head_k * operand_bytes + 1024, loop_tiles
     scan = base + max(0, config.scan_num_stages - 1) * per_stage
     segment = base + max(0, config.segment_num_stages - 1) * per_stage

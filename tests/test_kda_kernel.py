@@ -332,53 +332,6 @@ class KdaKernelCases:
             passes = self.run_kernel(inputs, config=config, gate_lower_bound=bound)
             assert_outputs_close(outputs, passes)
 
-    @pytest.mark.parametrize(("lens", "bound", "dtype"), [
-        ([65, 0, 200, 3], -5.0, "fp32"),
-        ([130, 1, 64], None, "bf16"),
-    ])
-    def test_scan_reassociated(self, rng, lens, bound, dtype):
-        """`scan_associative`: Vnew = T (beta v - (beta k exp(G)) S), W and U never
-        formed, and with `scan_stack_products` (beta k exp(G)) S and Qg S as one product:
-        the recurrence's tolerances (bf16: the difference rounded to bf16 before T's
-        product), and in fp32 the scan that forms W and U to within fp32 rounding."""
-        dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
-        inputs = make_inputs(rng, lens, heads=2, head_k=32, head_v=64, padding=9, dtype=dtype)
-        formed = KernelConfig(block_v=32, fuse_output=True, form_w_u_in_scan=True)
-        reassociated = dataclasses.replace(formed, scan_associative=True)
-        stacked = dataclasses.replace(reassociated, scan_stack_products=True)
-        assert reassociated.scan_reassociates and stacked.scan_stacks_products
-        assert not dataclasses.replace(reassociated, form_w_u_in_scan=False).scan_reassociates
-        assert not dataclasses.replace(stacked, fuse_output=False).scan_stacks_products
-        assert dataclasses.replace(stacked, scan_associative=False).scan_stacks_products
-        tolerance = 1e-5 if dtype == jnp.float32 else 5e-3
-        exact = dtype == jnp.float32
-        plain = self.run_kernel(inputs, config=formed, gate_lower_bound=bound) if exact else None
-        for config in (reassociated, stacked):
-            outputs = self.check_against_recurrence(inputs, tolerance, config=config,
-                                                    gate_lower_bound=bound)
-            if exact:
-                assert_outputs_close(outputs, plain)
-
-    @pytest.mark.parametrize(("segments", "formed", "lens"), [
-        (1, True, [65, 0, 200, 3]),     # W formed in the scan, stacked over Qg
-        (3, False, [330, 0, 1, 130]),   # the segment scan: W read from its pass
-    ])
-    def test_scan_stacked_products(self, rng, segments, formed, lens):
-        """`scan_stack_products` without reassociation: W S and Qg S as one product of the
-        two stacked by rows, on the plain and the segment scan: the recurrence's tolerance
-        and, fp32, the unstacked scan to within fp32 rounding."""
-        make = functools.partial(segment_batch, rng, lens, segments) if segments > 1 else \
-            functools.partial(make_inputs, rng, lens)
-        inputs = make(heads=2, head_k=32, head_v=64, padding=9, min_decay=-0.5)
-        config = KernelConfig(block_v=32, scan_segments=segments, fuse_output=True,
-                              form_w_u_in_scan=formed)
-        stacked = dataclasses.replace(config, scan_stack_products=True)
-        assert stacked.scan_stacks_products and not stacked.scan_reassociates
-        outputs = self.check_against_recurrence(inputs, 1e-5, config=stacked,
-                                                gate_lower_bound=-5.0)
-        assert_outputs_close(outputs, self.run_kernel(inputs, config=config,
-                                                      gate_lower_bound=-5.0))
-
     # The runtime's pick on sm_90 (so on the default config here) prefetches; this case
     # sets it against the loads issued in each chunk, on both scans.
     @pytest.mark.parametrize(("segments", "lens"), [
@@ -386,16 +339,15 @@ class KdaKernelCases:
         (3, [581, 0, 1, 130]),   # the segment scan (W / U read): no beta v; empty segments
     ])
     def test_scan_prefetch(self, rng, segments, lens):
-        """`scan_prefetch` (with `scan_carry_aqk`): G_last's row, beta v and Aqk loaded a
-        chunk ahead change when the loads are issued, not what is computed: the
-        recurrence's tolerance, and the same bits as without them."""
+        """`scan_prefetch`: G_last's row and beta v loaded a chunk ahead change when the
+        loads are issued, not what is computed: the recurrence's tolerance, and the same
+        bits as without them."""
         make = functools.partial(segment_batch, rng, lens, segments) if segments > 1 else \
             functools.partial(make_inputs, rng, lens)
         inputs = make(heads=2, head_k=32, head_v=64, padding=9, min_decay=-0.5)
         config = KernelConfig(block_v=32, scan_segments=segments, fuse_output=True,
                               form_w_u_in_scan=True)
-        ahead = dataclasses.replace(config, scan_prefetch=True, scan_carry_aqk=True)
-        assert ahead.scan_carries_aqk
+        ahead = dataclasses.replace(config, scan_prefetch=True)
         outputs = self.check_against_recurrence(inputs, 1e-5, config=ahead,
                                                 gate_lower_bound=-5.0)
         plain = self.run_kernel(inputs, config=config, gate_lower_bound=-5.0)

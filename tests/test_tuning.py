@@ -123,17 +123,3 @@ def test_scan_prefetch_only_where_measured():
     assert select_config(H200, **shape).scan_prefetch
     assert not select_config(GB10, **shape).scan_prefetch
     assert not KernelConfig().scan_prefetch
-
-
-def test_carried_aqk_leaves_the_staged_tiles():
-    """`scan_carry_aqk` takes Aqk [C, C] out of each pipeline stage (2 buffers a stage on
-    sm_90, 1 on sm_121), and applies only with the prefetch and the fused output."""
-    config = KernelConfig(block_v=32, scan_num_stages=3, fuse_output=True, scan_prefetch=True)
-    carried = dataclasses.replace(config, scan_carry_aqk=True)
-    assert carried.scan_carries_aqk and not config.scan_carries_aqk
-    assert not dataclasses.replace(carried, fuse_output=False).scan_carries_aqk
-    assert not dataclasses.replace(carried, scan_prefetch=False).scan_carries_aqk
-    for cc, buffers in (((9, 0), 2), ((12, 1), 1)):
-        before, after = (estimate_shared_memory(c, 128, 128, compute_capability=cc)["scan"]
-                         for c in (config, carried))
-        assert before - after == 2 * buffers * 64 * 64 * 2  # two stages past the first
