@@ -180,13 +180,15 @@ decode_b1_ab() {
 # twenty-sixth and twenty-seventh sessions). The caller extracts
 # the tree before into _before_tree (untracked, so it travels: `git archive <sha>
 # pallas_kernels bench glmjax | tar -x -C _before_tree`); this tree's bench/kda_ab.py is
-# copied there.
+# copied there. KDA_AB_PAIRS (case:heads words) and KDA_AB_ROUNDS change the cases and
+# rounds: the scan's grid order (2026-12-07, untimed) shows only past one wave of programs,
+# KDA_AB_PAIRS="4x8K:32 32K:16" KDA_AB_ROUNDS=1 (~5 min).
 kda_ab() {
   local round pair case heads
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   cp bench/kda_ab.py _before_tree/bench/kda_ab.py
-  for round in 1 2; do
-    for pair in 8K:32 32K:16; do
+  for round in $(seq "${KDA_AB_ROUNDS:-2}"); do
+    for pair in ${KDA_AB_PAIRS:-8K:32 32K:16}; do
       case=${pair%%:*} heads=${pair##*:}
       (cd _before_tree && run_logged "kda_ab_before_${case}_$round" 150 python3 -m \
         bench.kda_ab --case "${case:-8K}" --heads "${heads:-32}" --any --tree before \

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kda_chunks import ChunkSlots, ChunkTensors, chunk_slots, pad_rows
+from pallas_kernels.kda_chunks import ChunkSlots, ChunkTensors, chunk_slots, pad_rows, scan_grid
 from pallas_kernels.kda_prep import chunk_prep
 from pallas_kernels.kda_segments import combine_segments, segment_chunks, segment_transitions
 from pallas_kernels.tiles import (
@@ -55,8 +55,9 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
                        precision, fused, forms_w_u, prefetch, num_tokens, exp):
     """One segment x head x value block: the chunk-to-chunk scan with snapshots.
 
-    Program axis 0 is sequence n's segment s at n * segments + s; init_ref [N segments,
-    H, K, V] holds each segment's entry state (the initial states when segments == 1).
+    Program axes: value block, then sequence n's segment s at n * segments + s, then head
+    (`scan_grid`); init_ref [N segments, H, K, V] holds each segment's entry state (the
+    initial states when segments == 1).
     refs start with W and U ([T', H, K], [T', H, V]), or with `forms_w_u` T, beta k
     exp(G), v and beta, from which each chunk's W = T (beta k exp(G)) and U = T diag(beta)
     v are formed here (the W/U pass's products, W in the operand dtype, U in fp32).
@@ -64,8 +65,8 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
     output pass) at its chunk slot and Vnew at the chunk's rows: only the two matmuls the
     recurrence depends on run here. Fused (then: qg, aqk, o, final, snap), computes the
     chunk's output O = Qg S_entry + Aqk Vnew from the same operand-dtype values the output
-    pass would load, and stores nothing else per chunk; the grid's last program also
-    zeroes the rows past the last sequence, up to `num_tokens` (no fill of o before).
+    pass would load, and stores nothing else per chunk; the last segment's programs also
+    zero the rows past the last sequence, up to `num_tokens` (no fill of o before).
     Each snapshot is stored by the one segment holding its offset, zeros by segment 0 when
     the offset is inactive; the final state by the sequence's last non-empty segment.
     """
@@ -74,7 +75,7 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
         qg_ref, aqk_ref, o_ref, final_ref, snap_ref = refs
     else:
         states_ref, vnew_ref, final_ref, snap_ref = refs
-    index, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vb, index, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n, s = index // segments, index % segments
     start = cu_ref[n]
     seq_len = cu_ref[n + 1] - start
@@ -189,7 +190,7 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
         final_ref[n, h, :, vcols] = state
 
     if fused:
-        @pl.when(index == pl.num_programs(0) - 1)
+        @pl.when(index == pl.num_programs(1) - 1)
         def _():
             padding = cu_ref[cu_ref.shape[0] - 1]  # rows no sequence owns: [padding, T)
 
@@ -267,7 +268,7 @@ def chunk_scan(tensors: ChunkTensors, k, v, beta, slots: ChunkSlots, cu_seqlens,
         out_shape=(*per_chunk,
                    jax.ShapeDtypeStruct((num_seqs, num_heads, head_k, head_v), f32),
                    jax.ShapeDtypeStruct((num_seqs, capacity, num_heads, head_k, head_v), f32)),
-        grid=(num_seqs * segments, num_heads, head_v // block_v),
+        grid=scan_grid(num_seqs * segments, num_heads, head_v // block_v),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name=("kda_segment_scan" if segments > 1 else

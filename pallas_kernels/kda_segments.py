@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kda_chunks import ChunkSlots, ChunkTensors
+from pallas_kernels.kda_chunks import ChunkSlots, ChunkTensors, scan_grid
 from pallas_kernels.tiles import dot, dot_tn, exp_function, iota, matmul_precision
 from pallas_kernels.tuning import KernelConfig
 
@@ -54,7 +54,7 @@ def _transition_kernel(cu_ref, first_slot_ref, init_ref, w_ref, u_ref, kg_ref, g
     B's (from zero, or from the sequence's initial state in segment 0, which skips A).
     Stores X at the end of the segment into trans_ref [N (P - 1), H, K, K + V] (fp32).
     """
-    index, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    j, index, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # `scan_grid`
     n, s = index // (segments - 1), index % (segments - 1)
     start = cu_ref[n]
     seq_len = cu_ref[n + 1] - start
@@ -103,7 +103,7 @@ def segment_transitions(tensors: ChunkTensors, slots: ChunkSlots, cu_seqlens, in
                           exp=exp_function(exact, interpret=interpret)),
         out_shape=jax.ShapeDtypeStruct(
             (num_seqs * (segments - 1), num_heads, head_k, head_k + head_v), jnp.float32),
-        grid=(num_seqs * (segments - 1), num_heads, (head_k + head_v) // block_v),
+        grid=scan_grid(num_seqs * (segments - 1), num_heads, (head_k + head_v) // block_v),
         compiler_params=plgpu.CompilerParams(num_warps=config.segment_num_warps,
                                              num_stages=config.segment_num_stages),
         interpret=interpret,
