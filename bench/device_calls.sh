@@ -225,6 +225,27 @@ kda_quick() {
   unset XLA_PYTHON_CLIENT_PREALLOCATE
 }
 
+# The prep and inverse kernels' key-slice loads pipelined by Triton (`inverse_num_stages`,
+# `prep_num_stages` 2; built 2026-12-07, untimed) against the pick, each in its own
+# process, at 8K and 4 x 8K x 32 heads, both gate paths; their `gpu` test first (~3 min).
+kda_stages() {
+  local case
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  run_logged pytest_gpu_stages 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_kda_kernel.py -k pipelined
+  for case in 8K 4x8K; do
+    run_logged "kda_stages_pick_$case" 150 python3 -m bench.kda_ab --case "${case:-8K}" \
+      --any --tree main --out "$OUT/kda_stages.jsonl"
+    run_logged "kda_stages_inverse_$case" 150 python3 -m bench.kda_ab --case "${case:-8K}" \
+      --any --tree main --set inverse_num_stages=2 --out "$OUT/kda_stages.jsonl"
+    run_logged "kda_stages_both_$case" 150 python3 -m bench.kda_ab --case "${case:-8K}" \
+      --any --tree main --set inverse_num_stages=2 --set prep_num_stages=2 \
+      --out "$OUT/kda_stages.jsonl"
+  done
+  run_logged kda_stages_summary 60 python3 -m bench.kda_ab --summary "$OUT/kda_stages.jsonl"
+  unset XLA_PYTHON_CLIENT_PREALLOCATE
+}
+
 # Where the batch-1 step's ~3.6 ms of host time goes (the device needs 3.3): cProfile of the
 # whole benchmark; per call of the jitted steps and of the engine's own functions.
 decode_host() {
@@ -315,7 +336,7 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
-STEPS="setup kda_quick verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_times pingpong kda_prep kda_prep_any conv decode_host decode glm_decode
+STEPS="setup kda_quick verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_stages kda_times pingpong kda_prep kda_prep_any conv decode_host decode glm_decode
 ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm"
 
 if [[ $# -eq 0 || $1 == list ]]; then

@@ -348,8 +348,8 @@ def _rows_of(x, width, dtype):
     return jax.ShapeDtypeStruct((*x.shape[:2], width), dtype)
 
 
-def _params(num_warps):
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+def _params(num_warps, num_stages=1):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
@@ -369,7 +369,7 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
                           precision=precision, checked=not bounded_gates, base=base),
         out_shape=(_rows_of(q, SUB_CHUNK, inter), _rows_of(q, SUB_CHUNK, f32)),
         grid=(num_slots * (chunk // SUB_CHUNK), num_heads),
-        compiler_params=_params(config.inverse_num_warps),
+        compiler_params=_params(config.inverse_num_warps, config.inverse_num_stages),
         interpret=interpret,
         name="kda_chunk_inverse" if bounded_gates else "kda_chunk_inverse_checked",
     )
@@ -384,7 +384,7 @@ def chunk_matrices(q, k, g, beta, slots: ChunkSlots, *, scale: float,
             jax.ShapeDtypeStruct((num_slots, num_heads, head_k), f32),
             _rows_of(q, head_k, inter)),
         grid=(num_slots, num_heads),
-        compiler_params=_params(config.prep_num_warps),
+        compiler_params=_params(config.prep_num_warps, config.prep_num_stages),
         interpret=interpret,
         name="kda_chunk_prep",
     )

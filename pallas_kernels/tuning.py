@@ -47,10 +47,17 @@ class KernelConfig:
     # on an H100 once the kernel stopped spilling (twenty-third session).
     prep_num_warps: int = 2
     prep_block_k: int = 32
+    # Pipeline stages of the prep and inverse kernels' key-slice loops: at 2, Triton's
+    # pipeliner issues a slice's loads (cp.async into shared memory) during the slice
+    # before; both kernels wait mostly on those loads (docs/KERNEL.md, twenty-fifth and
+    # twenty-ninth sessions). Through XLA for sm_90a at 2: the inverse 96 -> 112 registers,
+    # 8 -> 0 B of spills; the prep 144 -> 812 B of spills. Untimed: 1 until measured.
+    prep_num_stages: int = 1
     # Prep: the diagonal 16 x 16 blocks and their inverses, a sub-chunk a program, their
     # products over slices of `inverse_block_k` key columns.
     inverse_num_warps: int = 1
     inverse_block_k: int = 32
+    inverse_num_stages: int = 1  # see prep_num_stages
     w_u_num_warps: int = 8      # prep: W and U per chunk
     output_block_v: int = 128   # value columns per output program
     output_num_warps: int = 4

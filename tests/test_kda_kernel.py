@@ -396,6 +396,22 @@ class TestKdaKernelGpu(KdaKernelCases):
                              dtype=jnp.bfloat16, min_decay=-0.02, offsets=offsets)
         self.check_against_recurrence(inputs, 5e-3, gate_lower_bound=-5.0)
 
+    @pytest.mark.parametrize("bound", [-5.0, None])
+    def test_pipelined_prep_loads(self, rng, bound):
+        """`prep_num_stages` / `inverse_num_stages` 2: Triton's pipeliner stages the key
+        slices' loads a slice ahead (cp.async; interpret mode has no pipeliner, so this
+        case is GPU only). Four slices a program; the recurrence's tolerance, and the same
+        bits as one stage."""
+        inputs = make_inputs(rng, [1, 150, 64], heads=2, head_k=64, head_v=64, padding=7,
+                             dtype=jnp.bfloat16, min_decay=-5.0)
+        config = KernelConfig(block_v=32, prep_block_k=16, inverse_block_k=16)
+        staged = dataclasses.replace(config, prep_num_stages=2, inverse_num_stages=2)
+        outputs = self.check_against_recurrence(inputs, 5e-3, config=staged,
+                                                gate_lower_bound=bound)
+        plain = self.run_kernel(inputs, config=config, gate_lower_bound=bound)
+        for name, a, b in zip(OUTPUT_NAMES, outputs, plain, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
 
 class TestKdaKernelInterpret(KdaKernelCases):
     INTERPRET = True
