@@ -227,12 +227,15 @@ kda_quick() {
 
 # The prep and inverse kernels' key-slice loads pipelined by Triton (`inverse_num_stages`,
 # `prep_num_stages` 2; built 2026-12-07, untimed) against the pick, each in its own
-# process, at 8K and 4 x 8K x 32 heads, both gate paths; their `gpu` test first (~3 min).
+# process, at 8K and 4 x 8K x 32 heads, both gate paths; then H = 16 at 32K with the
+# segment scan and its transitions at 2 stages (`segment_num_stages`, 1 until now; through
+# XLA for sm_90a: loop bodies 1,799 -> 2,017 and 308 -> 320 SASS, no new spills); their
+# `gpu` test first (~4 min).
 kda_stages() {
   local case
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   run_logged pytest_gpu_stages 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_kda_kernel.py -k pipelined
+    tests/test_kda_kernel.py -k pipelined_loads
   for case in 8K 4x8K; do
     run_logged "kda_stages_pick_$case" 150 python3 -m bench.kda_ab --case "${case:-8K}" \
       --any --tree main --out "$OUT/kda_stages.jsonl"
@@ -242,6 +245,10 @@ kda_stages() {
       --any --tree main --set inverse_num_stages=2 --set prep_num_stages=2 \
       --out "$OUT/kda_stages.jsonl"
   done
+  run_logged kda_stages_pick_h16 150 python3 -m bench.kda_ab --case 32K --heads 16 --any \
+    --tree main --out "$OUT/kda_stages.jsonl"
+  run_logged kda_stages_segments_h16 150 python3 -m bench.kda_ab --case 32K --heads 16 \
+    --any --tree main --set segment_num_stages=2 --out "$OUT/kda_stages.jsonl"
   run_logged kda_stages_summary 60 python3 -m bench.kda_ab --summary "$OUT/kda_stages.jsonl"
   unset XLA_PYTHON_CLIENT_PREALLOCATE
 }

@@ -396,16 +396,21 @@ class TestKdaKernelGpu(KdaKernelCases):
                              dtype=jnp.bfloat16, min_decay=-0.02, offsets=offsets)
         self.check_against_recurrence(inputs, 5e-3, gate_lower_bound=-5.0)
 
-    @pytest.mark.parametrize("bound", [-5.0, None])
-    def test_pipelined_prep_loads(self, rng, bound):
-        """`prep_num_stages` / `inverse_num_stages` 2: Triton's pipeliner stages the key
-        slices' loads a slice ahead (cp.async; interpret mode has no pipeliner, so this
-        case is GPU only). Four slices a program; the recurrence's tolerance, and the same
-        bits as one stage."""
-        inputs = make_inputs(rng, [1, 150, 64], heads=2, head_k=64, head_v=64, padding=7,
-                             dtype=jnp.bfloat16, min_decay=-5.0)
-        config = KernelConfig(block_v=32, prep_block_k=16, inverse_block_k=16)
-        staged = dataclasses.replace(config, prep_num_stages=2, inverse_num_stages=2)
+    @pytest.mark.parametrize(("bound", "segments"), [(-5.0, 1), (None, 1), (-5.0, 3)])
+    def test_pipelined_loads(self, rng, bound, segments):
+        """`prep_num_stages` / `inverse_num_stages` 2, and with segments
+        `segment_num_stages` 2: Triton's pipeliner stages the loops' loads an iteration
+        ahead (cp.async; interpret mode has no pipeliner, so this case is GPU only). Four
+        key slices a prep program; the recurrence's tolerance, and the same bits as one
+        stage."""
+        make = functools.partial(segment_batch, rng, [330, 0, 1, 130], segments) \
+            if segments > 1 else functools.partial(make_inputs, rng, [1, 150, 64])
+        inputs = make(heads=2, head_k=64, head_v=64, padding=7, dtype=jnp.bfloat16,
+                      min_decay=-5.0)
+        config = KernelConfig(block_v=32, prep_block_k=16, inverse_block_k=16,
+                              scan_segments=segments)
+        staged = dataclasses.replace(config, prep_num_stages=2, inverse_num_stages=2,
+                                     segment_num_stages=2)
         outputs = self.check_against_recurrence(inputs, 5e-3, config=staged,
                                                 gate_lower_bound=bound)
         plain = self.run_kernel(inputs, config=config, gate_lower_bound=bound)
