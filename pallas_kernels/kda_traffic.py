@@ -3,8 +3,9 @@
 Each pass's reads and writes of per-row tensors, every tensor counted once per pass (the
 value-block programs of one head that load the same W or Kg tile share it through L2:
 `kda_chunks.scan_grid` dispatches them together; before it, a launch of more than one
-wave read it once a value block), on the fast path: bf16 q, k, v, beta and matmul operands (T and W's
-right-hand side beta k exp(G) among them), fp32 g (see `pallas_kernels.kda_prep`).
+wave read it once a value block), on the fast path: bf16 q, k, v, beta and matmul
+operands (T and W's right-hand side beta k exp(G) among them), fp32 g (see
+`pallas_kernels.kda_prep`).
 Per-chunk tensors (G_last, the entry states) count 1/C of their size per token;
 per-sequence ones (states, snapshots, segment transitions) are left out: they do not grow
 with the tokens. GB10's 273 GB/s turns the total into the time a bandwidth-bound kernel
