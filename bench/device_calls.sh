@@ -227,10 +227,11 @@ kda_quick() {
 
 # The prep and inverse kernels' key-slice loads pipelined by Triton (`inverse_num_stages`,
 # `prep_num_stages` 2; built 2026-12-07, untimed) against the pick, each in its own
-# process, at 8K and 4 x 8K x 32 heads, both gate paths; then H = 16 at 32K with the
+# process, at 8K and 4 x 8K x 32 heads, both gate paths (the prep at 2 stages also over
+# 16-column slices, which spill nothing through XLA for sm_90a); then H = 16 at 32K with the
 # segment scan and its transitions at 2 stages (`segment_num_stages`, 1 until now; through
 # XLA for sm_90a: loop bodies 1,799 -> 2,017 and 308 -> 320 SASS, no new spills); their
-# `gpu` test first (~4 min).
+# `gpu` test first (~6 min).
 kda_stages() {
   local case
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -244,6 +245,9 @@ kda_stages() {
     run_logged "kda_stages_both_$case" 150 python3 -m bench.kda_ab --case "${case:-8K}" \
       --any --tree main --set inverse_num_stages=2 --set prep_num_stages=2 \
       --out "$OUT/kda_stages.jsonl"
+    run_logged "kda_stages_both16_$case" 150 python3 -m bench.kda_ab --case "${case:-8K}" \
+      --any --tree main --set inverse_num_stages=2 --set prep_num_stages=2 \
+      --set prep_block_k=16 --out "$OUT/kda_stages.jsonl"
   done
   run_logged kda_stages_pick_h16 150 python3 -m bench.kda_ab --case 32K --heads 16 --any \
     --tree main --out "$OUT/kda_stages.jsonl"
