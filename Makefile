@@ -36,9 +36,10 @@ lint: venv
 # tests close the log: the suite must stay under CI's 20 minutes on 2 cores. Most of its
 # time is XLA compiling small CPU programs: LLVM at -O1 ran a third of the suite 5% faster
 # than the default -O2 (both runs side by side); an -O level in the caller's XLA_FLAGS wins.
-# The tests marked `extended` (the benchmarks' quick runs, the four-process tests: ~450 s of
-# CPU) do not fit in CI's budget beside the rest: `make test-extended` runs them, before
-# every push that touches bench/, the multi-process code or what they call.
+# The tests marked `extended` (the benchmarks' quick runs, the four-process tests, the
+# server on a 4 x 4 mesh and the scanned model on a mesh: ~600 s of CPU) do not fit in CI's
+# budget beside the rest: `make test-extended` runs them, before every push that touches
+# bench/, the multi-process or mesh code or what they call.
 PYTEST_CPU = XLA_FLAGS="--xla_backend_optimization_level=1 $$XLA_FLAGS" $(PYTHON) -m pytest -q \
 	-n 2 --dist loadfile --durations=15
 test: lint

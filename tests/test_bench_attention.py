@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from bench import attention
 
 
+@pytest.mark.extended  # ~15 s on two busy cores, most of it compiling
 def test_quick_run_writes_rows_that_agree(tmp_path):
     out = tmp_path / "attention.json"
     assert attention.main(["--quick", "--impls", "pallas,reference", "--out", str(out)]) == 0

@@ -11,6 +11,7 @@ import pytest
 from bench.kda_ab import config_overrides, jax_device_ms, main, summarize
 
 
+@pytest.mark.extended  # ~25-35 s on two busy cores: two kernel compiles in interpret mode
 def test_quick_runs_append_lines_and_summarize(tmp_path, capsys):
     path = tmp_path / "ab.jsonl"
     first = main(["--quick", "--tree", "main", "--out", str(path)])

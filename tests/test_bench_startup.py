@@ -1,7 +1,11 @@
 """`python -m bench.startup --quick` on the CPU: a cold start precompiles every program,
-a start with the cache it filled reads them instead, and the JSON says so."""
+a start with the cache it filled reads them instead, and the JSON says so (`extended`).
+In CI: `glmjax.compile_cache` lets a second process read what the first compiled."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +35,36 @@ def test_default_output_is_named_after_the_preset():
     assert parse_args(["--quick"]).json.name == "startup_tiny.json"
 
 
-@pytest.mark.slow  # ~60-100 s on two busy cores: two server starts, one compiling 6 programs
+# Enables the cache in argv[1], compiles one program, prints the cache hits JAX counted.
+COMPILE_ONCE = """
+import sys
+from pathlib import Path
+import jax
+import jax.numpy as jnp
+from glmjax import compile_cache
+hits = []
+jax.monitoring.register_event_listener(
+    lambda name, **_: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else 0)
+compile_cache.enable(Path(sys.argv[1]))
+jax.jit(lambda x: jnp.sin(x) @ x)(jnp.ones((16, 16))).block_until_ready()
+print(len(hits))
+"""
+
+
+def test_a_second_process_reads_the_programs_the_first_compiled(tmp_path):
+    def cache_hits():
+        result = subprocess.run([sys.executable, "-c", COMPILE_ONCE, str(tmp_path / "xla")],
+                                capture_output=True, text=True, check=True, timeout=120,
+                                cwd=Path(__file__).resolve().parents[1])
+        return int(result.stdout.split()[-1])
+
+    assert cache_hits() == 0
+    entries = {p.name for p in (tmp_path / "xla").iterdir()}
+    assert any(name.startswith("jit__lambda") for name in entries), entries
+    assert cache_hits() >= 1
+
+
+@pytest.mark.extended  # ~50-100 s on two busy cores: two server starts, one compiling
 def test_quick_cold_then_warm_start(tmp_path):
     path = tmp_path / "startup.json"
     main(["--quick", "--runs", "cold,warm", "--cache-dir", str(tmp_path / "xla"),

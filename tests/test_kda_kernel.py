@@ -237,6 +237,7 @@ class KdaKernelCases:
         inputs = make_inputs(rng, [97, 31], dtype=jnp.bfloat16)
         self.check_against_recurrence(inputs, 5e-3, config=config, gate_lower_bound=-5.0)
 
+    @pytest.mark.extended  # on the CPU `make test-extended`: no config picks 32-row chunks
     def test_chunk_size_32(self, rng):
         self.check_against_recurrence(make_inputs(rng, [100, 33]), 1e-5, chunk_size=32)
 
@@ -314,7 +315,9 @@ class KdaKernelCases:
 
     # The runtime's pick (W / U formed in the scan, the output fused) runs in every case on
     # the default config, the bounded gate and bf16 among them; this case sets it against
-    # the W / U pass.
+    # the W / U pass (on the CPU in `make test-extended`, ~30 s of CI's busy cores: the W / U
+    # pass runs in every explicit-config case).
+    @pytest.mark.extended
     @pytest.mark.parametrize(("lens", "bound", "dtype", "fuse_output"), [
         ([65, 0, 200, 3, 129], None, "fp32", True),
     ])

@@ -6,8 +6,8 @@ decode step (on the GPU a mixed step too, `glmjax.mixed`: on the CPU its two com
 cost ~20 s of the CI's 2 cores); logits and every cache array equal within fp32
 rounding. Weights convert
 both ways exactly, and load from and write back to per-layer safetensors checkpoints. On
-a (2, 2) mesh the scanned model (test_sharding's depth-2 model made four layers of two
-scanned KDA + MLA groups, with MoE) equals its one-device run.
+a (4, 2) mesh the scanned model (test_sharding's depth-2 model made four layers of two
+scanned KDA + MLA groups, with MoE) equals its one-device run (`make test-extended`).
 """
 
 import dataclasses
@@ -194,7 +194,7 @@ def check_steps(models, tol, mixed_step=False):
                      block_tables=jnp.array([[0, 1, 2, 3], [-1] * 4], jnp.int32)))
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # ~30-45 s on two busy cores: the model compiled for 8 devices and 1
 def test_scanned_model_on_a_mesh_equals_one_device():
     """test_sharding's workload (two prefills over a cached prefix, two decodes)."""
     config = dataclasses.replace(MESH_CONFIG, num_layers=4, first_dense_layers=0,

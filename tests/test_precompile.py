@@ -1,8 +1,12 @@
 """serving.precompile: the programs it lists are every shape the batch builder can pad a
 batch to (checked against `bucket_for` over every token and sequence count), and the
-sampler among them has one shape."""
+sampler among them has one shape. A program compiled before the process's first Pallas
+kernel is not compiled again after it."""
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -160,3 +164,40 @@ def test_after_precompile_a_mixed_workload_compiles_nothing(rng, pinned):
 
     assert engine.metrics().prefix_cache_hits > 0
     assert log.count == 0, log.by_function()
+
+
+# Compiles f, traces one interpret-mode Pallas kernel, calls f again: prints how many
+# programs f's jit holds. `import pallas_kernels` first or not, by argv[1].
+FIRST_KERNEL = """
+import sys
+import jax
+import jax.numpy as jnp
+if sys.argv[1] == "import":
+    import pallas_kernels
+from jax.experimental import pallas as pl
+
+def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1
+
+f = jax.jit(lambda x: x * 2)
+x = jnp.ones((8, 128), jnp.float32)
+f(x)
+pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+f(x)
+print(f._cache_size())
+"""
+
+
+def test_the_first_pallas_kernel_does_not_recompile_earlier_programs():
+    """Pallas's interpret mode imports its fuser on its first trace, which adds a config
+    value to jit's keys: every program compiled before compiles again (on the CPU the
+    whole model, once a process). `pallas_kernels` imports it up front; without that the
+    same script holds two programs (the check can fail)."""
+    def programs(mode):
+        result = subprocess.run([sys.executable, "-c", FIRST_KERNEL, mode], capture_output=True,
+                                text=True, cwd=Path(__file__).resolve().parents[1], check=True,
+                                timeout=120)
+        return int(result.stdout.split()[-1])
+
+    assert programs("import") == 1
+    assert programs("no-import") == 2

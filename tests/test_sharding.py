@@ -15,7 +15,7 @@
   compiles dominate this file, and the MoE and mHC would add ~40% to each of the fourteen;
   the MoE's split has its own test and the server test runs the full tiny preset.
 - The HTTP server at --tp 4 --dcp 4 answers greedy requests (prefix hits included) with the
-  tokens of --tp 1.
+  tokens of --tp 1 (`make test-extended`: two servers' every program compiled).
 """
 
 import dataclasses
@@ -383,6 +383,7 @@ def _serve(extra):
     return engine, answers, metrics
 
 
+@pytest.mark.extended  # ~45-65 s on two busy cores: two servers' every program compiled
 def test_server_on_a_4x4_mesh_generates_the_tokens_of_one_device():
     engine, on_mesh, metrics = _serve(["--tp", "4", "--dcp", "4"])
     assert engine.steps.mesh.shape == {"tpo": 1, "dcp": 4}
