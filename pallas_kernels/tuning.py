@@ -49,9 +49,11 @@ class KernelConfig:
     prep_block_k: int = 32
     # Pipeline stages of the prep and inverse kernels' key-slice loops: at 2, Triton's
     # pipeliner issues a slice's loads (cp.async into shared memory) during the slice
-    # before; both kernels wait mostly on those loads (docs/KERNEL.md, twenty-fifth and
-    # twenty-ninth sessions). Through XLA for sm_90a at 2: the inverse 96 -> 112 registers,
-    # 8 -> 0 B of spills; the prep 144 -> 812 B of spills. Untimed: 1 until measured.
+    # before; both kernels wait mostly on those loads (docs/KERNEL.md, twenty-fifth,
+    # twenty-ninth and thirtieth sessions). Through XLA for sm_90a at 2: the inverse 96 ->
+    # 112 registers, 8 -> 0 B of spills; the prep 144 -> 812 B of spills. On an H100 at
+    # 8K the inverse at 2 took the call 3-4% faster, the prep at 2 8% slower (0-2% slower
+    # over 16-column slices): `select_config` picks the inverse's 2 on sm_90.
     prep_num_stages: int = 1
     # Prep: the diagonal 16 x 16 blocks and their inverses, a sub-chunk a program, their
     # products over slices of `inverse_block_k` key columns.
@@ -249,7 +251,10 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
     bench/results/kda_kernel_*_h100_2026-12-05c.json). On the H200 the W/U pass was 4%
     faster at 8K (1.401 against 1.457 ms, kda_kernel_8K_h200_2026-12-06.json; 32K and
     4 x 8K untimed there), so the H200's pick may change once those are timed. On sm_90
-    the scan loads G_last and beta v a chunk ahead (`scan_prefetch`, timed on an H100).
+    the scan loads G_last and beta v a chunk ahead (`scan_prefetch`, timed on an H100) and
+    the inverse kernel's key-slice loads are pipelined (`inverse_num_stages` 2: on an H100
+    0.991 / 3.929 ms against 1.026 / 4.100 at 8K / 4 x 8K, bounded gate,
+    bench/results/kda_stages_h100_2026-12-07.txt); sm_121's compile of it is unchecked.
     """
     def fits(candidate, pass_name):
         estimate = estimate_shared_memory(candidate, head_k, head_v,
@@ -257,8 +262,9 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
                                           operand_bytes=operand_bytes)
         return estimate[pass_name] <= spec.smem_per_block
 
+    hopper = spec.compute_capability[0] == 9
     base = KernelConfig(block_v=min(32, head_v), fuse_output=True, form_w_u_in_scan=True,
-                        scan_prefetch=spec.compute_capability[0] == 9)
+                        scan_prefetch=hopper, inverse_num_stages=2 if hopper else 1)
     for stages in (2, 1):
         config = dataclasses.replace(base, scan_num_stages=stages)
         if not (fits(config, "scan") and fits(config, "segment") and fits(config, "prep")):

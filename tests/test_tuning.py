@@ -116,10 +116,14 @@ def test_segment_model_counts_waves():
                          num_tokens=32768).scan_segments == 4
 
 
-def test_scan_prefetch_only_where_measured():
-    """The scan's one-chunk-ahead loads are picked on sm_90 (timed on an H100) and not on
-    GB10, where Triton's compile spills more registers with them."""
+def test_scan_prefetch_and_pipelined_inverse_only_where_measured():
+    """The scan's one-chunk-ahead loads and the inverse kernel's pipelined key slices are
+    picked on sm_90 (timed on an H100) and not on GB10, where Triton's compile spills more
+    registers with the prefetch and the pipelined inverse is untimed; the prep kernel's
+    pipelined loads (slower on the H100) nowhere."""
     shape = dict(num_seqs=1, num_heads=32, head_k=128, head_v=128, num_tokens=8192)
-    assert select_config(H200, **shape).scan_prefetch
-    assert not select_config(GB10, **shape).scan_prefetch
-    assert not KernelConfig().scan_prefetch
+    hopper, gb10 = select_config(H200, **shape), select_config(GB10, **shape)
+    assert hopper.scan_prefetch and hopper.inverse_num_stages == 2
+    assert not gb10.scan_prefetch and gb10.inverse_num_stages == 1
+    assert hopper.prep_num_stages == gb10.prep_num_stages == 1
+    assert not KernelConfig().scan_prefetch and KernelConfig().inverse_num_stages == 1
