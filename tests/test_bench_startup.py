@@ -3,13 +3,12 @@ a start with the cache it filled reads them instead, and the JSON says so (`exte
 In CI: `glmjax.compile_cache` lets a second process read what the first compiled."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("httpx")  # bench.startup polls the server through it
+
+from test_precompile import printed_count  # noqa: E402
 
 from bench.startup import main, parse_args  # noqa: E402
 
@@ -52,16 +51,10 @@ print(len(hits))
 
 
 def test_a_second_process_reads_the_programs_the_first_compiled(tmp_path):
-    def cache_hits():
-        result = subprocess.run([sys.executable, "-c", COMPILE_ONCE, str(tmp_path / "xla")],
-                                capture_output=True, text=True, check=True, timeout=120,
-                                cwd=Path(__file__).resolve().parents[1])
-        return int(result.stdout.split()[-1])
-
-    assert cache_hits() == 0
+    assert printed_count(COMPILE_ONCE, str(tmp_path / "xla")) == 0
     entries = {p.name for p in (tmp_path / "xla").iterdir()}
     assert any(name.startswith("jit__lambda") for name in entries), entries
-    assert cache_hits() >= 1
+    assert printed_count(COMPILE_ONCE, str(tmp_path / "xla")) >= 1
 
 
 @pytest.mark.extended  # ~50-100 s on two busy cores: two server starts, one compiling

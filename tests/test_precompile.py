@@ -188,16 +188,20 @@ print(f._cache_size())
 """
 
 
+def printed_count(script: str, *args: str) -> int:
+    """Runs `script` with `args` in a fresh Python process from the repository root (a
+    process's first compiles and traces are what these checks count): the last integer it
+    prints."""
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                            text=True, cwd=Path(__file__).resolve().parents[1], check=True,
+                            timeout=120)
+    return int(result.stdout.split()[-1])
+
+
 def test_the_first_pallas_kernel_does_not_recompile_earlier_programs():
     """Pallas's interpret mode imports its fuser on its first trace, which adds a config
     value to jit's keys: every program compiled before compiles again (on the CPU the
     whole model, once a process). `pallas_kernels` imports it up front; without that the
     same script holds two programs (the check can fail)."""
-    def programs(mode):
-        result = subprocess.run([sys.executable, "-c", FIRST_KERNEL, mode], capture_output=True,
-                                text=True, cwd=Path(__file__).resolve().parents[1], check=True,
-                                timeout=120)
-        return int(result.stdout.split()[-1])
-
-    assert programs("import") == 1
-    assert programs("no-import") == 2
+    assert printed_count(FIRST_KERNEL, "import") == 1
+    assert printed_count(FIRST_KERNEL, "no-import") == 2
