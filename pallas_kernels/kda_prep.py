@@ -59,9 +59,8 @@ from pallas_kernels.tiles import (
     matmul_precision,
     operand_dtype,
 )
-from pallas_kernels.tuning import KernelConfig
+from pallas_kernels.tuning import SUB_CHUNK, KernelConfig
 
-SUB_CHUNK = 16  # rows per sub-chunk: the smallest tile a Triton dot accepts
 # The widest |G_i - M| (natural log) a diagonal block's products take: factors within
 # e^+-42 are normal fp32 (and TF32) numbers, and the pairs above the diagonal, which the
 # masks discard, stay below e^84 a term. A gate bound b >= -5 keeps it <= 40.

@@ -15,6 +15,9 @@ import functools
 import jax
 
 FP32_BYTES = 4
+SUB_CHUNK = 16  # rows per sub-chunk of the KDA prep: the smallest tile a Triton dot accepts
+# Shared memory the KDA prep kernel takes at any stage count (Triton 3.9, sm_90 and sm_121)
+PREP_SCRATCH = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,16 +128,19 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
     T [C, C] where the scan forms W and U). Hopper and datacenter Blackwell (9.x, 10.x) feed wgmma from
     shared memory and double-buffer those tiles; mma.sync targets (8.x, 12.x, GB10 among
     them) stage them once, Qg not among them (measured). The segment-parallel scan's
-    kernels ("segment") hold the same tiles at `segment_num_stages`. Prep pass (fp32, no
-    loop): its largest kernel, intra, stages a [C, K] key tile and a [16, K] row tile,
-    bounded by [C, C] + [C, max(K, V)] fp32. Output pass (no loop): its operands Qg
-    [C, K], S [K, BV_out], Aqk [C, C] and Vnew [C, BV_out].
+    kernels ("segment") hold the same tiles at `segment_num_stages`. Prep pass: its two
+    kernels loop over key slices, and each pipeline stage holds one slice's q and k (operand
+    dtype) and g (fp32): the inverse kernel ("inverse") a [16, inverse_block_k] slice at
+    each of its stages, the prep kernel ("prep") a [C, prep_block_k] slice at each stage
+    past the first, over a 4,096 B scratch it takes at any stage count. Output pass (no
+    loop): its operands Qg [C, K], S [K, BV_out], Aqk [C, C] and Vnew [C, BV_out].
 
     Calibrated against Triton 3.9 (`python -m pallas_kernels.aot`; the test suite checks
     that the estimate bounds what Triton allocates, and not by more than 2x): e.g. block_v
     32, 2 stages, bf16, output fused: sm_90 159,744 B (estimate 172,032), 176,128 with W
     and U formed in the scan (188,416); sm_121 77,824 (78,848), 86,016 (87,040) since the
-    snapshot code exists once in the scan (86,528 before).
+    snapshot code exists once in the scan (86,528 before); the inverse 4,096 B a stage and
+    the prep 4,096 / 19,456 at 1 / 2 stages on both.
     """
     c, bv = config.chunk_size, config.block_v
     formed = operand_bytes * c * c if config.scan_forms_w_u else 0  # T
@@ -146,10 +152,15 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
         base, per_stage = 2 * c * head_k * operand_bytes + 1024, loop_tiles
     scan = base + max(0, config.scan_num_stages - 1) * per_stage
     segment = base + max(0, config.segment_num_stages - 1) * per_stage
-    prep = FP32_BYTES * (c * c + c * max(head_k, head_v))
+    def key_slice(rows, block_k):  # q and k in the operand dtype, g in fp32
+        return rows * min(block_k, head_k) * (2 * operand_bytes + FP32_BYTES)
+
+    inverse = config.inverse_num_stages * key_slice(SUB_CHUNK, config.inverse_block_k)
+    prep = PREP_SCRATCH + max(0, config.prep_num_stages - 1) * key_slice(c, config.prep_block_k)
     out_v = min(config.output_block_v, head_v)
     output = operand_bytes * (c * head_k + head_k * out_v + c * c + c * out_v)
-    return {"scan": scan, "segment": segment, "prep": prep, "output": output}
+    return {"scan": scan, "segment": segment, "inverse": inverse, "prep": prep,
+            "output": output}
 
 
 # The segment-parallel scan's rule (`scan_segments`), a model in units of one chunk step
@@ -254,7 +265,8 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
     the scan loads G_last and beta v a chunk ahead (`scan_prefetch`, timed on an H100) and
     the inverse kernel's key-slice loads are pipelined (`inverse_num_stages` 2: on an H100
     0.991 / 3.929 ms against 1.026 / 4.100 at 8K / 4 x 8K, bounded gate,
-    bench/results/kda_stages_h100_2026-12-07.txt); sm_121's compile of it is unchecked.
+    bench/results/kda_stages_h100_2026-12-07.txt). For sm_121 it compiles at 2 stages
+    within 8,192 B (`python -m pallas_kernels.aot`) but is untimed there: GB10 keeps 1.
     """
     def fits(candidate, pass_name):
         estimate = estimate_shared_memory(candidate, head_k, head_v,
@@ -267,7 +279,7 @@ def select_config(spec: DeviceSpec, *, num_seqs: int, num_heads: int, head_k: in
                         scan_prefetch=hopper, inverse_num_stages=2 if hopper else 1)
     for stages in (2, 1):
         config = dataclasses.replace(base, scan_num_stages=stages)
-        if not (fits(config, "scan") and fits(config, "segment") and fits(config, "prep")):
+        if not all(fits(config, name) for name in ("scan", "segment", "inverse", "prep")):
             continue
         for out_v in (128, 64, 32):
             candidate = dataclasses.replace(config, output_block_v=min(out_v, head_v))

@@ -84,19 +84,21 @@ def test_every_kernel_compiles_within_limits():
 
 @pytest.mark.parametrize(("spec", "config"), [
     (GB10, KernelConfig(block_v=32, scan_num_stages=1)),
-    (H200, KernelConfig(block_v=64, scan_num_stages=2, fuse_output=True, form_w_u_in_scan=True)),
+    (H200, KernelConfig(block_v=64, scan_num_stages=2, fuse_output=True, form_w_u_in_scan=True,
+                        inverse_num_stages=2)),
 ], ids=["gb10-bv32-s1", "h200-bv64-s2-fused-w_u"])
 def test_shared_memory_estimate_bounds_triton(spec, config):
     """The estimate select_config relies on is an upper bound of what Triton allocates:
     each device once, each scan layout once (the plain scan with the output pass, the scan
     forming W / U with the output fused in; both devices with both layouts ran here until
-    CI's 2 cores ran short of time)."""
+    CI's 2 cores ran short of time), and the inverse kernel's key-slice loop at 1 and 2
+    stages."""
     modules = aot.lower_kda_prefill(spec, 32, config)
     estimate = estimate_shared_memory(
         config, aot.HEAD_DIM, aot.HEAD_DIM, compute_capability=spec.compute_capability
     )
     checked = {"kda_chunk_scan": "scan", "kda_chunk_scan_w_u": "scan",
-               "kda_chunk_output": "output"}
+               "kda_chunk_output": "output", "kda_chunk_inverse_checked": "inverse"}
     for module in modules:
         if module.name not in checked:
             continue

@@ -20,11 +20,18 @@ from pallas_kernels.tuning import KernelConfig, device_spec, select_config
 OUTPUT_NAMES = ("o", "final_states", "snapshots")
 
 
+# Compiling the kernel dominates a case on the CPU (~10 s in interpret mode; running it
+# takes ~1 s), and it compiles once per shape: lengths and offsets are runtime values, the
+# number of rows and of sequences are not. So cases pad to few shapes, as the engine pads
+# its steps: rows to a multiple of 512 plus 5 (never whole chunks), packed batches to
+# PACKED_SEQS sequences with empty ones after theirs (themselves a case the kernel must
+# pass: no rows, the initial state out, no snapshots).
+PACKED_SEQS = 5
+
+
 def bucket_rows(rows: int) -> int:
-    """The packed rows of a batch of at least `rows`, padded to a bucket as the engine pads
-    its steps (here a multiple of 128 plus 5: never whole chunks), so that cases of other
-    lengths share a compiled kernel (lengths and offsets are runtime values)."""
-    return -(-(rows - 5) // 128) * 128 + 5
+    """The rows of a batch of at least `rows`, padded to a bucket (see PACKED_SEQS)."""
+    return -(-(rows - 5) // 512) * 512 + 5
 
 
 def make_inputs(
@@ -41,7 +48,12 @@ def make_inputs(
     offsets=None,
 ):
     """A packed batch: sequences of `lens` tokens, at least `padding` spare rows after them
-    (`bucket_rows`)."""
+    (`bucket_rows`); more than one sequence: empty ones after them up to PACKED_SEQS."""
+    if len(lens) > 1:
+        extra = max(PACKED_SEQS - len(lens), 0)
+        lens = [*lens, *[0] * extra]
+        if offsets is not None:
+            offsets = [*offsets, *[[-1] * capacity] * extra]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     num_tokens = bucket_rows(int(cu[-1]) + padding)
 
@@ -246,13 +258,14 @@ class KdaKernelCases:
         o, _, _ = self.check_against_recurrence(inputs, 5e-3)
         assert o.dtype == jnp.bfloat16
 
-    @pytest.mark.parametrize("lens", [[1, 63, 64], [65, 0, 200, 3, 129], [300]])
+    @pytest.mark.parametrize("lens", [[1, 63, 64], [65, 0, 200, 3, 129], [300, 1]])
     def test_bounded_gate_path(self, rng, lens):
-        """gate_lower_bound=-5: diagonal blocks on the tensor cores, decays at the bound;
-        bf16 too on the packed case (others have bf16 on this path: `test_key_slices_
-        narrower_than_k`, `test_output_fused_into_the_scan`)."""
+        """gate_lower_bound=-5: diagonal blocks on the tensor cores, decays at the bound
+        (every one of them in the last case); bf16 too on the five-sequence case (others
+        have bf16 on this path: `test_key_slices_narrower_than_k`, `test_pipelined_loads`);
+        one compiled shape (`PACKED_SEQS`)."""
         inputs = make_inputs(rng, lens, padding=20, min_decay=-5.0)
-        if lens == [300]:
+        if lens == [300, 1]:
             inputs["g"] = jnp.full_like(inputs["g"], -5.0)
         self.check_against_recurrence(inputs, 1e-5, gate_lower_bound=-5.0)
         if len(lens) > 3:
@@ -286,20 +299,21 @@ class KdaKernelCases:
             gate_lower_bound=-5.0)
         assert o.dtype == jnp.bfloat16
 
-    # The runtime's pick fuses the output (every case on the default config runs it, bf16
-    # and both gate paths among them); this case sets it against the output pass.
+    # The runtime's pick fuses the output (every case on the default config runs it, bf16,
+    # both gate paths and two value blocks among them); this case sets it against the
+    # output pass on the segment-parallel scan, in the first segment case's shape and
+    # config (which compiles the output pass's side).
     @pytest.mark.parametrize(("segments", "lens", "bound", "dtype"), [
-        (3, [581, 0, 1, 130], -5.0, "fp32"),
+        (3, [581, 0, 1, 130], None, "fp32"),
     ])
     def test_output_fused_into_the_scan(self, rng, segments, lens, bound, dtype):
         """`fuse_output`: the scan writes O chunk by chunk (no entry states, no Vnew
-        stored), on the plain and the segment-parallel scan, both gate paths; the same
-        tolerances as the three passes, padding rows zero, and O close to the output
-        pass's from the same inputs."""
+        stored); the same tolerances as the three passes, padding rows zero, and O close
+        to the output pass's from the same inputs."""
         dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
         make = functools.partial(segment_batch, rng, lens, segments) if segments > 1 else \
             functools.partial(make_inputs, rng, lens)
-        inputs = make(heads=2, head_k=32, head_v=64, padding=9, dtype=dtype, min_decay=-0.5)
+        inputs = make(heads=1, head_k=32, head_v=32, padding=9, dtype=dtype, min_decay=-0.02)
         tolerance = 1e-5 if dtype == jnp.float32 else 5e-3
         config = KernelConfig(block_v=32, scan_segments=segments)
         fused = dataclasses.replace(config, fuse_output=True)
@@ -343,43 +357,37 @@ class KdaKernelCases:
             assert_outputs_close(outputs, passes)
 
     # The runtime's pick on sm_90 (so on the default config here) prefetches; this case
-    # sets it against the loads issued in each chunk, on both scans.
-    @pytest.mark.parametrize(("segments", "lens"), [
-        (1, [581, 0, 1, 130]),   # W / U formed in the scan: beta v carried too
-        (3, [581, 0, 1, 130]),   # the segment scan (W / U read): no beta v; empty segments
-    ])
-    def test_scan_prefetch(self, rng, segments, lens):
+    # sets it against the loads issued in each chunk, on both scans (the segment scan's
+    # side without prefetch is `test_output_fused_into_the_scan`'s: one compile fewer).
+    @pytest.mark.parametrize(("segments", "lens", "shape", "bound"), [
+        # W / U formed in the scan: beta v carried too, for each of two value blocks
+        (1, [581, 0, 1, 130], dict(heads=2, head_v=64, min_decay=-0.5), -5.0),
+        # the segment scan (W / U read): no beta v; empty segments
+        (3, [581, 0, 1, 130], dict(heads=1, head_v=32, min_decay=-0.02), None),
+    ], ids=["plain-scan", "segment-scan"])
+    def test_scan_prefetch(self, rng, segments, lens, shape, bound):
         """`scan_prefetch`: G_last's row and beta v loaded a chunk ahead change when the
         loads are issued, not what is computed: the recurrence's tolerance, and the same
         bits as without them."""
         make = functools.partial(segment_batch, rng, lens, segments) if segments > 1 else \
             functools.partial(make_inputs, rng, lens)
-        inputs = make(heads=2, head_k=32, head_v=64, padding=9, min_decay=-0.5)
+        inputs = make(head_k=32, padding=9, **shape)
         config = KernelConfig(block_v=32, scan_segments=segments, fuse_output=True,
-                              form_w_u_in_scan=True)
+                              form_w_u_in_scan=segments == 1)
         ahead = dataclasses.replace(config, scan_prefetch=True)
         outputs = self.check_against_recurrence(inputs, 1e-5, config=ahead,
-                                                gate_lower_bound=-5.0)
-        plain = self.run_kernel(inputs, config=config, gate_lower_bound=-5.0)
+                                                gate_lower_bound=bound)
+        plain = self.run_kernel(inputs, config=config, gate_lower_bound=bound)
         assert_outputs_equal(outputs, plain)
 
     def test_new_lengths_and_offsets_do_not_retrace(self, rng):
-        traces = []
-
-        @jax.jit
-        def prefill(inputs):
-            traces.append(1)
-            return kda_prefill(**inputs, backend="pallas", interpret=self.INTERPRET)
-
-        first = make_inputs(rng, [100, 60], padding=40)
-        second = make_inputs(rng, [30, 170], padding=0)
-        for inputs in (first, second):
-            jax.block_until_ready(prefill(inputs))
-        assert len(traces) == 1
+        """Three batches of one shape, other lengths and offsets: one compiled kernel (none
+        new where an earlier case compiled this shape)."""
         cache_before = kda_prefill_pallas._cache_size()
-        third = make_inputs(rng, [1, 199], padding=0)
-        jax.block_until_ready(kda_prefill(**third, backend="pallas", interpret=self.INTERPRET))
-        jax.block_until_ready(kda_prefill(**second, backend="pallas", interpret=self.INTERPRET))
+        for lens, padding in (([100, 60], 40), ([30, 170], 0), ([1, 199], 0)):
+            inputs = make_inputs(rng, lens, padding=padding)
+            jax.block_until_ready(kda_prefill(**inputs, backend="pallas",
+                                              interpret=self.INTERPRET))
         assert kda_prefill_pallas._cache_size() <= cache_before + 1
 
 

@@ -127,17 +127,18 @@ def cold_states(setup):
 
 def test_pure_state_is_flat_and_merges_back(setup):
     """`pure_state`'s parameters are the split's leaves one level deep (`FlatParams`);
-    `merge` of it is the same model; pure_state of it returns it unchanged."""
-    model_state, tokens, expected = setup
+    `merge` of it is the same model (graph and every parameter: so the same function, whose
+    forward would cost a compile of its own here); pure_state of it returns it unchanged."""
+    model_state, _, _ = setup
     pure = pure_state(model_state)
     assert isinstance(pure[1], FlatParams)
     assert len(jax.tree.leaves(pure)) == len(jax.tree.leaves(model_state))
     assert pure_state(pure) is pure
-    for a, b in zip(jax.tree.leaves(nnx.state(merge(pure))), jax.tree.leaves(model_state[1]),
+    merged = merge(pure)
+    assert nnx.graphdef(merged) == model_state[0]
+    for a, b in zip(jax.tree.leaves(nnx.state(merged)), jax.tree.leaves(model_state[1]),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    logits = jax.jit(lambda s, ids: merge(s).reference_forward(ids))(pure, jnp.asarray(tokens))
-    np.testing.assert_array_equal(np.asarray(logits), expected)
 
 
 def test_one_pass_prefill_matches_reference(setup):

@@ -219,6 +219,21 @@ def oracle_drafts(engine, plain_outputs, rng):
     runner.set_drafts = set_oracle
 
 
+# The first of the speculative engines in the file: the speculative programs (the
+# prefill with drafts, verify, accept-and-draft, its donated twin) are compiled here by the
+# precompile alone, and the engines after it reuse them.
+@pytest.mark.slow  # compiles the speculative programs (~1 min)
+def test_precompile_covers_every_speculative_program(engine_model_state):  # noqa: F811
+    engine = make_engine(engine_model_state, speculative_tokens=N)
+    report = precompile(engine, progress=False)
+    assert report.programs == 14  # copies, 6 sampler variants, gathers of N and 4 N rows, the 4 above
+    with CompileLog() as compiles:
+        run_engine(engine, [("a", BASE[:150], SamplingParams(max_tokens=5, ignore_eos=True)),
+                            ("b", BASE[:20], SamplingParams(max_tokens=4, ignore_eos=True))])
+    assert engine.metrics().spec_verified_decodes > 0
+    assert compiles.count == 0, compiles.by_function()
+
+
 @pytest.mark.parametrize("drafts", ["mtp", "oracle"])
 def test_greedy_output_is_the_plain_output(engine_model_state, plain, drafts, rng):  # noqa: F811
     waves, want = plain
@@ -297,18 +312,6 @@ def test_a_refused_verify_fails_its_requests_and_touches_nothing_retained(engine
     engine.builder.build = build
     again = run_engine(engine, second)["second"]
     assert again.output_token_ids == clean["second"].output_token_ids
-
-
-@pytest.mark.slow  # compiles the speculative programs for a pool of its own (~1-2 min)
-def test_precompile_covers_every_speculative_program(engine_model_state):  # noqa: F811
-    engine = make_engine(engine_model_state, speculative_tokens=N, num_kv_blocks=11)
-    report = precompile(engine, progress=False)
-    assert report.programs == 14  # copies, 6 sampler variants, gathers of N and 4 N rows, the 4 above
-    with CompileLog() as compiles:
-        run_engine(engine, [("a", BASE[:150], SamplingParams(max_tokens=5, ignore_eos=True)),
-                            ("b", BASE[:20], SamplingParams(max_tokens=4, ignore_eos=True))])
-    assert engine.metrics().spec_verified_decodes > 0
-    assert compiles.count == 0, compiles.by_function()
 
 
 @pytest.mark.parametrize("stage", ["spec_prefill", "verify", "accept_and_draft",
