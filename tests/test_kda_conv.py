@@ -5,12 +5,17 @@ that reach into the history), cold and warm histories, padding rows, row counts 
 not a multiple of the kernel's row block, kernel width 1, bf16; and a continuation that
 equals the whole span bit for bit (a ladder step against a coalesced one)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_layers_oracles import conv_oracle, cu_seqlens_of, random_lengths
 
 from pallas_kernels.kda_conv import kda_conv
+
+# A case's call as one compiled program, as the model calls the op: op by op, the
+# jax.numpy path compiled ~20 small programs a case (about 1.5 s of CI's time each).
+kda_conv_jit = jax.jit(kda_conv, static_argnames=("heads", "implementation", "interpret"))
 
 # name -> (rows, sequences, heads, head dim, width, dtype, cold history)
 CASES = {
@@ -54,9 +59,9 @@ class ConvCases:
     def run(self, x, weight, history, cu, heads, dtype="float32"):
         """x [T, 3 H K]: its q, k, v thirds are the op's three inputs."""
         parts = [jnp.asarray(part, dtype) for part in np.split(x, 3, axis=-1)]
-        return kda_conv(parts, jnp.asarray(weight), jnp.asarray(history, dtype),
-                        jnp.asarray(cu), heads=heads, implementation=self.IMPLEMENTATION,
-                        interpret=self.INTERPRET)
+        return kda_conv_jit(parts, jnp.asarray(weight), jnp.asarray(history, dtype),
+                            jnp.asarray(cu), heads=heads, implementation=self.IMPLEMENTATION,
+                            interpret=self.INTERPRET)
 
     @pytest.mark.parametrize("case", sorted(CASES))
     def test_random(self, rng, case):

@@ -19,6 +19,11 @@ from pallas_kernels.kda_decode_fused import (
     kda_decode_fused,
 )
 
+# A step as one compiled program, as the model calls it: op by op, the jax.numpy path
+# compiled a few dozen small programs a case.
+kda_decode_fused_jit = jax.jit(kda_decode_fused,
+                               static_argnames=("gates", "backend", "interpret", "num_warps"))
+
 
 def softplus(x):
     return np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))
@@ -110,8 +115,9 @@ class FusedCases:
                                              else dtype)
                                  for n, x in zip(DecodeLayerWeights._fields, weights)))
         inputs = jnp.concatenate([cast["qkv"], cast["f_a"], cast["g_a"]], axis=-1)
-        return kda_decode_fused(inputs, cast["beta"], w, jnp.asarray(slots, jnp.int32), *pools,
-                                gates=gates, backend=self.BACKEND, interpret=self.INTERPRET)
+        return kda_decode_fused_jit(inputs, cast["beta"], w, jnp.asarray(slots, jnp.int32),
+                                    *pools, gates=gates, backend=self.BACKEND,
+                                    interpret=self.INTERPRET)
 
     def check(self, rng, slots, *, heads=2, dim=32, width=4, num_slots=8, steps=1,
               gate="sigmoid_bound", dtype=jnp.float32, tol=2e-5):

@@ -168,7 +168,7 @@ class KdaKernelCases:
             assert err < tolerance, f"{name}: relative error {err:.2e} >= {tolerance:.0e}"
         return outputs
 
-    @pytest.mark.parametrize("lens", [[1], [63], [64], [65], [200], [1000]])
+    @pytest.mark.parametrize("lens", [[1], [63], [64], [65], [200], [500]])
     def test_single_sequence_lengths(self, rng, lens):
         self.check_against_recurrence(make_inputs(rng, lens), 1e-5)
 

@@ -71,7 +71,7 @@ def test_select_keeps_at_most_top_k_visible_keys(rng):
     weights = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
     keys = jnp.asarray(rng.normal(size=(9, 32)), jnp.float32)
     visible = jnp.tril(jnp.ones((6, 9), bool))
-    chosen = np.asarray(layer.indexer.select(q, weights, keys, visible))
+    chosen = np.asarray(jax.jit(layer.indexer.select)(q, weights, keys, visible))
     np.testing.assert_array_equal(chosen.sum(-1), np.minimum(4, np.arange(1, 7)))
     assert not np.any(chosen & ~np.asarray(visible))
 
@@ -81,6 +81,7 @@ def test_select_is_the_visible_mask_wherever_top_k_covers_it(rng):
     its selection is every visible key, whatever the scores (ties and all-zero included)."""
     top_k = 6
     layer = make_layer(dsa_config(top_k=top_k), rng)
+    select = jax.jit(layer.indexer.select)  # one program for the 20 trials (op by op: ~90)
     for trial in range(20):
         queries, keys = 12, 40
         counts = rng.integers(0, top_k + 1, size=queries)
@@ -89,10 +90,9 @@ def test_select_is_the_visible_mask_wherever_top_k_covers_it(rng):
             visible[r, rng.choice(keys, size=count, replace=False)] = True
         q = rng.normal(size=(queries, 4, 32)) * (trial % 2)  # odd trials only: all-zero scores
         weights = rng.normal(size=(queries, 4))
-        chosen = layer.indexer.select(jnp.asarray(q, jnp.float32),
-                                      jnp.asarray(weights, jnp.float32),
-                                      jnp.asarray(rng.normal(size=(keys, 32)), jnp.float32),
-                                      jnp.asarray(visible))
+        chosen = select(jnp.asarray(q, jnp.float32), jnp.asarray(weights, jnp.float32),
+                        jnp.asarray(rng.normal(size=(keys, 32)), jnp.float32),
+                        jnp.asarray(visible))
         np.testing.assert_array_equal(chosen, visible)
 
 

@@ -19,7 +19,7 @@ import serving.speculative
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from glmjax.caches import Caches
 from glmjax.config import ModelConfig
-from glmjax.model import decode
+from glmjax.model import decode, pure_state
 from glmjax.speculative import (
     VerifyBatch,
     accept_and_draft,
@@ -44,6 +44,7 @@ SLOTS, BLOCKS, TOKENS, SEQS, WIDTH = 8, 10, 3 * P, 4, 4
 TABLES = np.full((SEQS, WIDTH), -1, np.int32)
 TABLES[:2] = np.arange(8).reshape(2, WIDTH)
 RUNNING = np.array([0, 1, -1, -1], np.int32)
+N = 3  # speculative tokens of the engines
 
 
 def copy(tree):
@@ -80,6 +81,21 @@ def plain_decodes(model_state, caches, tokens, positions):
     return logits, pools, caches
 
 
+# The file's first test: the speculative programs (the prefill with drafts, verify,
+# accept-and-draft, its donated twin) are compiled here by the precompile alone, and the
+# tests after it reuse them (the steps' own tests below call them as the engine does).
+@pytest.mark.slow  # compiles the speculative programs (~1 min)
+def test_precompile_covers_every_speculative_program(engine_model_state):  # noqa: F811
+    engine = make_engine(engine_model_state, speculative_tokens=N)
+    report = precompile(engine, progress=False)
+    assert report.programs == 14  # copies, 6 sampler variants, gathers of N and 4 N rows, the 4 above
+    with CompileLog() as compiles:
+        run_engine(engine, [("a", BASE[:150], SamplingParams(max_tokens=5, ignore_eos=True)),
+                            ("b", BASE[:20], SamplingParams(max_tokens=4, ignore_eos=True))])
+    assert engine.metrics().spec_verified_decodes > 0
+    assert compiles.count == 0, compiles.by_function()
+
+
 def test_accepted_counts_stop_at_the_first_mismatch():
     # Columns are sequences: drafts in rows 1..3 against the tokens sampled after rows 0..2.
     tokens = np.array([[9, 9, 9, 9], [1, 1, 1, 1], [2, 5, 2, 2], [3, 0, 3, 3]], np.int32)
@@ -89,7 +105,7 @@ def test_accepted_counts_stop_at_the_first_mismatch():
 
 
 def test_verify_matches_plain_decodes_and_keeps_the_accepted_state(engine_model_state, rng):  # noqa: F811
-    model_state = engine_model_state
+    model_state = pure_state(engine_model_state)  # as the engine passes it: one program each
     prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (70, 33)]
     positions = [70, 33]
     pre = prefill_two(model_state, prompts)
@@ -137,7 +153,7 @@ def test_verify_matches_plain_decodes_and_keeps_the_accepted_state(engine_model_
 
 
 def test_a_refused_verify_and_its_drafting_write_nothing(engine_model_state, rng):  # noqa: F811
-    model_state = engine_model_state
+    model_state = pure_state(engine_model_state)
     pre = prefill_two(model_state, [rng.integers(0, CONFIG.vocab_size, n).tolist()
                                     for n in (20, 9)])
     before = jax.tree.map(np.asarray, pre.caches)
@@ -160,7 +176,6 @@ def test_a_refused_verify_and_its_drafting_write_nothing(engine_model_state, rng
 
 # --- the engine -----------------------------------------------------------------------------
 
-N = 3
 
 
 def requests(plain_free):
@@ -217,21 +232,6 @@ def oracle_drafts(engine, plain_outputs, rng):
         set_drafts(engine)
 
     runner.set_drafts = set_oracle
-
-
-# The first of the speculative engines in the file: the speculative programs (the
-# prefill with drafts, verify, accept-and-draft, its donated twin) are compiled here by the
-# precompile alone, and the engines after it reuse them.
-@pytest.mark.slow  # compiles the speculative programs (~1 min)
-def test_precompile_covers_every_speculative_program(engine_model_state):  # noqa: F811
-    engine = make_engine(engine_model_state, speculative_tokens=N)
-    report = precompile(engine, progress=False)
-    assert report.programs == 14  # copies, 6 sampler variants, gathers of N and 4 N rows, the 4 above
-    with CompileLog() as compiles:
-        run_engine(engine, [("a", BASE[:150], SamplingParams(max_tokens=5, ignore_eos=True)),
-                            ("b", BASE[:20], SamplingParams(max_tokens=4, ignore_eos=True))])
-    assert engine.metrics().spec_verified_decodes > 0
-    assert compiles.count == 0, compiles.by_function()
 
 
 @pytest.mark.parametrize("drafts", ["mtp", "oracle"])
