@@ -152,6 +152,7 @@ def estimate_shared_memory(config: KernelConfig, head_k: int, head_v: int, *,
         base, per_stage = 2 * c * head_k * operand_bytes + 1024, loop_tiles
     scan = base + max(0, config.scan_num_stages - 1) * per_stage
     segment = base + max(0, config.segment_num_stages - 1) * per_stage
+
     def key_slice(rows, block_k):  # q and k in the operand dtype, g in fp32
         return rows * min(block_k, head_k) * (2 * operand_bytes + FP32_BYTES)
 
