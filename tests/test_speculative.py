@@ -177,7 +177,6 @@ def test_a_refused_verify_and_its_drafting_write_nothing(engine_model_state, rng
 # --- the engine -----------------------------------------------------------------------------
 
 
-
 def requests(plain_free):
     """Two waves of (id, prompt, sampling): long prompts (preemption in a pool of 10
     blocks), then one sharing a prefix with them (a hit), every kind of stop, and a seeded
