@@ -11,6 +11,7 @@ is never used for another program or machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from pathlib import Path
 
@@ -30,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile every program afresh")
 
 
+_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+
+
 def enable(cache_dir: Path | None) -> None:
     """Caches every compiled program under ``cache_dir`` (None: leaves the cache off).
     Call before the first compile."""
@@ -45,3 +50,20 @@ def enable(cache_dir: Path | None) -> None:
 
 def enable_from_args(args: argparse.Namespace) -> None:
     enable(None if args.no_compile_cache else args.compile_cache_dir)
+
+
+@contextlib.contextmanager
+def enabled(cache_dir: Path):
+    """The cache under ``cache_dir`` on for the block, off again after it (JAX decides
+    whether to use its cache once a process; this resets that decision both ways)."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = {name: getattr(jax.config, name) for name in _OPTIONS}
+    enable(cache_dir)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()

@@ -1,9 +1,12 @@
 """`python -m bench.startup --quick` on the CPU: a cold start precompiles every program,
 a start with the cache it filled reads them instead, and the JSON says so (`extended`).
-In CI: `glmjax.compile_cache` lets a second process read what the first compiled."""
+In CI: `glmjax.compile_cache` lets a second process read what the first compiled, and
+`compile_cache.enabled` turns the cache on for a block of a running process."""
 
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("httpx")  # bench.startup polls the server through it
@@ -11,6 +14,7 @@ pytest.importorskip("httpx")  # bench.startup polls the server through it
 from test_precompile import printed_count  # noqa: E402
 
 from bench.startup import main, parse_args  # noqa: E402
+from glmjax import compile_cache  # noqa: E402
 
 
 @pytest.mark.parametrize("runs", ["warm", "warm,cold", "lazy,warm", "cold,hot", ""])
@@ -55,6 +59,19 @@ def test_a_second_process_reads_the_programs_the_first_compiled(tmp_path):
     entries = {p.name for p in (tmp_path / "xla").iterdir()}
     assert any(name.startswith("jit__lambda") for name in entries), entries
     assert printed_count(COMPILE_ONCE, str(tmp_path / "xla")) >= 1
+
+
+def test_the_cache_is_on_inside_enabled_only(tmp_path):
+    """In this process, whose compiles began without the cache: a program compiled inside
+    the block is written, one compiled after it is not, and JAX's settings are back."""
+    before = jax.config.jax_compilation_cache_dir
+    with compile_cache.enabled(tmp_path):
+        jax.jit(lambda x: jnp.cos(x) + 1)(jnp.ones(7)).block_until_ready()
+    inside = {p.name for p in tmp_path.iterdir()}
+    assert any(name.startswith("jit__lambda") for name in inside), inside
+    jax.jit(lambda x: jnp.tan(x) * 3)(jnp.ones(5)).block_until_ready()
+    assert {p.name for p in tmp_path.iterdir()} == inside
+    assert jax.config.jax_compilation_cache_dir == before
 
 
 @pytest.mark.extended  # ~50-100 s on two busy cores: two server starts, one compiling

@@ -1,5 +1,7 @@
 """Tests for serving.sampling and serving.engine: the sampler against NumPy oracles, and the
-engine end to end on the tiny preset in fp32 (CPU).
+engine end to end on the tiny preset cut to one KDA and one MLA layer, fp32 (CPU): every
+kind of state the engine keeps, at half the CPU time of the preset's four layers (the
+model's own tests run those).
 
 Every engine here has the same cache sizes and pads every batch to one bucket
 (``single_bucket``), so prefill, decode, the copies and the sampler compile once for the
@@ -39,7 +41,8 @@ from serving.sampling import (
 from serving.state_slots import StateKey
 
 P = 64
-CONFIG = dataclasses.replace(ModelConfig.preset("tiny"), kv_block_size=P)
+CONFIG = dataclasses.replace(ModelConfig.preset("tiny"), kv_block_size=P, num_layers=2,
+                             full_attn_interval=2)  # layer 0: KDA, dense; layer 1: MLA, MoE
 MAX_LEN = 256
 ENGINE = dict(
     max_model_len=MAX_LEN,

@@ -2,7 +2,7 @@
 that step's requests only, frees everything they held, and leaves the caches able to
 serve the same answers as an engine that never failed.
 
-Faults are injected around the real model steps of the tiny preset (CPU, fp32): the
+Faults are injected around the real model steps of test_engine's model (CPU, fp32): the
 stage raises the first time it runs after being armed, before (or, for ``donated``, after)
 the real call. The engines share ``tests/test_engine.py``'s shapes, so nothing recompiles.
 """

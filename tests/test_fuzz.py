@@ -40,7 +40,7 @@ from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_schema_conformance,
 )
-from tiny_server import MAX_MODEL_LEN, TINY_SERVER_ARGS
+from tiny_server import MAX_MODEL_LEN, TINY_SERVER_ARGS, tiny_server_env
 
 from bench.local_server import LocalServer
 from serving import api
@@ -65,7 +65,7 @@ def complete_fixed(url: str) -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("fuzz") / "server.log"
-    with LocalServer(TINY_SERVER_ARGS, log, env={"JAX_PLATFORMS": "cpu"}, start_timeout_s=300) as s:
+    with LocalServer(TINY_SERVER_ARGS, log, env=tiny_server_env(), start_timeout_s=300) as s:
         s.fixed_answer = complete_fixed(s.url)
         s.raw_schema = httpx.get(f"{s.url}/openapi.json", timeout=30).json()
         yield s

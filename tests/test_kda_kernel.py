@@ -206,7 +206,9 @@ class KdaKernelCases:
         self.check_against_recurrence(inputs, 1e-5)
 
     def test_matches_chunked_oracle(self, rng):
-        inputs = make_inputs(rng, [190, 1, 66], head_k=64, head_v=64)
+        """In the first packed case's shape: one compile for both (K = V = 64:
+        `test_bf16_inputs`; two value blocks: `test_scan_prefetch`)."""
+        inputs = make_inputs(rng, [190, 1, 66])
         outputs = self.run_kernel(inputs)
         oracle = kda_chunked_reference(**inputs)
         for name, out, ref in zip(OUTPUT_NAMES, outputs, oracle, strict=True):
@@ -275,7 +277,8 @@ class KdaKernelCases:
     @pytest.mark.parametrize(("segments", "lens", "bound"), [
         (3, [581, 0, 1, 130], None),     # 10 chunks: 4 + 4 + 2; 130: fewer chunks than segments
         (4, [700, 65, 64], -5.0),        # 11 chunks: 3 + 3 + 3 + 2; 65: an empty last segment
-        (2, [129, 200], -5.0),
+        # two segments, both sequences split: `make test-extended` (~15 s of CI's cores)
+        pytest.param(2, [129, 200], -5.0, marks=pytest.mark.extended),
     ])
     def test_segment_parallel_scan(self, rng, segments, lens, bound):
         """Segments forced: snapshots either side of every segment boundary, initial

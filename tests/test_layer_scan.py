@@ -1,6 +1,8 @@
 """Scanned layer groups (`glmjax.layer_scan`): which layers each preset scans, and the
-scanned model against the unrolled one with the same weights (tiny preset cut to 9
-layers, fp32, DSA top 64: a dense layer, two scanned 3 KDA + 1 MLA groups): a cold
+scanned model against the unrolled one with the same weights (tiny preset cut to 5
+layers with MLA every second one, fp32, DSA top 64: a dense KDA layer, two scanned MLA +
+KDA groups; the presets' 3 KDA + 1 MLA groups scan by the same code, and a 9-layer model
+of them compiled ~90 s of CI's busy cores): a cold
 prefill with snapshots, a resume from a retained snapshot over the cached MLA prefix and a
 decode step (on the GPU a mixed step too, `glmjax.mixed`: on the CPU its two compiles
 cost ~20 s of the CI's 2 cores); logits and every cache array equal within fp32
@@ -37,7 +39,7 @@ from glmjax.weights import load_safetensors, upstream_tensors
 
 # With a DSA indexer: the resumed span's queries see more than top_k keys (selected
 # attention), the cold ones fewer (dense).
-UNROLLED = dataclasses.replace(CONFIG.replace_depth(9), dsa_top_k=64)
+UNROLLED = dataclasses.replace(CONFIG.replace_depth(5), full_attn_interval=2, dsa_top_k=64)
 SCANNED = dataclasses.replace(UNROLLED, scan_layers=True)
 # max |diff| / max |unrolled value|, per array: fp32 rounding. The loop body fuses and
 # orders sums differently, and its routed experts are one layer's groups of the stacked
@@ -71,7 +73,7 @@ def test_layer_plan(preset, depth, plan):
 def test_scanned_parameters_are_stacked_and_split_like_their_layers():
     _, params = nnx.split(nnx.eval_shape(lambda: HybridModel(SCANNED, nnx.Rngs(0))))
     flat = dict(nnx.to_flat_state(params))
-    kernel = flat[(GROUPS, 0, "mixer", "q_proj", "kernel")].get_value()
+    kernel = flat[(GROUPS, 1, "mixer", "q_proj", "kernel")].get_value()  # the KDA of each group
     assert kernel.shape == (2, 256, 256)
     assert len(params["layers"]) == 1  # the dense layer 0
     single = param_spec((jax.tree_util.DictKey("q_proj"), jax.tree_util.DictKey("kernel")))

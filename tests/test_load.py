@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("httpx")
 
 
-from tiny_server import TINY_SERVER_ARGS
+from tiny_server import TINY_SERVER_ARGS, tiny_server_env
 
 from bench.load import RunOptions, ok, run_load, table
 from bench.load_workload import CHAT, WorkloadOptions, make_bodies, make_sends
@@ -35,7 +35,7 @@ OPTIONS = RunOptions(clients=16, duration_s=60, request_timeout_s=60, idle_timeo
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     log = tmp_path_factory.mktemp("load") / "server.log"
-    with LocalServer(TINY_SERVER_ARGS, log, env={"JAX_PLATFORMS": "cpu"},
+    with LocalServer(TINY_SERVER_ARGS, log, env=tiny_server_env(),
                      start_timeout_s=300) as server:
         result = run_load(server.url, WORKLOAD, OPTIONS, log_compiles=server.compiled)
         result["server_alive"] = server.alive()

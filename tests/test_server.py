@@ -25,7 +25,7 @@ for _package in ("fastapi", "uvicorn", "pydantic", "httpx"):
     pytest.importorskip(_package)
 
 import httpx
-from tiny_server import MAX_MODEL_LEN, TINY_SERVER_ARGS
+from tiny_server import MAX_MODEL_LEN, TINY_SERVER_ARGS, tiny_server_env
 
 from serving.api import Generation
 from serving.async_engine import AsyncEngine, EngineDeadError
@@ -47,7 +47,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, **tiny_server_env())
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving.server", *TINY_SERVER_ARGS, "--port", str(port)],
         cwd=ROOT,

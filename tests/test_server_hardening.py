@@ -26,6 +26,7 @@ import httpx
 import uvicorn
 from tiny_server import TINY_SERVER_ARGS
 
+from glmjax import compile_cache
 from serving import server as server_module
 from serving.async_engine import AsyncEngine
 from serving.batch_builder import BatchBuckets
@@ -66,10 +67,14 @@ class StepGate:
 
 @pytest.fixture(scope="module")
 def engine_parts():
+    """The engine `python -m serving.server` builds with the tiny servers' flags, its
+    programs compiled, read from the run's compilation cache that those servers fill
+    (`tests/tiny_server.py`); the cache is off again for the file's other tests."""
     args = server_module.parse_args(TINY_SERVER_ARGS)
-    engine, tokenizer, name = server_module.build_engine(args)
-    assert engine.model_config.vocab_size == VOCAB
-    server_module.warm_up(engine, precompile_all=True)
+    with compile_cache.enabled(args.compile_cache_dir):
+        engine, tokenizer, name = server_module.build_engine(args)
+        assert engine.model_config.vocab_size == VOCAB
+        server_module.warm_up(engine, precompile_all=True)
     return engine, tokenizer, name
 
 

@@ -47,10 +47,11 @@ from glmjax.shard import Workload, run_workload
 from glmjax.sharding import ShardingPlan, make_mesh, single_device_steps
 from glmjax.sharding_specs import SPECS
 
-# tp, dcp, interleave: the deployment's TP4 with DCP 1 / 2 / 4 and one device in CI; the
-# TP2 meshes (~20 s of CI's busy cores each) in `make test-extended`.
-MESHES = [(1, 1, 1), pytest.param(2, 1, 1, marks=pytest.mark.extended),
-          pytest.param(2, 2, 4, marks=pytest.mark.extended), (4, 1, 1), (4, 2, 8), (4, 4, 2)]
+# tp, dcp, interleave: the deployment's TP4 with DCP 1 / 2 / 4 in CI; a one-device mesh
+# (`--tp 1` serves without one) and the TP2 meshes (~15-20 s of CI's busy cores each) in
+# `make test-extended`.
+MESHES = [pytest.param(*mesh, marks=pytest.mark.extended)
+          for mesh in ((1, 1, 1), (2, 1, 1), (2, 2, 4))] + [(4, 1, 1), (4, 2, 8), (4, 4, 2)]
 LOGIT_RTOL = 2e-5  # max |diff| / max |reference logit|
 STATE_TOL = dict(rtol=1e-4, atol=1e-5)
 

@@ -1,24 +1,22 @@
-"""MTP speculative decoding (glmjax.speculative, serving.speculative) on the tiny preset in
-fp32 on the CPU: the verify step against plain one-token decodes, the accepted state
-against the state plain decoding reaches, and the engine's greedy output with and without
-speculation (with the MTP's own drafts, which random weights almost never get right, and
-with oracle drafts that are often right), under preemption, prefix hits and every stop.
-The engines share ``tests/test_engine.py``'s shapes and weights."""
-
-import dataclasses
+"""MTP speculative decoding (glmjax.speculative, serving.speculative) on test_engine's model
+(the tiny preset cut to a KDA and an MLA layer) in fp32 on the CPU: the verify step against
+plain one-token decodes, the accepted state against the state plain decoding reaches, and
+the engine's greedy output with and without speculation (with the MTP's own drafts, which
+random weights almost never get right, and with oracle drafts that are often right), under
+preemption, prefix hits and every stop. The engines share ``tests/test_engine.py``'s shapes
+and weights."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_engine import BASE, ENGINE, logprob_diff, make_engine
+from test_engine import BASE, CONFIG, ENGINE, P, logprob_diff, make_engine
 from test_engine import model_state as engine_model_state  # noqa: F401 (fixture)
 from test_engine_faults import raise_once
 
 import serving.speculative
 from glmjax.batch import CHECKPOINT_CAPACITY, DecodeBatch, PrefillBatch
 from glmjax.caches import Caches
-from glmjax.config import ModelConfig
 from glmjax.model import decode, pure_state
 from glmjax.speculative import (
     VerifyBatch,
@@ -36,8 +34,6 @@ from serving.precompile import precompile, reachable_programs
 from serving.request import SamplingParams
 from serving.step import SchedulerConfig
 
-P = 64
-CONFIG = dataclasses.replace(ModelConfig.preset("tiny"), kv_block_size=P)
 # test_engine.py's engine shapes (slots, blocks, prefill tokens, sequences, table width):
 # the steps compile once for the whole suite.
 SLOTS, BLOCKS, TOKENS, SEQS, WIDTH = 8, 10, 3 * P, 4, 4

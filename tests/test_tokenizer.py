@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_server import TINY_SERVER_ARGS
+from tiny_server import TINY_SERVER_ARGS, tiny_server_env
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from serving.chat_template import ChatTemplateError
@@ -147,7 +147,7 @@ def running_server(args: list[str], log_path):
 
     from bench.local_server import LocalServer
 
-    with LocalServer([*TINY_SERVER_ARGS, *args], log_path, env={"JAX_PLATFORMS": "cpu"},
+    with LocalServer([*TINY_SERVER_ARGS, *args], log_path, env=tiny_server_env(),
                      start_timeout_s=300) as server:
         with httpx.Client(base_url=server.url, timeout=120) as client:
             yield client
