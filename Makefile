@@ -40,9 +40,10 @@ lint: venv
 # time is XLA compiling small CPU programs: LLVM at -O1 ran a third of the suite 5% faster
 # than the default -O2 (both runs side by side); an -O level in the caller's XLA_FLAGS wins.
 # The tests marked `extended` (the benchmarks' quick runs, the four-process tests, the
-# server on a 4 x 4 mesh, the scanned model on a mesh, the model on the TP2 meshes: ~650 s
-# of CPU) do not fit in CI's budget beside the rest: `make test-extended` runs them, before
-# every push that touches bench/, the multi-process or mesh code or what they call.
+# server on a 4 x 4 mesh, the scanned model on a mesh, the model on the TP2 and one-device
+# meshes, a few kernel cases: ~700 s of CPU) do not fit in CI's budget beside the rest:
+# `make test-extended` runs them, before every push that touches bench/, the
+# multi-process or mesh code, the kernels or what they call.
 PYTEST_CPU = XLA_FLAGS="--xla_backend_optimization_level=1 $$XLA_FLAGS" $(PYTHON) -m pytest -q \
 	-n 2 --dist loadfile --durations=15
 test: lint

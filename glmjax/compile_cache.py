@@ -5,7 +5,8 @@ compiling it again (minutes for a deep model's buckets).
 The cache lives under ``$XDG_CACHE_HOME/glmjax/xla`` (``~/.cache/glmjax/xla``); the entry
 points take ``--compile-cache-dir`` and ``--no-compile-cache``. JAX keys each entry on the
 program, the compile options, the device kind and the jax/XLA versions, so a stale entry
-is never used for another program or machine.
+is never used for another program or machine (the key includes the host's device count
+and XLA_FLAGS too). `enabled` turns the cache on for a block of a running process.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 from pathlib import Path
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 
 def default_dir() -> Path:
@@ -31,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile every program afresh")
 
 
-_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes")
+# The JAX settings `enable` changes.
+_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
 
 
 def enable(cache_dir: Path | None) -> None:
@@ -56,9 +59,7 @@ def enable_from_args(args: argparse.Namespace) -> None:
 def enabled(cache_dir: Path):
     """The cache under ``cache_dir`` on for the block, off again after it (JAX decides
     whether to use its cache once a process; this resets that decision both ways)."""
-    from jax.experimental.compilation_cache import compilation_cache
-
-    before = {name: getattr(jax.config, name) for name in _OPTIONS}
+    before = {name: getattr(jax.config, name) for name in _SETTINGS}
     enable(cache_dir)
     compilation_cache.reset_cache()
     try:
