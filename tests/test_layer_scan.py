@@ -1,15 +1,14 @@
-"""Scanned layer groups (`glmjax.layer_scan`): which layers each preset scans, and the
-scanned model against the unrolled one with the same weights (tiny preset cut to 5
-layers with MLA every second one, fp32, DSA top 64: a dense KDA layer, two scanned MLA +
-KDA groups; the presets' 3 KDA + 1 MLA groups scan by the same code, and a 9-layer model
-of them compiled ~90 s of CI's busy cores): a cold
-prefill with snapshots, a resume from a retained snapshot over the cached MLA prefix and a
-decode step (on the GPU a mixed step too, `glmjax.mixed`: on the CPU its two compiles
-cost ~20 s of the CI's 2 cores); logits and every cache array equal within fp32
-rounding. Weights convert
-both ways exactly, and load from and write back to per-layer safetensors checkpoints. On
-a (4, 2) mesh the scanned model (test_sharding's depth-2 model made four layers of two
-scanned KDA + MLA groups, with MoE) equals its one-device run (`make test-extended`).
+"""Scanned layer groups (`glmjax.layer_scan`): which layers each preset scans, and the scanned
+model against the unrolled one with the same weights (tiny preset cut to 5 layers with MLA
+every second one, fp32, DSA top 64: a dense KDA layer, two scanned MLA + KDA groups; the
+presets' 3 KDA + 1 MLA groups scan by the same code, and a 9-layer model of them compiled
+~90 s of CI's busy cores): a cold prefill with snapshots, a resume from a retained snapshot
+over the cached MLA prefix and a decode step (on the GPU a mixed step too, `glmjax.mixed`:
+on the CPU its two compiles cost ~20 s of the CI's 2 cores); logits and every cache array
+equal within fp32 rounding. Weights convert both ways exactly, and load from and write back
+to per-layer safetensors checkpoints. On a (4, 2) mesh the scanned model (test_sharding's
+depth-2 model made four layers of two scanned KDA + MLA groups, with MoE) equals its
+one-device run (`make test-extended`).
 """
 
 import dataclasses

@@ -119,7 +119,7 @@ def test_kda_layer_matches_oracle(rng, gate, cold):
 def test_pallas_scan_in_the_layer(rng):
     """The layer on the Pallas kernel (interpret mode here) with a gate bound below -5: the
     kernel's any-decay path matches the oracle. (A bound in [-5, 0) takes its bounded-gate
-    path: the tiny preset's -5 in `test_conv_kernel_in_the_layer`.)"""
+    path: `test_conv_kernel_in_the_layer`, at -5.)"""
     config = dataclasses.replace(
         ModelConfig.preset("tiny"), kda_gate_bound=-8.0, kda_backend="pallas"
     )
@@ -128,8 +128,8 @@ def test_pallas_scan_in_the_layer(rng):
 
 def test_conv_kernel_in_the_layer(rng, monkeypatch):
     """On one GPU the conv, its SiLU and q and k's norms run as the `kda_conv` kernel
-    (interpret mode here); the layer, on the Pallas scan's bounded-gate path (the tiny
-    preset's bound, -5), still matches the oracle, states and snapshots too."""
+    (interpret mode here); the layer, on the Pallas scan's bounded-gate path (bound -5, the
+    tiny preset's), still matches the oracle, states and snapshots too."""
     monkeypatch.setattr(kda_module, "on_one_gpu", lambda: True)
     implementations, real = [], kda_module.kda_conv
 
@@ -138,7 +138,8 @@ def test_conv_kernel_in_the_layer(rng, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(kda_module, "kda_conv", recorded)
-    config = dataclasses.replace(ModelConfig.preset("tiny"), kda_backend="pallas")
+    config = dataclasses.replace(ModelConfig.preset("tiny"), kda_gate_bound=-5.0,
+                                 kda_backend="pallas")
     check_layer_against_oracle(rng, config, cold=False,
                                call=nnx.jit(lambda layer, *inputs: layer(*inputs)))
     assert implementations == ["pallas"]
