@@ -4,10 +4,15 @@ bitwise what row i gives alone?
     python -m bench.batch_invariance                       # kimi-linear-48b's shapes, R 1..64
     python -m bench.batch_invariance --quick               # CPU smoke run: tiny preset
     python -m bench.batch_invariance --ops lm_head,routed_experts --rows 1,4
+    python -m bench.batch_invariance --ops mla_in,kda_in,moe_layer --rows 512,8192 \
+        --reference-rows 4096                              # a prefill's rows, span by span
 
 Why: MTP verification runs N + 1 rows per sequence where plain decoding runs one, and a
 ladder prefill step holds other rows than a coalesced one; greedy outputs stay identical
-only where every op rounds a row the same whatever the rows beside it.
+only where every op rounds a row the same whatever the rows beside it. With
+`--reference-rows N` every row below N of each batch is compared with the batch of rows
+0 .. N - 1 instead (a prompt's first N tokens as a ladder's step against the same tokens
+inside a longer or shorter span), and a part's share of differing rows is reported.
 
 Ops (`bench.batch_invariance_step_ops.OPS`, `--ops` picks some): each built at `--preset`'s
 shapes (the MoE layer at its full expert count; `decode_step` a model cut to
@@ -45,6 +50,7 @@ from bench.common import fill_defaults, positive_sizes, write_json
 from glmjax.config import ModelConfig
 
 RESULTS = Path(__file__).parent / "results"
+DIFFERING_ROWS_KEPT = 16  # a part's first differing rows kept in the JSON
 FULL = dict(preset="kimi-linear-48b", rows="1,2,4,8,16,64", context=4096, block_size=512,
             num_layers=4, num_experts=16, compile_workers=8)
 QUICK = dict(preset="tiny", rows="1,2,4", context=48, block_size=16, num_layers=4,
@@ -95,20 +101,24 @@ def run_op(name: str, shapes: Shapes, args, entry: dict, save) -> None:
     start = time.perf_counter()
     try:
         op = OPS[name](shapes)
-        compiled = compile_programs(op, sorted(set(args.row_counts) | {1}), args.compile_workers)
-        if isinstance(compiled[1], Exception):
-            raise compiled[1]
+        compiled = compile_programs(op, sorted(set(args.row_counts) | {args.reference_rows}),
+                                    args.compile_workers)
+        if isinstance(compiled[args.reference_rows], Exception):
+            raise compiled[args.reference_rows]
     except Exception as error:
         entry["error"] = error_text(error)
         entry["seconds"] = time.perf_counter() - start
         save()
         return
     singles: dict[int, dict] = {}
+    base = args.reference_rows
 
-    def alone(row):  # row `row`'s outputs computed in a batch of its own
-        if row not in singles:
-            singles[row] = jax.device_get(compiled[1](op.params, *op.inputs(np.array([row]))))
-        return singles[row]
+    def reference(row):  # row `row`'s outputs in a batch of its own, or of rows 0..base-1
+        key = 0 if base > 1 else row
+        if key not in singles:
+            indices = np.arange(base) if base > 1 else np.array([row])
+            singles[key] = jax.device_get(compiled[base](op.params, *op.inputs(indices)))
+        return {part: values[row if base > 1 else 0] for part, values in singles[key].items()}
 
     for rows in args.row_counts:
         result = dict(rows=rows, notes=op.notes(rows))
@@ -116,14 +126,17 @@ def run_op(name: str, shapes: Shapes, args, entry: dict, save) -> None:
             if isinstance(compiled[rows], Exception):
                 raise compiled[rows]
             batch = jax.device_get(compiled[rows](op.params, *op.inputs(np.arange(rows))))
-            checked = sorted({r for r in args.check_rows if r < rows} | {rows - 1})
-            result["checked_rows"] = checked
+            checked = (list(range(min(rows, base))) if base > 1 else
+                       sorted({r for r in args.check_rows if r < rows} | {rows - 1}))
+            result["checked_rows"] = checked if base == 1 else f"0..{len(checked) - 1}"
             result["parts"] = {}
             for part, values in batch.items():
-                diffs = {r: difference(np.asarray(values[r]), np.asarray(alone(r)[part][0]))
+                diffs = {r: difference(np.asarray(values[r]), np.asarray(reference(r)[part]))
                          for r in checked}
+                differing = [r for r, d in diffs.items() if not d["equal"]]
                 result["parts"][part] = dict(
-                    differing_rows=[r for r, d in diffs.items() if not d["equal"]],
+                    differing_rows=differing[:DIFFERING_ROWS_KEPT],
+                    differing_row_share=len(differing) / len(diffs),
                     differing_share=max(d["differing"] for d in diffs.values()),
                     max_abs=max(d["max_abs"] for d in diffs.values()),
                     max_rel=max(d["max_rel"] for d in diffs.values()))
@@ -150,7 +163,8 @@ def verdict(entry: dict) -> str:
 
 def print_op(entry: dict, row_counts: list[int]) -> None:
     """The op's table lines: per part, '=' where every checked row is bitwise equal to
-    the row alone, else the largest relative difference; the notes that change with R."""
+    its reference, else the largest relative difference @ the share of checked rows that
+    differ; the notes that change with R."""
     name = entry["op"]
     if entry["error"]:
         print(f"{name:<30} error: {entry['error']}")
@@ -163,7 +177,7 @@ def print_op(entry: dict, row_counts: list[int]) -> None:
             r = by_rows.get(rows, {})
             p = r.get("parts", {}).get(part)
             cells.append("err" if p is None else "=" if not p["differing_rows"]
-                         else f"{p['max_rel']:.1e}")
+                         else f"{p['max_rel']:.0e}@{p['differing_row_share']:.0%}")
         print(f"{name + ' / ' + part:<30}" + "".join(f"{c:>9}" for c in cells))
     for r in entry["results"]:
         if "error" in r:
@@ -184,6 +198,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--rows", help="batch sizes R, comma-separated (1,2,4,8,16,64)")
     add("--check-rows", default="0,1,3",
         help="rows compared with themselves alone where below R (and R - 1 always)")
+    add("--reference-rows", type=int, default=1,
+        help="N > 1: every row below N of each batch against the batch of rows 0..N-1 "
+             "(a prefill's rows in a longer or shorter span) instead of checked rows alone")
     add("--ops", default=",".join(OPS), help=f"ops to run, comma-separated ({','.join(OPS)})")
     add("--context", type=int, help="MLA contexts drawn in [context / 2, context) (4096)")
     add("--block-size", type=int, help="MLA cache block size (512)")
@@ -198,6 +215,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.check_rows = [int(r) for r in args.check_rows.split(",") if r]
     if any(r < 0 for r in args.check_rows):
         parser.error(f"--check-rows {args.check_rows}: rows are >= 0")
+    if args.reference_rows < 1:
+        parser.error(f"--reference-rows {args.reference_rows}: at least 1")
     args.op_names = [name for name in args.ops.split(",") if name]
     unknown = sorted(set(args.op_names) - set(OPS))
     if unknown or not args.op_names:
@@ -219,8 +238,11 @@ def main(argv=None) -> dict:
         payload["summary"] = {e["op"]: verdict(e) for e in payload["ops"]}
         write_json(payload, args.out)
 
-    print(f"{config.name} on {payload['device']}: row i of R rows against row i alone "
-          "('=' bitwise equal at every checked row, else the largest relative difference)")
+    against = (f"the batch of rows 0..{args.reference_rows - 1}" if args.reference_rows > 1
+               else "row i alone")
+    print(f"{config.name} on {payload['device']}: row i of R rows against {against} ('=' "
+          "bitwise equal at every checked row, else the largest relative difference @ the "
+          "share of checked rows that differ)")
     print(f"{'op / part':<30}" + "".join(f"{'R=' + str(r):>9}" for r in args.row_counts))
     for name in args.op_names:
         entry = dict(op=name, doc=(OPS[name].__doc__ or "").split("\n")[0], error=None,

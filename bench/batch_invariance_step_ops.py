@@ -156,6 +156,20 @@ def mla_attention(s: Shapes) -> Op:
     return Op(program, cache.latent, inputs, notes)
 
 
+def mla_in(s: Shapes) -> Op:
+    """`MLA`'s input projections on a prefill's rows: the queries (q_proj, or q_a, its norm
+    and q_b) and the cached latent (kv_a_proj_with_mqa, the latent's norm)."""
+    c, layer = s.config, mla_layer(s.config, s.seed)
+    (k,) = keys(s.seed, "mla_in", 1)
+    x = normal(k, (s.max_rows, c.hidden_size), c.dtype)
+
+    def project(m, x):
+        q_nope, q_pe, _ = m._queries(x)
+        return dict(q_nope=q_nope, q_pe=q_pe, latent=m._latent(x))
+
+    return module_op(layer, project, rows_of(x))
+
+
 def mla_decode_layer(s: Shapes) -> Op:
     """`MLA.decode`: the whole layer, one token per row, its latent written to the cache."""
     c, layer = s.config, mla_layer(s.config, s.seed)
@@ -230,6 +244,7 @@ OPS: dict[str, Callable[[Shapes], Op]] = {
     "kda_layer": kda_decode_layer, "moe_in": moe_in, "router": router,
     "routed_experts": routed_experts, "shared_down": shared_down, "moe_layer": moe_whole,
     "dense_mlp": dense_mlp, "final_norm": final_norm, "gated_norm": gated_norm,
-    "lm_head": lm_head, "mla_attention": mla_attention, "mla_layer": mla_decode_layer,
+    "lm_head": lm_head, "mla_in": mla_in, "mla_attention": mla_attention,
+    "mla_layer": mla_decode_layer,
     "mhc": mhc, "sampler": sampler, "decode_step": decode_whole,
 }  # fmt: skip

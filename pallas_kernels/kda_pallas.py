@@ -12,7 +12,9 @@ segments x heads x value blocks, each segment starting from its entry state as
 
     store S (the chunk's entry state);   Vnew = U - W S;   S <- diag(exp(G_last)) S + Kg^T Vnew
 
-and stores a snapshot whenever a checkpoint offset falls inside the chunk:
+and stores a snapshot whenever a checkpoint offset falls inside the chunk: at the chunk's
+last row the S it carries on with (bit for bit the final state of a span cut there), before
+it
     S_p = diag(exp(G_{p-1})) S_in + (k * exp(G_{p-1} - G) * [j < p])^T Vnew.
 
 Pass 3, `_output_kernel` (grid: chunk slots x heads x value blocks, fully parallel):
@@ -154,12 +156,22 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
             local = offset - i * chunk
             return local, (local >= 1) & (local <= n_valid)
 
+        # The state after the chunk: also every snapshot at the chunk's last row, so that
+        # a span resumed from it continues bit for bit as this pass does (and as a span
+        # cut there ends).
+        new_state = exp(g_last)[:, None] * state + k_v
+
         def snapshot(c, carry):
             """Snapshot c, if its offset falls inside this chunk: the state after the
-            offset's row (loads only then; a loop, so its code exists once)."""
+            offset's row; before the chunk's last row from G at that row (loads only then;
+            a loop, so its code exists once)."""
             local, store = inside(offsets_ref[n, c])
 
-            @pl.when(store)
+            @pl.when(store & (local == n_valid))
+            def _():
+                snap_ref[n, c, h, :, vcols] = new_state
+
+            @pl.when(store & (local < n_valid))
             def _():
                 g_cum = load(gcum_ref, slice(None))
                 k = load(k_ref, slice(None)).astype(jnp.float32)
@@ -176,8 +188,7 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
             def _():
                 lax.fori_loop(0, capacity, snapshot, 0)
 
-        state = exp(g_last)[:, None] * state + k_v
-        return (state, ahead) if prefetch else state
+        return (new_state, ahead) if prefetch else new_state
 
     state = init_ref[index, h, :, vcols]
     if prefetch:

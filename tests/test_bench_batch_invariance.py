@@ -65,11 +65,27 @@ def test_quick_run_writes_json_and_separates_the_ops(tmp_path, monkeypatch):
         assert one["bitwise_equal"], f"{entry['op']} is not deterministic at one row"
         assert four["checked_rows"] == [0, 1, 3]
         for part in four["parts"].values():
-            assert set(part) == {"differing_rows", "differing_share", "max_abs", "max_rel"}
+            assert set(part) == {"differing_rows", "differing_row_share", "differing_share",
+                                 "max_abs", "max_rel"}
             assert part["max_rel"] < 1e-5 or entry["op"] == "mixing"
     mixing = payload["ops"][-1]["results"]
     assert mixing[1]["parts"]["y"]["differing_rows"] == [0, 1]
     assert mixing[1]["parts"]["y"]["max_abs"] > 0
+
+
+def test_reference_rows_compare_every_row_with_a_batch_of_rows(tmp_path, monkeypatch):
+    """`--reference-rows 3`: rows 0..2 of each batch against the batch of rows 0..2 (a
+    prefill's first tokens in spans of other lengths): the MLA's input projections are
+    invariant on the CPU, the op mixing its rows differs at every row it shares."""
+    monkeypatch.setattr(bi, "OPS", dict(OPS, mixing=mixing_op))
+    payload = bi.main(["--quick", "--rows", "2,5", "--reference-rows", "3", "--ops",
+                       "mla_in,mixing", "--out", str(tmp_path / "batch_invariance.json")])
+    assert payload["summary"] == {"mla_in": "invariant", "mixing": "differs"}
+    two, five = payload["ops"][1]["results"]
+    assert (two["checked_rows"], five["checked_rows"]) == ("0..1", "0..2")
+    assert five["parts"]["y"]["differing_rows"] == [0, 1, 2]
+    assert five["parts"]["y"]["differing_row_share"] == 1.0
+    assert set(payload["ops"][0]["results"][1]["parts"]) == {"q_nope", "q_pe", "latent"}
 
 
 def test_unknown_op_is_a_parser_error():

@@ -260,6 +260,31 @@ class KdaKernelCases:
         o, _, _ = self.check_against_recurrence(inputs, 5e-3)
         assert o.dtype == jnp.bfloat16
 
+    def test_resuming_from_a_chunk_end_snapshot_is_bit_exact(self, rng):
+        """A snapshot at a chunk's last row (a sequence's end included) is the state the
+        pass carries on with: a span resumed from it (a prefix hit) gives the cold pass's
+        outputs, snapshots and final state bit for bit, in bf16 (where a snapshot formed
+        apart rounds otherwise). `test_bf16_inputs`' shape: no compile of its own."""
+        offsets = [[100, 128, 192, -1], [64, -1, -1, -1], [31, 1, -1, -1]]
+        cold = make_inputs(rng, [257, 64, 31], head_k=64, head_v=64, dtype=jnp.bfloat16,
+                           offsets=offsets)
+        o, final, snapshots = self.check_against_recurrence(cold, 5e-3)
+        for n in (1, 2):  # offsets at the sequence's end
+            np.testing.assert_array_equal(np.asarray(snapshots[n, 0]), np.asarray(final[n]))
+        # sequence 0 again from its snapshot at 128, alone in a batch of the same shape
+        cut, rows = 128, 257 - 128
+        resumed = {name: jnp.zeros_like(x).at[:rows].set(x[cut:cut + rows])
+                   for name, x in cold.items() if name in ("q", "k", "v", "g", "beta")}
+        o_resumed, final_resumed, snapshots_resumed = self.run_kernel(dict(
+            resumed, cu_seqlens=jnp.asarray([0] + [rows] * PACKED_SEQS, jnp.int32),
+            initial_states=jnp.zeros_like(cold["initial_states"]).at[0].set(snapshots[0, 1]),
+            checkpoint_offsets=jnp.full_like(cold["checkpoint_offsets"], -1).at[0, 0].set(
+                192 - cut)))
+        np.testing.assert_array_equal(np.asarray(o_resumed[:rows]), np.asarray(o[cut:257]))
+        np.testing.assert_array_equal(np.asarray(final_resumed[0]), np.asarray(final[0]))
+        np.testing.assert_array_equal(np.asarray(snapshots_resumed[0, 0]),
+                                      np.asarray(snapshots[0, 2]))
+
     @pytest.mark.parametrize("lens", [[1, 63, 64], [65, 0, 200, 3, 129], [300, 1]])
     def test_bounded_gate_path(self, rng, lens):
         """gate_lower_bound=-5: diagonal blocks on the tensor cores, decays at the bound
