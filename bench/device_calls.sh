@@ -342,13 +342,39 @@ dsa_schedule() {
     --out "$OUT/dsa_schedule_8192.json"
 }
 
+# Issue 18's greedy identity: which prefill products round a row by the span's length, and
+# whether XLA's GEMMs without split-K fix it. First each kimi op's rows below 4096 against
+# the batch of rows 0..4095 (the ladder's first step) at 512 / 2048 / 8192 rows, under
+# INVARIANCE_FLAGS (XLA_FLAGS settings, one run each; on an H100 on 2026-12-07 at the
+# defaults: the router's fp32 logits differ at every length, several small products at
+# 512 and 2048: bench/results/prefill_invariance_kimi_h100_2026-12-07.json); then kimi's
+# ladder against its coalesced span layer by layer under the first setting (4 layers,
+# then 27 at 64 experts: any GPU).
+invariance_prefill() {
+  local flags name
+  for flags in ${INVARIANCE_FLAGS:---xla_gpu_experimental_force_split_k=1 --xla_gpu_enable_triton_gemm=false}; do
+    name=$(echo "$flags" | tr -dc 'a-z_' | cut -c1-40)
+    XLA_FLAGS="$flags" run_logged "invariance_$name" 110 python3 -m bench.batch_invariance \
+      --ops kda_in,kda_o_proj,moe_in,dense_mlp,moe_layer --rows 512,2048,8192 \
+      --reference-rows 4096 --out "$OUT/prefill_invariance_kimi_$name.json"
+  done
+  flags=${INVARIANCE_FLAGS:---xla_gpu_experimental_force_split_k=1}
+  flags=${flags%% *}
+  XLA_FLAGS="$flags" run_logged schedule_kimi_4L 120 python3 -m bench.dsa_schedule \
+    --no-layer-rows --preset kimi-linear-48b --model-layers 4 --model-experts 16 \
+    --lengths 8192 --out "$OUT/schedule_kimi_4L16E_bf16.json"
+  XLA_FLAGS="$flags" run_logged schedule_kimi_27L 240 python3 -m bench.dsa_schedule \
+    --no-layer-rows --preset kimi-linear-48b --model-layers 27 --model-experts 64 \
+    --lengths 8192 --out "$OUT/schedule_kimi_27L64E_bf16.json"
+}
+
 invariance_glm() {
   run_logged batch_invariance_glm 240 python3 -m bench.batch_invariance \
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
 STEPS="setup kda_quick verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_stages kda_times pingpong kda_prep kda_prep_any conv decode_host decode glm_decode
-ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm"
+ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm invariance_prefill"
 
 if [[ $# -eq 0 || $1 == list ]]; then
   echo "steps, in the order docs/STATUS.md gives them: $STEPS"
