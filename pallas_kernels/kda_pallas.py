@@ -187,7 +187,7 @@ def _recurrence_kernel(cu_ref, first_slot_ref, offsets_ref, init_ref, k_ref, kg_
             """Snapshot c, if its offset is the chunk's last row: the state carried on, so
             that a span resumed from it continues bit for bit as this pass does (and as a
             span cut there ends). A loop of its own after the update, so that one state is
-            live at a time (with the update between them: +8 B of spills at most, sm_90
+            live at a time (with the update between them: +12 B of spills at most, sm_90
             and sm_121, where storing the new state in the loop above spilled 272 B more
             in the segment scan)."""
             local, store = inside(offsets_ref[n, c])
