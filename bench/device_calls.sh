@@ -348,8 +348,9 @@ dsa_schedule() {
 # INVARIANCE_FLAGS (XLA_FLAGS settings, one run each; on an H100 on 2026-12-07 at the
 # defaults: the router's fp32 logits differ at every length, several small products at
 # 512 and 2048: bench/results/prefill_invariance_kimi_h100_2026-12-07.json); then kimi's
-# ladder against its coalesced span layer by layer under the first setting (4 layers,
-# then 27 at 64 experts: any GPU).
+# ladder against its coalesced span layer by layer under the first setting with our flash
+# attention (cuDNN's rounds a query by its span: 2026-12-07), 8 layers, then 27 at 64
+# experts (any GPU; on an H100 the 8 layers were bit-identical).
 invariance_prefill() {
   local flags name
   for flags in ${INVARIANCE_FLAGS:---xla_gpu_experimental_force_split_k=1 --xla_gpu_enable_triton_gemm=false}; do
@@ -360,12 +361,12 @@ invariance_prefill() {
   done
   flags=${INVARIANCE_FLAGS:---xla_gpu_experimental_force_split_k=1}
   flags=${flags%% *}
-  XLA_FLAGS="$flags" run_logged schedule_kimi_4L 120 python3 -m bench.dsa_schedule \
-    --no-layer-rows --preset kimi-linear-48b --model-layers 4 --model-experts 16 \
-    --lengths 8192 --out "$OUT/schedule_kimi_4L16E_bf16.json"
+  XLA_FLAGS="$flags" run_logged schedule_kimi_8L 120 python3 -m bench.dsa_schedule \
+    --no-layer-rows --preset kimi-linear-48b --model-layers 8 --model-experts 16 \
+    --mla-attention pallas --lengths 8192 --out "$OUT/schedule_kimi_8L16E_bf16.json"
   XLA_FLAGS="$flags" run_logged schedule_kimi_27L 240 python3 -m bench.dsa_schedule \
     --no-layer-rows --preset kimi-linear-48b --model-layers 27 --model-experts 64 \
-    --lengths 8192 --out "$OUT/schedule_kimi_27L64E_bf16.json"
+    --mla-attention pallas --lengths 8192 --out "$OUT/schedule_kimi_27L64E_bf16.json"
 }
 
 invariance_glm() {

@@ -59,7 +59,7 @@ import numpy as np
 from flax import nnx
 
 from bench.common import fill_defaults, positive_sizes, write_json
-from glmjax.config import ModelConfig
+from glmjax.config import MLA_ATTENTIONS, ModelConfig
 from glmjax.layers.mla import MLA
 from glmjax.layers.mla_cache import read_prefix
 from glmjax.layers.paged_cache import MLACache
@@ -97,7 +97,8 @@ def model_config(args) -> ModelConfig:
                                                                args.model_experts)
     if args.model_dtype == "float32":
         config = dataclasses.replace(config, dtype=jnp.float32, param_dtype=jnp.float32)
-    return dataclasses.replace(config, kv_block_size=args.block_size)
+    return dataclasses.replace(config, kv_block_size=args.block_size,
+                               mla_attention=args.mla_attention)
 
 
 @nnx.jit(static_argnames="select")
@@ -287,6 +288,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--model-dtype", choices=("preset", "float32"), default="preset",
         help="float32: the model rows' weights, activations and caches in fp32 (with "
              "JAX_DEFAULT_MATMUL_PRECISION=highest)")
+    add("--mla-attention", choices=MLA_ATTENTIONS,
+        help="the model rows' MLA prefill attention (default: the device's pick; cuDNN's "
+             "rounds a query by its span on an H100, our flash kernel does not)")
     add("--layer-rows", action=argparse.BooleanOptionalAction, default=True,
         help="the glm5.3-flash DSA layer's rows (off: the model rows alone)")
     add("--seed", type=int, default=0)

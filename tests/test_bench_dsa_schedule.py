@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from bench.dsa_schedule import main
+from bench.dsa_schedule import main, model_config, parse_args
 
 
 @pytest.mark.extended
@@ -48,3 +48,11 @@ def test_no_rows_asked_writes_an_empty_result(tmp_path):
     main(["--quick", "--no-layer-rows", "--model-layers", "0", "--out", str(path)])
     result = json.loads(path.read_text())
     assert result["lengths"] == [] and "model" not in result
+
+
+def test_model_rows_take_the_attention_asked_for():
+    assert model_config(parse_args(["--quick"])).mla_attention is None  # the device's pick
+    config = model_config(parse_args(["--quick", "--mla-attention", "pallas"]))
+    assert config.mla_attention == "pallas"
+    with pytest.raises(SystemExit):
+        parse_args(["--quick", "--mla-attention", "flash"])
