@@ -248,6 +248,11 @@ class KdaKernelCases:
         inputs = make_inputs(rng, [1, 150, 64], padding=7, min_decay=-5.0)
         inputs["g"] = inputs["g"].at[150:].set(-5.0)
         self.check_against_recurrence(inputs, 1e-5, config=config, gate_lower_bound=-5.0)
+
+    @pytest.mark.extended  # on the CPU `make test-extended` (~15 s of CI's cores): the
+    # bounded path in bf16 runs in `test_bounded_gate_path` and the `gpu` cases
+    def test_key_slices_narrower_than_k_bf16(self, rng):
+        config = KernelConfig(block_v=32, prep_block_k=16, inverse_block_k=16)
         inputs = make_inputs(rng, [97, 31], dtype=jnp.bfloat16)
         self.check_against_recurrence(inputs, 5e-3, config=config, gate_lower_bound=-5.0)
 
@@ -388,8 +393,11 @@ class KdaKernelCases:
     # sets it against the loads issued in each chunk, on both scans (the segment scan's
     # side without prefetch is `test_output_fused_into_the_scan`'s: one compile fewer).
     @pytest.mark.parametrize(("segments", "lens", "shape", "bound"), [
-        # W / U formed in the scan: beta v carried too, for each of two value blocks
-        (1, [581, 0, 1, 130], dict(heads=2, head_v=64, min_decay=-0.5), -5.0),
+        # W / U formed in the scan: beta v carried too, for each of two value blocks (on the
+        # CPU in `make test-extended`, ~30 s of CI's cores: every default-config case runs
+        # the prefetch, which the runtime picks on sm_90)
+        pytest.param(1, [581, 0, 1, 130], dict(heads=2, head_v=64, min_decay=-0.5), -5.0,
+                     marks=pytest.mark.extended),
         # the segment scan (W / U read): no beta v; empty segments
         (3, [581, 0, 1, 130], dict(heads=1, head_v=32, min_decay=-0.02), None),
     ], ids=["plain-scan", "segment-scan"])
