@@ -232,6 +232,7 @@ def test_mesh_prefill_equals_one_device(saved_short, saved_mesh):
         assert error <= MESH_TOLERANCE, f"{name}: max relative difference {error:.2e}"
 
 
+@pytest.mark.extended  # ~24 s of CI's cores; resuming on one device: above
 def test_mesh_resumes_from_its_states_like_a_cold_run(model_state, saved_mesh, tmp_path):
     """A longer prompt resumed on the mesh from the mesh's states (the MLA latents put back
     in the mesh's DCP layout): the one-device cold run's logits."""
