@@ -85,3 +85,19 @@ def pin_temporaries(args) -> None:
     """What ``--pin-temporaries`` asks for, before JAX starts (never with ``--quick``)."""
     if args.pin_temporaries and not args.quick:
         xla_options.pin_temporaries()
+
+
+def add_batch_invariant(parser) -> None:
+    """``--batch-invariant``, the server's flag of that name."""
+    parser.add_argument(
+        "--batch-invariant", action="store_true",
+        help="as the server's flag: the model's batch-invariant prefill, and XLA_FLAGS "
+             "without split-K GEMMs before JAX starts (not with --quick, which runs where "
+             "JAX may have started already; no effect on a CPU)")
+
+
+def batch_invariant(args) -> None:
+    """The XLA flag ``--batch-invariant`` asks for, before JAX starts (never with
+    ``--quick``); the model config carries the rest."""
+    if args.batch_invariant and not args.quick:
+        xla_options.batch_invariant_gemms()

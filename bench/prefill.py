@@ -27,7 +27,8 @@ samples of a case are not timed.
 - decode: `--concurrency` requests decoding at `--decode-context` tokens, tokens/s over
   samples of `--decode-steps` steps; ratio coalesced / ladder.
 The two engines' greedy tokens are compared request by request (`greedy` in the JSON);
-`--dtype float32` runs the model in fp32, where the schedules must agree to rounding.
+`--dtype float32` runs the model in fp32, where the schedules must agree to rounding;
+`--batch-invariant` (the server's flag) makes them agree bit for bit on a GPU.
 
 Profile (`--profile`, the default on a GPU without `--quick`): after the cases, one cold
 prompt of `--profile-length` tokens (the budget) per engine, its first step traced with
@@ -65,7 +66,9 @@ from flax import nnx
 
 from bench.buckets import DryRun, log, precompile, step_functions
 from bench.common import (
+    add_batch_invariant,
     add_pin_temporaries,
+    batch_invariant,
     fill_defaults,
     git_commit,
     pin_temporaries,
@@ -111,7 +114,8 @@ def model_config(args) -> ModelConfig:
     if args.dtype == "float32":
         config = dataclasses.replace(config, dtype=jnp.float32, param_dtype=jnp.float32)
     return dataclasses.replace(config, kv_block_size=args.block_size * args.dcp,
-                               scan_layers=args.scan_layers)
+                               scan_layers=args.scan_layers,
+                               batch_invariant=args.batch_invariant)
 
 
 def model_steps(args, config: ModelConfig) -> ModelSteps | None:
@@ -380,6 +384,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--seed", type=int, default=0)
     add("--json", type=Path, help="output (bench/results/prefill_<preset>.json)")
     add_pin_temporaries(parser)
+    add_batch_invariant(parser)
     compile_cache.add_arguments(parser)
     args = parser.parse_args(argv)
     fill_defaults(args, QUICK, FULL)
@@ -391,6 +396,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     pin_temporaries(args)  # as the server runs its steps
+    batch_invariant(args)
     request_cpu_devices(args.tp)  # a mesh on a CPU: before JAX starts its backends
     compile_cache.enable_from_args(args)
     result = run_benchmark(args)

@@ -85,6 +85,13 @@ class ModelConfig:
     moe_backend: MoEBackend | None = None
     # MLA prefill attention implementation (pallas_kernels.attention); None: by device.
     mla_attention: MLAAttention | None = None
+    # Batch-invariant prefill: a sequence's results do not depend on what else its step
+    # holds, so the ladder and a coalesced span (and any packing) give the same bits on a
+    # GPU. MLA attends with our flash kernel over keys packed at multiples of its key
+    # blocks; XLA's GEMMs must run without split-K as well, a process-wide XLA flag
+    # (`glmjax.xla_options.batch_invariant_gemms`, which the server's --batch-invariant
+    # sets). On the CPU the reference ops make no such promise.
+    batch_invariant: bool = False
     # Prefill runs the longest run of whole repeated layer groups (full_attn_interval
     # layers: 3 KDA + 1 MLA) as one `jax.lax.scan` over parameters stacked per group
     # position, so a deep model's prefill compiles one group, not every layer
@@ -113,6 +120,9 @@ class ModelConfig:
         if self.mla_attention not in (None, *MLA_ATTENTIONS):
             raise ValueError(f"mla_attention must be None or one of {MLA_ATTENTIONS}, "
                              f"got {self.mla_attention!r}")
+        if self.batch_invariant and self.mla_attention == "cudnn":
+            raise ValueError("batch_invariant needs mla_attention 'pallas' or None: cuDNN's "
+                             "attention depends on how a sequence's keys are split")
         if self.num_experts_per_token > self.num_experts:
             raise ValueError(f"num_experts_per_token={self.num_experts_per_token} exceeds "
                              f"num_experts={self.num_experts}")

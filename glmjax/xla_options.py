@@ -45,3 +45,26 @@ def pin_temporaries() -> bool:
                            "before that")
     os.environ["XLA_FLAGS"] = f"{flags} {PIN_TEMPORARIES}".strip()
     return True
+
+
+# XLA's GPU GEMMs split the reduction over K when the rows are few, so a row's product
+# depends on how many rows share the call (7-54% of kimi's MoE rows moved a bf16 step
+# between 2048- and 4096-row steps on an H100, `prefill_invariance_kimi_h100_2026-12-07.json`).
+# Without split-K every op of the prefill was batch-invariant there
+# (`prefill_invariance_kimi_splitk1_h100_2026-12-07.json`). Process-wide, as above.
+NO_SPLIT_K = "--xla_gpu_experimental_force_split_k=1"
+
+
+def batch_invariant_gemms() -> None:
+    """Adds `NO_SPLIT_K` to ``XLA_FLAGS`` (kept if there already).
+
+    Raises:
+      RuntimeError: JAX has started a backend without it, so XLA would not read it.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if NO_SPLIT_K in flags.split():
+        return
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("batch_invariant_gemms: JAX has started its backends; XLA_FLAGS "
+                           "is read before that")
+    os.environ["XLA_FLAGS"] = f"{flags} {NO_SPLIT_K}".strip()

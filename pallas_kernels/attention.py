@@ -8,6 +8,12 @@ Contract (the usual variable-length flash layout, causal aligned bottom-right):
   are the sequence's cached prefix (len_k - len_q tokens) followed by the span's own tokens.
 - Query i of sequence n sees keys ``cu_seqlens_k[n]`` up to and including
   ``cu_seqlens_k[n + 1] - len_q + i``: its prefix and itself, nothing of another sequence.
+- With ``seqused_k`` (int32 [N], flash-attn's name for it), sequence n's keys are only the
+  first ``seqused_k[n]`` rows of its region ``cu_seqlens_k[n] : cu_seqlens_k[n + 1]``; the
+  rest of the region is padding no query sees. Regions that start at multiples of
+  `INVARIANT_KEY_ALIGN` make the "pallas" result of every row independent of the other
+  sequences in the batch, bit for bit (its key blocks then fall on the same keys of the
+  sequence whatever precedes it; what the batch-invariant mode of `glmjax.config` uses).
 - Rows of q past ``cu_seqlens_q[N]`` are padding: output zero, LSE -inf; key rows no
   sequence owns are never read into a result.
 - Outputs: o [T, H, Dv] in q's dtype and lse fp32 [T, H], the natural-log log-sum-exp of
@@ -20,8 +26,8 @@ Implementations behind the one signature (`IMPLEMENTATIONS`):
   block's ranges skipped; Pallas Triton, AOT-checked for sm_121 and sm_90.
 - "cudnn": cuDNN flash attention over packed segments (`pallas_kernels.attention_cudnn`),
   sm_90 and later.
-`default_implementation` picks one from the device, the batch's sequence bucket and the
-dtype; `GPU_IMPLEMENTATION` is the switch.
+`default_implementation` picks one from the device, the batch's sequence bucket, the
+dtype and whether results must not depend on the batch; `GPU_IMPLEMENTATION` is the switch.
 """
 
 from __future__ import annotations
@@ -46,15 +52,22 @@ IMPLEMENTATIONS = ("reference", "pallas", "cudnn")
 # there; GB10 has no packed cuDNN path).
 GPU_IMPLEMENTATION = {9: ("cudnn", "pallas")}
 REFERENCE_QUERY_BLOCK = 1024
+# Every flash tiling's block_k divides it (tests/test_attention.py checks the table).
+INVARIANT_KEY_ALIGN = 128
 
 
 def default_implementation(device: jax.Device | None = None, *, num_sequences: int = 1,
-                           dtype=jnp.bfloat16) -> str:
+                           dtype=jnp.bfloat16, batch_invariant: bool = False) -> str:
     """The implementation `prefill_attention` uses on `device` (default: the first one)
-    for a batch of `num_sequences` (the static bucket) in `dtype` (cuDNN: bf16/fp16)."""
+    for a batch of `num_sequences` (the static bucket) in `dtype` (cuDNN: bf16/fp16).
+    `batch_invariant`: a row's result must not depend on the rest of the batch, which on a
+    GPU only our kernel guarantees (cuDNN's differs with the prefix split, the H100's
+    `schedule_kimi_8L16E_bf16_splitk1_h100_2026-12-07.json`)."""
     device = device or jax.devices()[0]
     if device.platform != "gpu":
         return "reference"
+    if batch_invariant:
+        return "pallas"
     major = int(str(device.compute_capability).split(".")[0])
     single, packed = GPU_IMPLEMENTATION.get(major, ("pallas", "pallas"))
     choice = single if num_sequences == 1 else packed
@@ -63,8 +76,17 @@ def default_implementation(device: jax.Device | None = None, *, num_sequences: i
     return choice
 
 
+def key_ends(cu_seqlens_k: jax.Array, seqused_k: jax.Array | None) -> jax.Array:
+    """int32 [N]: the row after each sequence's last key (its region's end without
+    `seqused_k`; never past it)."""
+    if seqused_k is None:
+        return cu_seqlens_k[1:]
+    return jnp.minimum(cu_seqlens_k[:-1] + jnp.maximum(seqused_k, 0), cu_seqlens_k[1:])
+
+
 def key_ranges(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, num_queries: int,
-               num_keys: int) -> tuple[jax.Array, jax.Array]:
+               num_keys: int, seqused_k: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
     """Each query row's visible keys as a half-open row range of k.
 
     Returns int32 [T] start and end (start == end: no key, padding rows among them), clipped
@@ -74,14 +96,15 @@ def key_ranges(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, num_queries: in
     rows = jnp.arange(num_queries, dtype=jnp.int32)
     seq, _ = sequence_rows(cu_seqlens_q, num_queries)
     real = rows < cu_seqlens_q[-1]
-    first, last = cu_seqlens_k[seq], jnp.minimum(cu_seqlens_k[seq + 1], num_keys)
+    ends = key_ends(cu_seqlens_k, seqused_k)
+    first, last = cu_seqlens_k[seq], jnp.minimum(ends[seq], num_keys)
     first = jnp.clip(first, 0, num_keys)
-    end = jnp.clip(cu_seqlens_k[seq + 1] - (cu_seqlens_q[seq + 1] - 1 - rows), first, last)
+    end = jnp.clip(ends[seq] - (cu_seqlens_q[seq + 1] - 1 - rows), first, last)
     start = jnp.where(real, first, 0)
     return start, jnp.where(real & (end > first), end, start)
 
 
-def _check(q, k, v, cu_seqlens_q, cu_seqlens_k):
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None):
     """Static shapes and dtypes (values: `validate_attention_metadata`)."""
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise ValueError(f"q, k, v must be [T, H, D], [S, H, D], [S, H, Dv]; got shapes "
@@ -98,10 +121,14 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k):
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q {list(cu_seqlens_q.shape)} and cu_seqlens_k "
                          f"{list(cu_seqlens_k.shape)} must both be [N + 1]")
+    if seqused_k is not None and (seqused_k.dtype != jnp.int32
+                                  or seqused_k.shape != (cu_seqlens_q.shape[0] - 1,)):
+        raise ValueError(f"seqused_k must be int32 [N = {cu_seqlens_q.shape[0] - 1}], got "
+                         f"{seqused_k.dtype}{list(seqused_k.shape)}")
 
 
 def validate_attention_metadata(cu_seqlens_q, cu_seqlens_k, num_queries: int,
-                                num_keys: int) -> None:
+                                num_keys: int, seqused_k=None) -> None:
     """Host-side check of the metadata's values; ValueError naming the bad sequence."""
     cu_q, cu_k = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
     for name, cu, bound in (("cu_seqlens_q", cu_q, num_queries),
@@ -109,19 +136,28 @@ def validate_attention_metadata(cu_seqlens_q, cu_seqlens_k, num_queries: int,
         if cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] > bound:
             raise ValueError(f"{name}={cu.tolist()} must start at 0, not decrease and end "
                              f"at most at {bound}")
-    short = np.flatnonzero(np.diff(cu_k) < np.diff(cu_q))
+    keys = np.diff(cu_k)
+    if seqused_k is not None:
+        used = np.asarray(seqused_k)
+        wide = np.flatnonzero((used < 0) | (used > keys))
+        if wide.size:
+            n = int(wide[0])
+            raise ValueError(f"seqused_k[{n}]={int(used[n])} is not within sequence {n}'s "
+                             f"region of {int(keys[n])} key rows")
+        keys = used
+    short = np.flatnonzero(keys < np.diff(cu_q))
     if short.size:
         n = int(short[0])
         raise ValueError(f"sequence {n} has {int(cu_q[n + 1] - cu_q[n])} queries but only "
-                         f"{int(cu_k[n + 1] - cu_k[n])} keys (keys = prefix + the queries' own)")
+                         f"{int(keys[n])} keys (keys = prefix + the queries' own)")
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
-def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale: float):
+def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, *, scale: float):
     """jax.numpy `prefill_attention` (fp32 softmax), `REFERENCE_QUERY_BLOCK` queries at a
     time so the [H, block, S] scores stay bounded."""
     num_queries, num_keys = q.shape[0], k.shape[0]
-    start, end = key_ranges(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys)
+    start, end = key_ranges(cu_seqlens_q, cu_seqlens_k, num_queries, num_keys, seqused_k)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
     cols = jnp.arange(num_keys, dtype=jnp.int32)
 
@@ -153,15 +189,16 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale: float):
             lse.reshape(-1, lse.shape[-1])[:num_queries])
 
 
-def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale: float | None = None,
-                      implementation: str | None = None, interpret: bool | None = None,
-                      config=None):
+def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, *,
+                      scale: float | None = None, implementation: str | None = None,
+                      interpret: bool | None = None, config=None):
     """Causal attention of packed spans over their own prefix and themselves.
 
     Args:
       q: [T, H, D]; k: [S, H, D]; v: [S, H, Dv]; one float dtype (bf16 on a GPU; fp32
         selects IEEE fp32 matmuls).
-      cu_seqlens_q, cu_seqlens_k: int32 [N + 1] (see the module docstring).
+      cu_seqlens_q, cu_seqlens_k: int32 [N + 1]; seqused_k: int32 [N] or None (see the
+        module docstring).
       scale: score scale, default D ** -0.5.
       implementation: one of `IMPLEMENTATIONS`; None: `default_implementation` for the
         device, N and the dtype.
@@ -170,7 +207,7 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale: float | Non
     Returns:
       o [T, H, Dv] in q's dtype (zero on rows without keys) and lse fp32 [T, H] (-inf there).
     """
-    _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k)
     implementation = implementation or default_implementation(
         num_sequences=cu_seqlens_q.shape[0] - 1, dtype=q.dtype)
     if implementation not in IMPLEMENTATIONS:
@@ -178,13 +215,14 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale: float | Non
                          f"{implementation!r}")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if implementation == "reference":
-        return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale)
+        return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                   scale=scale)
     if implementation == "cudnn":
-        return attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale)
+        return attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, scale=scale)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     config = config or select_flash_config(head_qk=q.shape[-1], head_v=v.shape[-1],
                                            operand_bytes=q.dtype.itemsize)
-    start, end = key_ranges(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    start, end = key_ranges(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_k)
     return flash_attention_pallas(q, k, v, start, end, scale=scale, config=config,
                                   interpret=bool(interpret))

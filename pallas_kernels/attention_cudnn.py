@@ -84,7 +84,7 @@ def _merge(a, b):
     return out_a * weight_a + out_b * weight_b, lse
 
 
-def attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale: float):
+def attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, *, scale: float):
     """cuDNN `prefill_attention` (bf16 or fp16 operands; arguments as that function)."""
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"cuDNN attention takes bf16 or fp16 operands, got {q.dtype}")
@@ -92,7 +92,10 @@ def attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale: float):
     if head_v < head_qk:
         v = jnp.pad(v, [(0, 0), (0, 0), (0, head_qk - head_v)])
     len_q = jnp.diff(cu_seqlens_q)
-    prefix = jnp.maximum(jnp.diff(cu_seqlens_k) - len_q, 0)
+    used = jnp.diff(cu_seqlens_k)
+    if seqused_k is not None:  # never past the sequence's region
+        used = jnp.clip(seqused_k, 0, used)
+    prefix = jnp.maximum(used - len_q, 0)
     seq, row_in_seq = sequence_rows(cu_seqlens_q, num_queries)
     q_start = cu_seqlens_q[:-1]
     own = _packed_call(q, k, v, q_start, len_q, cu_seqlens_k[:-1] + prefix, len_q, seq,

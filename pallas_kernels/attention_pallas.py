@@ -7,8 +7,9 @@ loaded, so a packed batch costs what its sequences cost and the causal half abov
 diagonal is skipped. Blocks that every row sees whole (the intersection of the ranges) run
 without a mask; the edge blocks before and after them are masked per row.
 
-Online softmax in base 2 (the scale folded with log2 e, one exp2 per score), bf16 operands
-with fp32 accumulation (fp32 inputs: IEEE fp32 matmuls), output divided once at the end.
+Online softmax in base 2 (the scale folded with log2 e into each score's difference from the
+running max, one exp2 per score), bf16 operands with fp32 accumulation (fp32 inputs: IEEE
+fp32 matmuls), output divided once at the end.
 Head dims that are not a power of two (MLA's qk 192 = nope 128 + rope 64) are split into
 power-of-two column pieces whose dot products are summed, because Triton blocks must be
 powers of two.
@@ -137,13 +138,15 @@ def _flash_kernel(schedule_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, 
         s = dot_nt(q[0], load(k_ref, *qk_pieces[0]), precision)
         for q_piece, piece in zip(q[1:], qk_pieces[1:]):
             s = s + dot_nt(q_piece, load(k_ref, *piece), precision)
-        s = s * scale_log2  # [BQ, BK]
-        if masked:
+        if masked:  # [BQ, BK]
             cols = kb * block_k + iota((1, block_k), 1)
             s = jnp.where((cols >= start) & (cols < end), s, -jnp.inf)
+        # Unscaled max, scaled differences: no multiply feeds an add, so no fused
+        # multiply-add rounds differently in the masked and unmasked blocks, and a row's
+        # bits do not depend on which kind its key blocks are (the batch around it).
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.exp2(s - m_new)
-        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2((s - m_new) * scale_log2)
+        alpha = jnp.exp2((m - m_new) * scale_log2)
         total = total * alpha + jnp.sum(p, axis=1, keepdims=True)
         p = p.astype(v_ref.dtype)
         acc = tuple(a * alpha + dot(p, load(v_ref, *piece), precision)
@@ -162,7 +165,8 @@ def _flash_kernel(schedule_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, 
     for a_piece, (off, width) in zip(acc, v_pieces):
         plgpu.store(o_ref.at[rows, h, pl.ds(off, width)], (a_piece * inv).astype(o_ref.dtype),
                     mask=row_ok)
-    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, total, 1))) / LOG2_E, -jnp.inf)
+    lse = jnp.where(seen, (m * scale_log2 + jnp.log2(jnp.where(seen, total, 1))) / LOG2_E,
+                    -jnp.inf)
     plgpu.store(lse_ref.at[rows, pl.ds(h, 1)], lse, mask=row_ok)
 
 

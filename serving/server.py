@@ -236,7 +236,8 @@ def build_engine(args: argparse.Namespace, channel: multiprocess.StepChannel | N
 def build_config(args: argparse.Namespace) -> ModelConfig:
     """The preset, with one KV block per block id (``block_size * dcp`` tokens)."""
     config = ModelConfig.preset(args.preset)
-    return dataclasses.replace(config, kv_block_size=args.block_size * args.dcp)
+    return dataclasses.replace(config, kv_block_size=args.block_size * args.dcp,
+                               batch_invariant=args.batch_invariant)
 
 
 def load_model(args: argparse.Namespace, config: ModelConfig):
@@ -314,6 +315,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.pin_temporaries:
         xla_options.pin_temporaries()
+    if args.batch_invariant:
+        xla_options.batch_invariant_gemms()
     if args.tp > 1:
         request_cpu_devices(args.tp)
     logging.basicConfig(

@@ -11,42 +11,53 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention import (
+    INVARIANT_KEY_ALIGN,
     default_implementation,
     key_ranges,
     prefill_attention,
     validate_attention_metadata,
 )
-from pallas_kernels.attention_pallas import FlashConfig, block_schedule, head_pieces
+from pallas_kernels.attention_pallas import TUNING, FlashConfig, block_schedule, head_pieces
 
 HEAD_SHAPES = {"glm-like": (64, 64), "kimi-like": (48, 32)}  # (qk, v): small MLA shapes
 
 
-def make_inputs(rng, lens, prefixes, *, heads=2, head_qk=64, head_v=64, pad_q=3, pad_k=5,
-                dtype=jnp.float32):
+def make_inputs(rng, lens, prefixes, *, gaps=None, heads=2, head_qk=64, head_v=64, pad_q=3,
+                pad_k=5, dtype=jnp.float32):
     """Packed spans of `lens` queries continuing `prefixes` cached keys; `pad_q` padding
-    query rows and `pad_k` key rows no sequence owns (large values: reading one shows)."""
+    query rows and `pad_k` key rows no sequence owns (large values: reading one shows).
+    `gaps`: unused rows after each sequence's keys, in its region (`seqused_k` given)."""
     lens, prefixes = np.asarray(lens), np.asarray(prefixes)
+    used = lens + prefixes
+    regions = used if gaps is None else used + np.asarray(gaps)
     cu_q = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens + prefixes)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(regions)]).astype(np.int32)
     num_q, num_k = int(cu_q[-1]) + pad_q, int(cu_k[-1]) + pad_k
     q = rng.standard_normal((num_q, heads, head_qk))
     k = rng.standard_normal((num_k, heads, head_qk))
     v = rng.standard_normal((num_k, heads, head_v))
-    k[cu_k[-1]:] *= 100
-    v[cu_k[-1]:] *= 100
-    return dict(q=jnp.asarray(q, dtype), k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype),
-                cu_seqlens_q=jnp.asarray(cu_q), cu_seqlens_k=jnp.asarray(cu_k))
+    unused = np.ones(num_k, bool)
+    for start, n in zip(cu_k[:-1], used):
+        unused[start:start + n] = False
+    k[unused] *= 100
+    v[unused] *= 100
+    inputs = dict(q=jnp.asarray(q, dtype), k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype),
+                  cu_seqlens_q=jnp.asarray(cu_q), cu_seqlens_k=jnp.asarray(cu_k))
+    if gaps is not None:
+        inputs["seqused_k"] = jnp.asarray(used, jnp.int32)
+    return inputs
 
 
 def oracle(inputs, scale):
     """float64 loops: query i of sequence n sees its prefix and its span's rows up to i."""
     q, k, v = (np.asarray(inputs[n], np.float64) for n in ("q", "k", "v"))
     cu_q, cu_k = np.asarray(inputs["cu_seqlens_q"]), np.asarray(inputs["cu_seqlens_k"])
+    used = np.asarray(inputs.get("seqused_k", np.diff(cu_k)))
     out = np.zeros((q.shape[0], q.shape[1], v.shape[-1]))
     lse = np.full(q.shape[:2], -np.inf)
     for n in range(len(cu_q) - 1):
         len_q = cu_q[n + 1] - cu_q[n]
-        prefix = cu_k[n + 1] - cu_k[n] - len_q
+        prefix = used[n] - len_q
         for i in range(len_q):
             keys = slice(cu_k[n], cu_k[n] + prefix + i + 1)
             scores = np.einsum("hd,shd->hs", q[cu_q[n] + i], k[keys]) * scale
@@ -74,7 +85,8 @@ class AttentionCases:
         inputs = make_inputs(rng, lens, prefixes, head_qk=head_qk, head_v=head_v,
                              dtype=self.DTYPE, **kwargs)
         validate_attention_metadata(inputs["cu_seqlens_q"], inputs["cu_seqlens_k"],
-                                    inputs["q"].shape[0], inputs["k"].shape[0])
+                                    inputs["q"].shape[0], inputs["k"].shape[0],
+                                    inputs.get("seqused_k"))
         out, lse = self.run(inputs)
         assert out.dtype == inputs["q"].dtype and lse.dtype == jnp.float32
         expected_out, expected_lse = oracle(inputs, head_qk ** -0.5)
@@ -105,6 +117,9 @@ class AttentionCases:
     def test_one_token_spans(self, rng):
         self.check(rng, [1, 1, 1, 1], [0, 31, 1, 16])
 
+    def test_unused_rows_after_each_sequences_keys(self, rng):
+        self.check(rng, [5, 1, 0, 33], [0, 12, 9, 16], "kimi-like", gaps=[11, 0, 7, 3])
+
     def test_no_padding_rows(self, rng):
         self.check(rng, [16, 32], [16, 0], pad_q=0, pad_k=0)
 
@@ -127,7 +142,28 @@ class TestReference(AttentionCases):
     IMPLEMENTATION = "reference"
 
 
-class TestPallasInterpret(AttentionCases):
+class BatchInvariance:
+    """The kernel's promise (module docstring of pallas_kernels.attention): a sequence
+    whose region starts at a multiple of INVARIANT_KEY_ALIGN gets the same bits alone as
+    after another sequence, sharing query blocks with it."""
+
+    def test_rows_do_not_depend_on_the_rest_of_the_batch(self, rng):
+        alone = make_inputs(rng, [40], [70], gaps=[0], dtype=self.DTYPE, pad_q=0, pad_k=0)
+        other = make_inputs(rng, [23], [50], gaps=[INVARIANT_KEY_ALIGN - 73], dtype=self.DTYPE,
+                            pad_q=0, pad_k=0)
+        packed = {name: jnp.concatenate([other[name], alone[name]])
+                  for name in ("q", "k", "v", "seqused_k")}
+        packed.update(cu_seqlens_q=jnp.array([0, 23, 63], jnp.int32),
+                      cu_seqlens_k=jnp.array([0, INVARIANT_KEY_ALIGN, INVARIANT_KEY_ALIGN + 110],
+                                             jnp.int32))
+        out, lse = self.run(alone)
+        packed_out, packed_lse = self.run(packed)
+        np.testing.assert_array_equal(np.asarray(packed_out[23:], np.float32),
+                                      np.asarray(out, np.float32))
+        np.testing.assert_array_equal(packed_lse[23:], lse)
+
+
+class TestPallasInterpret(AttentionCases, BatchInvariance):
     """Small blocks so the cases cross several query and key blocks."""
 
     IMPLEMENTATION = "pallas"
@@ -135,7 +171,7 @@ class TestPallasInterpret(AttentionCases):
 
 
 @pytest.mark.gpu
-class TestPallasGpu(AttentionCases):
+class TestPallasGpu(AttentionCases, BatchInvariance):
     IMPLEMENTATION = "pallas"
     DTYPE = jnp.bfloat16
     TOLERANCE = 2e-2
@@ -146,8 +182,18 @@ class TestPallasGpu(AttentionCases):
 
 
 @pytest.mark.gpu
-class TestCudnnGpu(TestPallasGpu):
+class TestCudnnGpu(AttentionCases):
     IMPLEMENTATION = "cudnn"
+    DTYPE = jnp.bfloat16
+    TOLERANCE = 2e-2
+
+    test_real_head_dims = TestPallasGpu.test_real_head_dims
+
+
+def test_every_key_block_divides_the_invariant_alignment():
+    for table in TUNING.values():
+        for config in table.values():
+            assert INVARIANT_KEY_ALIGN % config.block_k == 0, config
 
 
 def test_key_ranges_match_the_contract():
@@ -201,13 +247,17 @@ def test_head_pieces():
 
 
 @pytest.mark.parametrize(
-    "cu_q, cu_k, match",
-    [([0, 3, 2], [0, 3, 5], "cu_seqlens_q"), ([0, 3, 5], [0, 2, 9], "sequence 0 has 3"),
-     ([0, 3, 5], [0, 4, 30], "cu_seqlens_k")],
+    "cu_q, cu_k, used, match",
+    [([0, 3, 2], [0, 3, 5], None, "cu_seqlens_q"),
+     ([0, 3, 5], [0, 2, 9], None, "sequence 0 has 3"),
+     ([0, 3, 5], [0, 4, 30], None, "cu_seqlens_k"),
+     ([0, 3, 5], [0, 4, 9], [4, 6], r"seqused_k\[1\]=6"),
+     ([0, 3, 5], [0, 4, 9], [2, 5], "sequence 0 has 3 queries but only 2")],
 )
-def test_metadata_validation_names_the_bad_value(cu_q, cu_k, match):
+def test_metadata_validation_names_the_bad_value(cu_q, cu_k, used, match):
     with pytest.raises(ValueError, match=match):
-        validate_attention_metadata(np.array(cu_q), np.array(cu_k), 8, 20)
+        validate_attention_metadata(np.array(cu_q), np.array(cu_k), 8, 20,
+                                    None if used is None else np.array(used))
 
 
 def test_shape_and_implementation_errors(rng):

@@ -148,6 +148,7 @@ def test_preset_errors_and_frozen():
         ({"dsa_top_k": 64, "q_lora_rank": None}, "q_lora_rank"),
         ({"mhc_streams": 1}, "mhc_streams"),
         ({"hidden_size": 0}, "hidden_size"),
+        ({"batch_invariant": True, "mla_attention": "cudnn"}, "batch_invariant"),
     ],
 )
 def test_invalid_fields_raise(change, message):

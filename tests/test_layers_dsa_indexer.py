@@ -168,18 +168,23 @@ def test_skipping_the_indexer_equals_selecting(rng):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", [
-    "reference", "pallas", pytest.param("pallas", marks=pytest.mark.gpu, id="pallas-gpu")])
-def test_a_ladder_selects_what_one_coalesced_span_selects(rng, implementation):
+@pytest.mark.parametrize("implementation, batch_invariant", [
+    ("reference", False), ("reference", True), ("pallas", False),
+    pytest.param("pallas", True, marks=pytest.mark.gpu, id="pallas-gpu")])
+def test_a_ladder_selects_what_one_coalesced_span_selects(rng, implementation,
+                                                          batch_invariant):
     """Issue 18's greedy bar, in fp32: prompts prefilled as a ladder of shrinking chunks,
     each continuing its cached prefix (visible key range, the prefix's index keys from the
     cache, query positions), attend to the same top_k keys as one coalesced span. The
     indexer drops keys here (the dense output is far away), so a single differing key
     would move an output far beyond fp32 rounding. "pallas": the DSA kernels
-    (`index_scores`, `select_top_k`, `sparse_attention`), interpreted on the CPU."""
+    (`index_scores`, `select_top_k`, `sparse_attention`), interpreted on the CPU.
+    batch_invariant: every sequence's keys packed at multiples of 128 rows, the rows
+    between them nobody's."""
     config = dsa_config(top_k=5)
     layer = make_layer(config, rng)
     layer.dsa_implementation = implementation
+    layer.batch_invariant = batch_invariant
     lens = (31, 22, 13, 0)  # capacity 40 each; an empty row
     seqs = [rng.normal(size=(n, config.hidden_size)) for n in lens]
     table = random_block_table(rng)

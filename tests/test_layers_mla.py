@@ -150,10 +150,13 @@ def test_continuation_and_absorbed_decode(rng, variant):
     decode_case(rng, config, make_layer(config, rng))
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_continuation_through_the_flash_kernel(rng, variant):
-    """The same case with prefill attention in the Pallas kernel (interpret mode here)."""
-    config = make_config(**VARIANTS[variant], mla_attention="pallas")
+@pytest.mark.parametrize("variant, batch_invariant",
+                         [("glm-like", False), ("kimi-like", False), ("kimi-like", True)])
+def test_continuation_through_the_flash_kernel(rng, variant, batch_invariant):
+    """The same case with prefill attention in the Pallas kernel (interpret mode here);
+    batch_invariant: each sequence's keys packed at multiples of 128 rows."""
+    config = make_config(**VARIANTS[variant], mla_attention="pallas",
+                         batch_invariant=batch_invariant)
     continuation_case(rng, config, make_layer(config, rng))
 
 

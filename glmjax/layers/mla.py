@@ -56,7 +56,11 @@ from glmjax.layers.paged_cache import (
 )
 from glmjax.layers.prefill_keys import CachedPrefix, PackedKeys, sequence_keys
 from glmjax.layers.projection import on_one_gpu, projection
-from pallas_kernels.attention import prefill_attention
+from pallas_kernels.attention import (
+    INVARIANT_KEY_ALIGN,
+    default_implementation,
+    prefill_attention,
+)
 from pallas_kernels.head_matmul import head_matmul
 from pallas_kernels.mla_decode import mla_decode, visible_positions
 from pallas_kernels.sparse_attention import sparse_attention
@@ -95,6 +99,9 @@ class MLA(nnx.Module):
         self.indexer = None if config.dsa_top_k is None else DSAIndexer(config, rngs=rngs)
         self.query_block = PREFILL_QUERY_BLOCK
         self.attention = config.mla_attention
+        # Batch-invariant mode: our flash kernel on a GPU, each sequence's keys at a
+        # multiple of its key blocks (`sequence_keys`).
+        self.batch_invariant = config.batch_invariant
         # The DSA ops (`index_scores`, `sparse_attention`): None picks by device.
         self.dsa_implementation = "reference" if self.attention == "reference" else None
 
@@ -141,10 +148,11 @@ class MLA(nnx.Module):
             seq, valid = sequence_ids(cu_seqlens, tokens)
             q_nope, q_pe, q_latent = self._queries(x)
             latent, index_keys = self._latent(x), self._index_keys(x)
-            keys, cu_keys, prefix_used = sequence_keys(prefix, latent, index_keys, cu_seqlens,
-                                                       prefix_lens)
+            align = INVARIANT_KEY_ALIGN if self.batch_invariant else 1
+            keys, cu_keys, seqused, prefix_used = sequence_keys(
+                prefix, latent, index_keys, cu_seqlens, prefix_lens, align=align)
             dense = functools.partial(self._attend_dense, q_nope, q_pe, keys, cu_seqlens,
-                                      cu_keys, plan)
+                                      cu_keys, seqused, plan)
             if self.indexer is None:
                 out = dense()
             else:
@@ -273,7 +281,8 @@ class MLA(nnx.Module):
         kv = kv.reshape(keys.latent.shape[0], self.num_heads, self.nope + self.v_dim)
         return kv[..., :self.nope], keys.latent[:, self.kv_lora:].astype(dtype), kv[..., self.nope:]
 
-    def _attend_dense(self, q_nope, q_pe, keys: PackedKeys, cu_seqlens, cu_keys, plan):
+    def _attend_dense(self, q_nope, q_pe, keys: PackedKeys, cu_seqlens, cu_keys, seqused,
+                      plan):
         """Causal over each sequence's prefix and itself, by `prefill_attention`:
         q [T, H, *] -> [T, H, v]. On a mesh each device attends with its own heads."""
         k_nope, k_pe, v = self._expand(keys, q_nope.dtype)
@@ -281,17 +290,20 @@ class MLA(nnx.Module):
         k = jnp.concatenate(
             [k_nope, jnp.broadcast_to(k_pe[:, None], (*k_pe.shape[:1], self.num_heads,
                                                      self.rope))], axis=-1)
+        implementation = self.attention or default_implementation(
+            num_sequences=cu_seqlens.shape[0] - 1, dtype=q.dtype,
+            batch_invariant=self.batch_invariant)
         attend = functools.partial(prefill_attention, scale=self.scale,
-                                   implementation=self.attention)
+                                   implementation=implementation)
         if plan is not None:
             s = plan.specs
             # check_vma off: a pallas_call does not declare how its outputs vary.
             attend = jax.shard_map(
                 attend, mesh=plan.mesh,
-                in_specs=(s.heads, s.heads, s.heads, s.replicated, s.replicated),
+                in_specs=(s.heads, s.heads, s.heads, *[s.replicated] * 3),
                 out_specs=(s.heads, s.head_scalars), check_vma=False)
         with jax.named_scope("attention"):
-            out, _ = attend(q, k, v, cu_seqlens, cu_keys)
+            out, _ = attend(q, k, v, cu_seqlens, cu_keys, seqused)
         return out
 
     def _dense_or_selected(self, dense, selected, cu_seqlens, prefix_used, *, max_keys: int):
