@@ -111,8 +111,9 @@ def _step(layer, x, length, cache, table, prefix_len, select: bool):
     cu, prefix_lens = jnp.stack([0, length]).astype(jnp.int32), prefix_len[None]
     positions = None
     if select:
-        keys, cu_keys, used = sequence_keys(read_prefix(cache, table, None), layer._latent(x),
-                                            layer.indexer.keys(x), cu, prefix_lens)
+        keys, cu_keys, _, used = sequence_keys(read_prefix(cache, table, None),
+                                               layer._latent(x), layer.indexer.keys(x), cu,
+                                               prefix_lens)
         pos = used[0] + jnp.arange(rows, dtype=jnp.int32)
         valid = jnp.arange(rows) < length
         top = layer.select_keys(layer.indexer.queries(x, layer._queries(x)[2]), keys,

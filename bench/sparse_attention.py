@@ -159,8 +159,8 @@ def run_case(name, tokens, args, save=lambda rows: None):
     @nnx.jit
     def select(layer, x):
         q_latent = layer._queries(x)[2]
-        keys, _, _ = sequence_keys(None, layer._latent(x), layer.indexer.keys(x), cu,
-                                   jnp.zeros((1,), jnp.int32))
+        keys, *_ = sequence_keys(None, layer._latent(x), layer.indexer.keys(x), cu,
+                                 jnp.zeros((1,), jnp.int32))
         pos = jnp.arange(tokens, dtype=jnp.int32)
         return layer.select_keys(layer.indexer.queries(x, q_latent), keys, cu,
                                  jnp.zeros_like(pos), pos, jnp.ones((tokens,), bool))
