@@ -8,8 +8,9 @@ diagonal is skipped. Blocks that every row sees whole (the intersection of the r
 without a mask; the edge blocks before and after them are masked per row.
 
 Online softmax in base 2 (the scale folded with log2 e into each score's difference from the
-running max, one exp2 per score), bf16 operands with fp32 accumulation (fp32 inputs: IEEE
-fp32 matmuls), output divided once at the end.
+running max, one `ex2.approx.ftz` per score: `tiles.exp2_ftz`, weights below 2^-126 are
+zero), bf16 operands with fp32 accumulation (fp32 inputs: IEEE fp32 matmuls), output
+divided once at the end.
 Head dims that are not a power of two (MLA's qk 192 = nope 128 + rope 64) are split into
 power-of-two column pieces whose dot products are summed, because Triton blocks must be
 powers of two.
@@ -27,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.tiles import dot, dot_nt, iota, matmul_precision
+from pallas_kernels.tiles import dot, dot_nt, exp2_ftz, iota, matmul_precision
 from pallas_kernels.tuning import DeviceSpec, device_spec
 
 LOG2_E = math.log2(math.e)
@@ -113,7 +114,7 @@ def block_schedule(start, end, *, block_q: int, block_k: int) -> jax.Array:
 
 def _flash_kernel(schedule_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
                   block_q, block_k, qk_pieces, v_pieces, scale_log2, num_queries, num_keys,
-                  precision):
+                  precision, exp2):
     """One query block x head: online softmax over the key blocks its rows can see."""
     # Last query blocks first: under a causal mask they see the most keys, so the longest
     # programs start early and the short ones fill the tail of the launch.
@@ -145,8 +146,8 @@ def _flash_kernel(schedule_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, 
         # multiply-add rounds differently in the masked and unmasked blocks, and a row's
         # bits do not depend on which kind its key blocks are (the batch around it).
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.exp2((s - m_new) * scale_log2)
-        alpha = jnp.exp2((m - m_new) * scale_log2)
+        p = exp2((s - m_new) * scale_log2)
+        alpha = exp2((m - m_new) * scale_log2)
         total = total * alpha + jnp.sum(p, axis=1, keepdims=True)
         p = p.astype(v_ref.dtype)
         acc = tuple(a * alpha + dot(p, load(v_ref, *piece), precision)
@@ -198,7 +199,8 @@ def flash_attention_pallas(q, k, v, key_start, key_end, *, scale: float, config:
     kernel = functools.partial(
         _flash_kernel, block_q=block_q, block_k=block_k, qk_pieces=head_pieces(head_qk),
         v_pieces=head_pieces(head_v), scale_log2=scale * LOG2_E, num_queries=num_queries,
-        num_keys=num_keys, precision=matmul_precision(q.dtype == jnp.float32))
+        num_keys=num_keys, precision=matmul_precision(q.dtype == jnp.float32),
+        exp2=jnp.exp2 if interpret else exp2_ftz)
     o, lse = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((out_rows, num_heads, head_v), q.dtype),
