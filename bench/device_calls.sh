@@ -374,8 +374,39 @@ invariance_glm() {
     --preset glm5.3-flash --ops mhc,decode_step --out "$OUT/batch_invariance_glm.json"
 }
 
+# Issue 18's greedy identity under --batch-invariant (thirty-fourth session, not yet run on
+# a GPU): first the kernels' own gpu cases (the flash kernel's rows against the batch
+# around them, the DSA ladder, the KDA scan resuming from a chunk-end snapshot), then the
+# attention's speed (its softmax changed: compare bench/results/attention_2026-12-02.json),
+# then the greedy comparison through the engine with and without the switch.
+invariant_gpu() {
+  run_logged pytest_gpu_invariant 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_attention.py tests/test_layers_mla.py tests/test_layers_dsa_indexer.py \
+    tests/test_kda_kernel.py -k "Pallas or Cudnn or ladder or resuming or flash"
+  run_logged attention 200 python3 -m bench.attention --impls pallas,cudnn \
+    --out "$OUT/attention.json"
+}
+
+# kimi whole (H200): 8K cold, the ladder against the span, greedy tokens compared, with the
+# switch; kimi_ttft is the same run without it.
+kimi_invariant() {
+  run_logged prefill_kimi_invariant 540 python3 -m bench.prefill --batch-invariant \
+    --preset kimi-linear-48b --num-layers 27 --num-experts 256 --lengths 8192 --unaligned 0 \
+    --beside-lengths '' --concurrency '' --samples 3 --no-profile \
+    --json "$OUT/prefill_kimi_27L256E_batch_invariant.json"
+}
+
+# glm at full expert count with DSA (H200): the ratio bars' run with the switch (~4 min).
+glm_invariant() {
+  run_logged prefill_glm_invariant 560 python3 -m bench.prefill --batch-invariant \
+    --preset glm5.3-flash --num-layers 6 --num-experts 288 --lengths 8192,16384,32768 \
+    --unaligned 0 --beside-lengths '' --concurrency '' --samples 2 --no-profile \
+    --json "$OUT/prefill_glm5.3-flash_6L288E_batch_invariant.json"
+}
+
 STEPS="setup kda_quick verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_stages kda_times pingpong kda_prep kda_prep_any conv decode_host decode glm_decode
-ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm invariance_prefill"
+ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm invariance_prefill invariant_gpu
+kimi_invariant glm_invariant"
 
 if [[ $# -eq 0 || $1 == list ]]; then
   echo "steps, in the order docs/STATUS.md gives them: $STEPS"
