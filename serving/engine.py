@@ -113,6 +113,11 @@ class Engine(StepDispatch, StepFailures):
             raise ValueError(f"the mesh has dcp={steps.dcp}, the engine dcp={engine_config.dcp}")
         if engine_config.mixed_steps and steps.mixed is None:
             raise ValueError("mixed_steps: these steps have no mixed forward (a mesh has none yet)")
+        if engine_config.mixed_steps and config.batch_invariant:
+            # A decoding row's MLP / MoE products would run among a prefill's rows in a mixed
+            # step and through the decode weight stream otherwise: two roundings.
+            raise ValueError("--batch-invariant cannot run with --mixed-steps: a decoding "
+                             "row would round differently in a mixed step and a decode step")
         sched_config = engine_config.scheduler_config()
         self.config = engine_config
         self.model_config = config

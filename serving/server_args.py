@@ -203,7 +203,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "our flash kernel over keys packed at multiples of its key blocks (not cuDNN's). So "
         "a coalesced prompt and the ladder of chunks give the same greedy tokens. Off by "
         "default: costs little on long prefills (kimi 8 layers, 8K on an H100: 38.5 -> "
-        "38.6 ms), unmeasured on small steps and decode",
+        "38.6 ms), unmeasured on small steps and decode. Not with --mixed-steps",
     )
     compile_cache.add_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="random weights and request seeds")

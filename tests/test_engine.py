@@ -591,3 +591,6 @@ def test_engine_config_is_checked(model_state):
     with pytest.raises(ValueError, match="no mixed forward"):
         Engine(CONFIG, model_state, EngineConfig(**ENGINE, mixed_steps=True),
                steps=single_device_steps(CONFIG)._replace(mixed=None))
+    invariant = dataclasses.replace(CONFIG, batch_invariant=True)
+    with pytest.raises(ValueError, match="--batch-invariant cannot run with --mixed-steps"):
+        Engine(invariant, model_state, EngineConfig(**ENGINE, mixed_steps=True))
