@@ -9,7 +9,6 @@ import jax
 import pytest
 
 from glmjax import xla_options
-from serving import server as server_module
 
 
 def test_batch_invariant_gemms_adds_its_flag_once(monkeypatch):
@@ -40,6 +39,8 @@ def test_the_installed_xla_knows_the_flag():
 
 
 def test_the_server_flag_reaches_the_model_config():
+    from serving import server as server_module  # the server's packages: not on the GPU image
+
     args = server_module.parse_args(["--batch-invariant"])
     assert server_module.build_config(args).batch_invariant
     assert not server_module.build_config(server_module.parse_args([])).batch_invariant
