@@ -58,7 +58,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.common import fill_defaults, positive_sizes, write_json
+from bench.common import (
+    add_batch_invariant,
+    batch_invariant,
+    fill_defaults,
+    positive_sizes,
+    write_json,
+)
 from glmjax.config import MLA_ATTENTIONS, ModelConfig
 from glmjax.layers.mla import MLA
 from glmjax.layers.mla_cache import read_prefix
@@ -75,26 +81,29 @@ FULL = dict(lengths="3072,8192,16384", block_size=512, budget=8192, ulp_fraction
             model_layers=6, model_experts=288)
 
 
-def layer_config(quick: bool, block_size: int) -> ModelConfig:
+def layer_config(quick: bool, block_size: int, batch_invariant: bool = False) -> ModelConfig:
     config = (dataclasses.replace(ModelConfig.preset("tiny"), dsa_top_k=8, dsa_num_heads=4,
                                   dsa_head_dim=32, dtype=jnp.bfloat16,
                                   param_dtype=jnp.bfloat16)
               if quick else ModelConfig.preset("glm5.3-flash"))
-    return dataclasses.replace(config, kv_block_size=block_size)
+    return dataclasses.replace(config, kv_block_size=block_size,
+                               batch_invariant=batch_invariant)
 
 
 def model_config(args) -> ModelConfig:
     """The model of the model rows; quick: the tiny preset as one dense KDA layer and one
     MLA layer with DSA and MoE, bf16, a plain residual (no mHC: half the compile time)."""
     if args.quick:
-        config = dataclasses.replace(layer_config(True, args.block_size),
+        config = dataclasses.replace(layer_config(True, args.block_size, args.batch_invariant),
                                      num_layers=args.model_layers, full_attn_last=True,
                                      num_experts=args.model_experts,
                                      num_experts_per_token=min(2, args.model_experts),
                                      mhc_streams=None)
     else:
-        config = ModelConfig.preset(args.preset).replace_depth(args.model_layers,
-                                                               args.model_experts)
+        config = dataclasses.replace(
+            ModelConfig.preset(args.preset).replace_depth(args.model_layers,
+                                                          args.model_experts),
+            batch_invariant=args.batch_invariant)
     if args.model_dtype == "float32":
         config = dataclasses.replace(config, dtype=jnp.float32, param_dtype=jnp.float32)
     return dataclasses.replace(config, kv_block_size=args.block_size,
@@ -189,7 +198,7 @@ def one_ulp(x, fraction: float, key) -> jax.Array:
 
 
 def run_length(length: int, args) -> dict:
-    config = layer_config(args.quick, args.block_size)
+    config = layer_config(args.quick, args.block_size, args.batch_invariant)
     layer = nnx.jit(lambda: MLA(config, rngs=nnx.Rngs(args.seed)))()
     key = jax.random.key(args.seed)
     x = jax.random.normal(key, (length, config.hidden_size), jnp.float32).astype(jnp.bfloat16)
@@ -292,6 +301,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--mla-attention", choices=MLA_ATTENTIONS,
         help="the model rows' MLA prefill attention (default: the device's pick; cuDNN's "
              "rounds a query by its span on an H100, our flash kernel does not)")
+    add_batch_invariant(parser)
     add("--layer-rows", action=argparse.BooleanOptionalAction, default=True,
         help="the glm5.3-flash DSA layer's rows (off: the model rows alone)")
     add("--seed", type=int, default=0)
@@ -305,6 +315,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    batch_invariant(args)  # before JAX starts
     result = {"device": str(jax.devices()[0]), "host": platform.node(),
               "args": {k: str(v) for k, v in vars(args).items()}, "lengths": []}
     for length in args.lengths if args.layer_rows else ():

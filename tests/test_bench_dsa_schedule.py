@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from bench.dsa_schedule import main, model_config, parse_args
+from bench.dsa_schedule import layer_config, main, model_config, parse_args
 
 
 @pytest.mark.extended
@@ -56,3 +56,10 @@ def test_model_rows_take_the_attention_asked_for():
     assert config.mla_attention == "pallas"
     with pytest.raises(SystemExit):
         parse_args(["--quick", "--mla-attention", "flash"])
+
+
+def test_batch_invariant_reaches_the_model_and_layer_rows():
+    assert not model_config(parse_args(["--quick"])).batch_invariant
+    args = parse_args(["--quick", "--batch-invariant"])
+    assert model_config(args).batch_invariant
+    assert layer_config(args.quick, args.block_size, args.batch_invariant).batch_invariant
