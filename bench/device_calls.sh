@@ -387,6 +387,14 @@ invariant_gpu() {
     --out "$OUT/attention.json"
 }
 
+# glm's ladder against its span layer by layer under the switch (any GPU, ~4 min): DSA's
+# selection and mHC, which the thirty-third session's kimi runs did not have.
+glm_schedule_invariant() {
+  run_logged schedule_glm_invariant 300 python3 -m bench.dsa_schedule --batch-invariant \
+    --no-layer-rows --preset glm5.3-flash --model-layers 6 --model-experts 288 \
+    --lengths 8192 --out "$OUT/schedule_glm_6L288E_batch_invariant.json"
+}
+
 # kimi whole (H200): 8K cold, the ladder against the span, greedy tokens compared, with the
 # switch; kimi_ttft is the same run without it.
 kimi_invariant() {
@@ -406,7 +414,7 @@ glm_invariant() {
 
 STEPS="setup kda_quick verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_stages kda_times pingpong kda_prep kda_prep_any conv decode_host decode glm_decode
 ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm invariance_prefill invariant_gpu
-kimi_invariant glm_invariant"
+glm_schedule_invariant kimi_invariant glm_invariant"
 
 if [[ $# -eq 0 || $1 == list ]]; then
   echo "steps, in the order docs/STATUS.md gives them: $STEPS"
