@@ -55,7 +55,9 @@ from flax import nnx
 
 from bench.buckets import DryRun, log, precompile, step_functions
 from bench.common import (
+    add_batch_invariant,
     add_pin_temporaries,
+    batch_invariant,
     fill_defaults,
     git_commit,
     pin_temporaries,
@@ -371,6 +373,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--seed", type=int, default=0)
     add("--json", type=Path, help="output (bench/results/decode_<preset>.json)")
     add_pin_temporaries(parser)
+    add_batch_invariant(parser)
     compile_cache.add_arguments(parser)
     args = parser.parse_args(argv)
     fill_defaults(args, QUICK, FULL)
@@ -387,6 +390,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     pin_temporaries(args)  # as the server runs its steps
+    batch_invariant(args)
     compile_cache.enable_from_args(args)
     result = run_benchmark(args)
     print_table(result)
