@@ -1,8 +1,10 @@
-"""The KDA prefill's Pallas kernels as the device compiles them, counted without a GPU.
+"""The KDA prefill's (or the MLA flash attention's) Pallas kernels as the device compiles
+them, counted without a GPU.
 
     make deviceless-plugin        # once: the CUDA PJRT plugin's wheels into .cuda-plugin
     JAX_PLATFORMS=cpu PYTHONPATH=.cuda-plugin:. .venv/bin/python -m bench.xla_kernels \\
         --tokens 8192 --heads 32
+    ... -m bench.xla_kernels --op attention --tokens 8192   # both presets' MLA heads
 
 On the device, XLA compiles a Pallas kernel's Triton IR with the Triton inside jaxlib, not
 the pip `triton` that `pallas_kernels.aot` compiles with, and the two make different code
@@ -15,6 +17,9 @@ instructions, and the instructions of each loop body (one iteration), by opcode 
 on PATH or under /usr/local/cuda*/bin) and `cuobjdump` (pip Triton's). `--set
 prep_num_warps=1 --set prep_block_k=16` compiles another tiling than the runtime's pick
 (any `KernelConfig` field); `--keep DIR` leaves each kernel's PTX and SASS there to read.
+`--op attention` compiles `prefill_attention`'s flash kernel instead, one causal span of
+`--tokens` at kimi-linear-48b's and glm5.3-flash's MLA head shapes (`bench.attention`'s
+`PRESETS`; the reports are named by preset).
 """
 
 from __future__ import annotations
@@ -90,16 +95,37 @@ def kernel_report(ptx_path: str, name: str, ptxas: str, mix: bool,
     return report
 
 
-def compile_and_dump(args, dump: str) -> None:
+DUMP_OPTIONS = {"xla_dump_to": None, "xla_gpu_dump_llvmir": True, "xla_dump_emitter_re": ".*"}
+
+
+def h200_spec():
+    """ShapeDtypeStruct maker on a compile-only H200 (`bench.launches`)."""
     from bench.launches import as_gpu, h200_device
     device = h200_device()
     as_gpu(device)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return device, lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def compile_attention_and_dump(args, dump: str, preset: str) -> None:
+    from bench.attention import PRESETS
+    from pallas_kernels.attention import prefill_attention
+
+    _, spec = h200_spec()
+    heads, qk, v = PRESETS[preset]
+    t = args.tokens
+    inputs = (spec((t, heads, qk), jnp.bfloat16), spec((t, heads, qk), jnp.bfloat16),
+              spec((t, heads, v), jnp.bfloat16), spec((2,), jnp.int32), spec((2,), jnp.int32))
+    jax.jit(lambda *x: prefill_attention(*x, implementation="pallas")).trace(
+        *inputs).lower().compile(DUMP_OPTIONS | {"xla_dump_to": dump})
+
+
+def compile_and_dump(args, dump: str) -> None:
+    device, spec = h200_spec()
     from pallas_kernels import kda_prefill
     from pallas_kernels.tuning import device_spec, select_config
 
-    sharding = jax.sharding.SingleDeviceSharding(device)
     t, h, d = args.tokens, args.heads, args.head_dim
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
     inputs = dict(q=spec((t, h, d), jnp.bfloat16), k=spec((t, h, d), jnp.bfloat16),
                   v=spec((t, h, d), jnp.bfloat16), g=spec((t, h, d), jnp.float32),
                   beta=spec((t, h), jnp.bfloat16), cu_seqlens=spec((2,), jnp.int32),
@@ -112,12 +138,23 @@ def compile_and_dump(args, dump: str) -> None:
     # Dump options of this compile alone (XLA_FLAGS are read once a process). The emitter
     # files (XLA's Triton passes) are what make it write the PTX.
     jax.jit(lambda x: kda_prefill(**x, gate_lower_bound=bound, config=config)
-            ).trace(inputs).lower().compile(
-        {"xla_dump_to": dump, "xla_gpu_dump_llvmir": True, "xla_dump_emitter_re": ".*"})
+            ).trace(inputs).lower().compile(DUMP_OPTIONS | {"xla_dump_to": dump})
+
+
+def dumped_kernels(dump: str, prefix: str, ptxas: str, args, label=lambda name: name) -> dict:
+    """`kernel_report` of every dumped kernel whose name starts with `prefix`."""
+    reports = {}
+    for path in sorted(glob.glob(f"{dump}/*.ptx")):
+        entry = re.search(r"\.entry (\w+)\(", Path(path).read_text())
+        if entry and entry.group(1).startswith(prefix):
+            name = label(entry.group(1))
+            reports[name] = kernel_report(path, name, ptxas, args.mix, args.keep)
+    return reports
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--op", choices=("kda", "attention"), default="kda")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -130,14 +167,18 @@ def main(argv=None):
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     ptxas = find_ptxas(args.ptxas)
-    with tempfile.TemporaryDirectory() as dump:
-        compile_and_dump(args, dump)
-        reports = {}
-        for path in sorted(glob.glob(f"{dump}/*.ptx")):
-            entry = re.search(r"\.entry (\w+)\(", Path(path).read_text())
-            if entry and entry.group(1).startswith("kda_"):
-                reports[entry.group(1)] = kernel_report(path, entry.group(1), ptxas, args.mix,
-                                                        args.keep)
+    reports = {}
+    if args.op == "kda":
+        with tempfile.TemporaryDirectory() as dump:
+            compile_and_dump(args, dump)
+            reports = dumped_kernels(dump, "kda_", ptxas, args)
+    else:
+        from bench.attention import PRESETS
+        for preset in PRESETS:
+            with tempfile.TemporaryDirectory() as dump:
+                compile_attention_and_dump(args, dump, preset)
+                reports |= dumped_kernels(dump, "flash_attention", ptxas, args,
+                                          label=lambda name, p=preset: f"{name}_{p}")
     for name, r in reports.items():
         print(f"{name:28} {r['registers']:4} registers {r['spill_bytes']:5} B spilled "
               f"{r['sass']:6} SASS  loop bodies {r['loops']}")

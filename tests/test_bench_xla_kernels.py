@@ -28,12 +28,25 @@ def test_loop_bodies_are_the_backward_branches():
     assert loop_bodies(SASS) == [["FADD", "FMUL", "MUFU", "BRA"], ["HMMA", "BRA"]]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins") is None
-                    or not (shutil.which("ptxas") or glob.glob("/usr/local/cuda*/bin/ptxas")),
-                    reason="needs the CUDA plugin (make deviceless-plugin) and a ptxas")
+NEEDS_PLUGIN = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins") is None
+    or not (shutil.which("ptxas") or glob.glob("/usr/local/cuda*/bin/ptxas")),
+    reason="needs the CUDA plugin (make deviceless-plugin) and a ptxas")
+
+
+@NEEDS_PLUGIN
 def test_counts_the_prefill_kernels(tmp_path):
     main(["--tokens", "256", "--heads", "2", "--out", str(tmp_path / "k.json")])
     kernels = json.loads((tmp_path / "k.json").read_text())["kernels"]
     assert {"kda_chunk_inverse", "kda_chunk_prep"} <= set(kernels)
     for report in kernels.values():
         assert 0 < report["registers"] <= 255 and report["sass"] > max(report["loops"], default=0)
+
+
+@NEEDS_PLUGIN
+def test_counts_the_flash_attention_kernel_at_both_presets(tmp_path):
+    main(["--op", "attention", "--tokens", "256", "--out", str(tmp_path / "a.json")])
+    kernels = json.loads((tmp_path / "a.json").read_text())["kernels"]
+    assert set(kernels) == {"flash_attention_kimi", "flash_attention_glm"}
+    for report in kernels.values():
+        assert 0 < report["registers"] <= 255 and len(report["loops"]) == 3
