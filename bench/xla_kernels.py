@@ -5,6 +5,7 @@ them, counted without a GPU.
     JAX_PLATFORMS=cpu PYTHONPATH=.cuda-plugin:. .venv/bin/python -m bench.xla_kernels \\
         --tokens 8192 --heads 32
     ... -m bench.xla_kernels --op attention --tokens 8192   # both presets' MLA heads
+    ... -m bench.xla_kernels --op sparse --tokens 1024      # glm's DSA sparse attention
 
 On the device, XLA compiles a Pallas kernel's Triton IR with the Triton inside jaxlib, not
 the pip `triton` that `pallas_kernels.aot` compiles with, and the two make different code
@@ -19,7 +20,9 @@ prep_num_warps=1 --set prep_block_k=16` compiles another tiling than the runtime
 (any `KernelConfig` field); `--keep DIR` leaves each kernel's PTX and SASS there to read.
 `--op attention` compiles `prefill_attention`'s flash kernel instead, one causal span of
 `--tokens` at kimi-linear-48b's and glm5.3-flash's MLA head shapes (`bench.attention`'s
-`PRESETS`; the reports are named by preset).
+`PRESETS`; the reports are named by preset); `--op sparse` the DSA sparse attention at
+glm5.3-flash's shape (`pallas_kernels.aot.SPARSE_SHAPES`), `--tokens` queries over 32K
+latents.
 """
 
 from __future__ import annotations
@@ -120,6 +123,20 @@ def compile_attention_and_dump(args, dump: str, preset: str) -> None:
         *inputs).lower().compile(DUMP_OPTIONS | {"xla_dump_to": dump})
 
 
+def compile_sparse_and_dump(args, dump: str) -> None:
+    from pallas_kernels.aot import SPARSE_SHAPES
+    from pallas_kernels.sparse_attention import sparse_attention
+
+    _, spec = h200_spec()
+    (heads, kv_lora, rope, top_k), = SPARSE_SHAPES
+    t, width = args.tokens, kv_lora + rope
+    inputs = (spec((t, heads, width), jnp.bfloat16), spec((32768, width), jnp.bfloat16),
+              spec((t, top_k), jnp.int32))
+    jax.jit(lambda *x: sparse_attention(*x, kv_lora=kv_lora, scale=width ** -0.5,
+                                        implementation="pallas")).trace(
+        *inputs).lower().compile(DUMP_OPTIONS | {"xla_dump_to": dump})
+
+
 def compile_and_dump(args, dump: str) -> None:
     device, spec = h200_spec()
     from pallas_kernels import kda_prefill
@@ -154,7 +171,7 @@ def dumped_kernels(dump: str, prefix: str, ptxas: str, args, label=lambda name: 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--op", choices=("kda", "attention"), default="kda")
+    parser.add_argument("--op", choices=("kda", "attention", "sparse"), default="kda")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -172,6 +189,10 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as dump:
             compile_and_dump(args, dump)
             reports = dumped_kernels(dump, "kda_", ptxas, args)
+    elif args.op == "sparse":
+        with tempfile.TemporaryDirectory() as dump:
+            compile_sparse_and_dump(args, dump)
+            reports = dumped_kernels(dump, "sparse_attention", ptxas, args)
     else:
         from bench.attention import PRESETS
         for preset in PRESETS:

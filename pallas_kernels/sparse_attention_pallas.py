@@ -9,7 +9,8 @@ row's last valid index are visited; invalid entries inside them are masked.
 
 Latent widths that are not a power of two (kimi's 512 + 64) are split into power-of-two
 column pieces whose dot products are summed; the value pieces are the c_kv pieces of the
-same loaded rows.
+same loaded rows. Exponentials by one `ex2.approx.ftz` each (`tiles.exp2_ftz`; weights
+below 2^-126 are zero), as in the flash kernel.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention_pallas import LOG2_E, NEG_INIT, head_pieces
-from pallas_kernels.tiles import dot, dot_nt, matmul_precision
+from pallas_kernels.tiles import dot, dot_nt, exp2_ftz, matmul_precision
 from pallas_kernels.tuning import DeviceSpec, device_spec
 
 
@@ -72,7 +73,7 @@ def latent_pieces(kv_lora: int, rope: int) -> tuple[tuple[int, int], ...]:
 
 
 def _sparse_kernel(blocks_ref, idx_ref, q_ref, latent_ref, o_ref, lse_ref, *, block_h,
-                   block_k, pieces, num_v_pieces, scale_log2, num_keys, precision):
+                   block_k, pieces, num_v_pieces, scale_log2, num_keys, precision, exp2):
     """One query x head block: online softmax over its selected latent rows."""
     t, heads = pl.program_id(0), pl.ds(pl.program_id(1) * block_h, block_h)
     q = [q_ref[t, heads, pl.ds(off, width)] for off, width in pieces]  # [BH, w] each
@@ -88,8 +89,8 @@ def _sparse_kernel(blocks_ref, idx_ref, q_ref, latent_ref, o_ref, lse_ref, *, bl
             s = s + dot_nt(q_piece, kv_piece, precision)
         s = jnp.where(ok[None, :], s * scale_log2, -jnp.inf)  # [BH, BK]
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.exp2(s - m_new)
-        alpha = jnp.exp2(m - m_new)
+        p = exp2(s - m_new)
+        alpha = exp2(m - m_new)
         total = total * alpha + jnp.sum(p, axis=1, keepdims=True)
         p = p.astype(kv[0].dtype)
         acc = tuple(a * alpha + dot(p, v, precision) for a, v in zip(acc, kv[:num_v_pieces]))
@@ -128,7 +129,8 @@ def sparse_attention_pallas(q, latent, indices, *, kv_lora: int, scale: float,
     kernel = functools.partial(
         _sparse_kernel, block_h=block_h, block_k=block_k, pieces=pieces,
         num_v_pieces=len(head_pieces(kv_lora)), scale_log2=scale * LOG2_E, num_keys=num_keys,
-        precision=matmul_precision(q.dtype == jnp.float32))
+        precision=matmul_precision(q.dtype == jnp.float32),
+        exp2=jnp.exp2 if interpret else exp2_ftz)
     o, lse = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((num_queries, padded_h, kv_lora), q.dtype),

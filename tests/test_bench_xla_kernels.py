@@ -50,3 +50,11 @@ def test_counts_the_flash_attention_kernel_at_both_presets(tmp_path):
     assert set(kernels) == {"flash_attention_kimi", "flash_attention_glm"}
     for report in kernels.values():
         assert 0 < report["registers"] <= 255 and len(report["loops"]) == 3
+
+
+@NEEDS_PLUGIN
+def test_counts_the_sparse_attention_kernel(tmp_path):
+    main(["--op", "sparse", "--tokens", "16", "--out", str(tmp_path / "s.json")])
+    kernels = json.loads((tmp_path / "s.json").read_text())["kernels"]
+    assert set(kernels) == {"sparse_attention"}
+    assert len(kernels["sparse_attention"]["loops"]) == 1
