@@ -387,6 +387,13 @@ invariant_gpu() {
     --out "$OUT/attention.json"
 }
 
+# Issue 18's DSA bar at 32K (H200; 0.92x of the cuDNN dense layer at 2026-12-02b against
+# 0.6x): the layer rows after the sparse kernel's exp2 change (thirty-fourth session).
+dsa_32k() {
+  run_logged sparse_attention_32K 400 python3 -m bench.sparse_attention --cases 32K \
+    --iters 5 --samples 3 --out "$OUT/sparse_attention_32K.json"
+}
+
 # glm's ladder against its span layer by layer under the switch (any GPU, ~4 min): DSA's
 # selection and mHC, which the thirty-third session's kimi runs did not have.
 glm_schedule_invariant() {
@@ -414,7 +421,7 @@ glm_invariant() {
 
 STEPS="setup kda_quick verify verify_decode kda_8k kimi_ttft kimi_step decode_b1 decode_b1_pinned decode_b1_ab engine_host kda_full kda_ab kda_stages kda_times pingpong kda_prep kda_prep_any conv decode_host decode glm_decode
 ncu_kda kimi_schedule kimi_fp32 dsa_schedule invariance_glm invariance_prefill invariant_gpu
-glm_schedule_invariant kimi_invariant glm_invariant"
+glm_schedule_invariant kimi_invariant glm_invariant dsa_32k"
 
 if [[ $# -eq 0 || $1 == list ]]; then
   echo "steps, in the order docs/STATUS.md gives them: $STEPS"
