@@ -41,7 +41,7 @@ from jax import lax
 
 from pallas_kernels.attention_cudnn import attention_cudnn
 from pallas_kernels.attention_pallas import flash_attention_pallas, select_flash_config
-from pallas_kernels.packing import sequence_rows
+from pallas_kernels.packing import key_ends, sequence_rows
 
 IMPLEMENTATIONS = ("reference", "pallas", "cudnn")
 # By compute capability major: (one sequence, a packed batch). On the H200 (sm_90,
@@ -74,14 +74,6 @@ def default_implementation(device: jax.Device | None = None, *, num_sequences: i
     if choice == "cudnn" and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return "pallas"
     return choice
-
-
-def key_ends(cu_seqlens_k: jax.Array, seqused_k: jax.Array | None) -> jax.Array:
-    """int32 [N]: the row after each sequence's last key (its region's end without
-    `seqused_k`; never past it)."""
-    if seqused_k is None:
-        return cu_seqlens_k[1:]
-    return jnp.minimum(cu_seqlens_k[:-1] + jnp.maximum(seqused_k, 0), cu_seqlens_k[1:])
 
 
 def key_ranges(cu_seqlens_q: jax.Array, cu_seqlens_k: jax.Array, num_queries: int,

@@ -30,7 +30,7 @@ from jax import lax
 from jax._src.cudnn.fused_attention_stablehlo import MaskType
 from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_sdpa
 
-from pallas_kernels.packing import sequence_rows
+from pallas_kernels.packing import key_ends, sequence_rows
 
 
 def _segments(offsets, lengths):
@@ -92,10 +92,7 @@ def attention_cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, *, scal
     if head_v < head_qk:
         v = jnp.pad(v, [(0, 0), (0, 0), (0, head_qk - head_v)])
     len_q = jnp.diff(cu_seqlens_q)
-    used = jnp.diff(cu_seqlens_k)
-    if seqused_k is not None:  # never past the sequence's region
-        used = jnp.clip(seqused_k, 0, used)
-    prefix = jnp.maximum(used - len_q, 0)
+    prefix = jnp.maximum(key_ends(cu_seqlens_k, seqused_k) - cu_seqlens_k[:-1] - len_q, 0)
     seq, row_in_seq = sequence_rows(cu_seqlens_q, num_queries)
     q_start = cu_seqlens_q[:-1]
     own = _packed_call(q, k, v, q_start, len_q, cu_seqlens_k[:-1] + prefix, len_q, seq,

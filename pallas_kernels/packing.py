@@ -15,3 +15,11 @@ def sequence_rows(cu_seqlens: jax.Array, num_rows: int) -> tuple[jax.Array, jax.
     seq = jnp.searchsorted(cu_seqlens, rows, side="right").astype(jnp.int32) - 1
     seq = jnp.clip(seq, 0, cu_seqlens.shape[0] - 2)
     return seq, rows - cu_seqlens[seq]
+
+
+def key_ends(cu_seqlens_k: jax.Array, seqused_k: jax.Array | None) -> jax.Array:
+    """int32 [N]: the row after each sequence's last key (its region's end without
+    `seqused_k`, the first seqused_k[n] rows of region n with it; never past the region)."""
+    if seqused_k is None:
+        return cu_seqlens_k[1:]
+    return jnp.minimum(cu_seqlens_k[:-1] + jnp.maximum(seqused_k, 0), cu_seqlens_k[1:])

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from glmjax.layers.packing import sequence_ids
+from pallas_kernels.packing import sequence_rows
 
 
 class CachedPrefix(NamedTuple):
@@ -64,9 +65,8 @@ def sequence_keys(prefix: CachedPrefix | None, latent, index_keys, cu_seqlens, p
     region = -(-seqused // align) * align
     cu_keys = jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                jnp.cumsum(region).astype(jnp.int32)])
-    seq, _ = sequence_ids(cu_keys, num_seqs * (capacity + align - 1) + tokens)
-    pos = jnp.arange(seq.shape[0], dtype=jnp.int32) - cu_keys[seq]
-    valid = (pos >= 0) & (pos < seqused[seq])
+    seq, pos = sequence_rows(cu_keys, num_seqs * (capacity + align - 1) + tokens)
+    valid = pos < seqused[seq]
     # Row of concat(prefix rows [N * C], new rows [T]) that holds each key.
     source = jnp.where(pos < used[seq], seq * capacity + pos,
                        num_seqs * capacity + cu_seqlens[seq] + pos - used[seq])
