@@ -98,7 +98,12 @@ def kernel_report(ptx_path: str, name: str, ptxas: str, mix: bool,
     return report
 
 
-DUMP_OPTIONS = {"xla_dump_to": None, "xla_gpu_dump_llvmir": True, "xla_dump_emitter_re": ".*"}
+def compile_dumping(fn, inputs: tuple, dump: str) -> None:
+    """jit(fn) compiled for `inputs` with XLA's dump into `dump`. Dump options of this
+    compile alone (XLA_FLAGS are read once a process); the emitter files (XLA's Triton
+    passes) are what make it write the PTX."""
+    jax.jit(fn).trace(*inputs).lower().compile(
+        {"xla_dump_to": dump, "xla_gpu_dump_llvmir": True, "xla_dump_emitter_re": ".*"})
 
 
 def h200_spec():
@@ -119,8 +124,7 @@ def compile_attention_and_dump(args, dump: str, preset: str) -> None:
     t = args.tokens
     inputs = (spec((t, heads, qk), jnp.bfloat16), spec((t, heads, qk), jnp.bfloat16),
               spec((t, heads, v), jnp.bfloat16), spec((2,), jnp.int32), spec((2,), jnp.int32))
-    jax.jit(lambda *x: prefill_attention(*x, implementation="pallas")).trace(
-        *inputs).lower().compile(DUMP_OPTIONS | {"xla_dump_to": dump})
+    compile_dumping(lambda *x: prefill_attention(*x, implementation="pallas"), inputs, dump)
 
 
 def compile_sparse_and_dump(args, dump: str) -> None:
@@ -132,9 +136,8 @@ def compile_sparse_and_dump(args, dump: str) -> None:
     t, width = args.tokens, kv_lora + rope
     inputs = (spec((t, heads, width), jnp.bfloat16), spec((32768, width), jnp.bfloat16),
               spec((t, top_k), jnp.int32))
-    jax.jit(lambda *x: sparse_attention(*x, kv_lora=kv_lora, scale=width ** -0.5,
-                                        implementation="pallas")).trace(
-        *inputs).lower().compile(DUMP_OPTIONS | {"xla_dump_to": dump})
+    compile_dumping(lambda *x: sparse_attention(*x, kv_lora=kv_lora, scale=width ** -0.5,
+                                                implementation="pallas"), inputs, dump)
 
 
 def compile_and_dump(args, dump: str) -> None:
@@ -152,10 +155,8 @@ def compile_and_dump(args, dump: str) -> None:
     config = None if not args.set else dataclasses.replace(  # None: the runtime's pick
         select_config(device_spec(device), num_seqs=1, num_heads=h, head_k=d, head_v=d,
                       num_tokens=t), **config_overrides(args.set))
-    # Dump options of this compile alone (XLA_FLAGS are read once a process). The emitter
-    # files (XLA's Triton passes) are what make it write the PTX.
-    jax.jit(lambda x: kda_prefill(**x, gate_lower_bound=bound, config=config)
-            ).trace(inputs).lower().compile(DUMP_OPTIONS | {"xla_dump_to": dump})
+    compile_dumping(lambda x: kda_prefill(**x, gate_lower_bound=bound, config=config),
+                    (inputs,), dump)
 
 
 def dumped_kernels(dump: str, prefix: str, ptxas: str, args, label=lambda name: name) -> dict:

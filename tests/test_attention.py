@@ -170,9 +170,9 @@ class TestPallasInterpret(AttentionCases, BatchInvariance):
     CONFIG = FlashConfig(block_q=16, block_k=16)
 
 
-@pytest.mark.gpu
-class TestPallasGpu(AttentionCases, BatchInvariance):
-    IMPLEMENTATION = "pallas"
+class GpuCases(AttentionCases):
+    """The shared cases in bf16 on a GPU, plus the presets' head dims."""
+
     DTYPE = jnp.bfloat16
     TOLERANCE = 2e-2
 
@@ -182,12 +182,13 @@ class TestPallasGpu(AttentionCases, BatchInvariance):
 
 
 @pytest.mark.gpu
-class TestCudnnGpu(AttentionCases):
-    IMPLEMENTATION = "cudnn"
-    DTYPE = jnp.bfloat16
-    TOLERANCE = 2e-2
+class TestPallasGpu(GpuCases, BatchInvariance):
+    IMPLEMENTATION = "pallas"
 
-    test_real_head_dims = TestPallasGpu.test_real_head_dims
+
+@pytest.mark.gpu
+class TestCudnnGpu(GpuCases):
+    IMPLEMENTATION = "cudnn"
 
 
 def test_every_key_block_divides_the_invariant_alignment():
